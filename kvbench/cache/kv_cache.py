@@ -1,0 +1,95 @@
+"""A transformers `Cache` whose layers can drop entries for real and say what they hold.
+
+Each `KVLayer` stores keys/values as `[B, H, T, D]` plus the original position of every entry, `[B, H, T]`.
+`keep(idx)` gathers the surviving entries into new tensors; the old ones are released, so the bytes reported by
+`nbytes()` are the bytes actually held. `H` is the model's KV heads, or its query heads when a method selects per
+query head (the paper-era `query_head` layout of PyramidKV/SnapKV code): the first `keep` with more heads than stored
+expands the layer, and later appended tokens are repeated to match.
+
+Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and per-head offsets; the attention
+wrapper in `kvbench.models.capture` asks `layer.is_varlen` instead of testing types. Decode-time eviction calls
+`keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class KVLayer(DynamicLayer):
+    """One layer's cache: keys/values `[B, H, T, D]`, positions `[B, H, T]` (original token positions)."""
+
+    is_varlen = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.positions: Tensor | None = None
+        self.seen_tokens = 0  # logical length: every token ever appended, kept or not
+        self.repeat = 1  # >1 once the layer holds one copy per query head
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append new entries `[B, H_kv, q_len, D]` and return the whole layer (what attention reads)."""
+        q_len = key_states.shape[-2]
+        if self.repeat > 1:
+            key_states = key_states.repeat_interleave(self.repeat, dim=1)
+            value_states = value_states.repeat_interleave(self.repeat, dim=1)
+        b, h = key_states.shape[:2]
+        pos = torch.arange(self.seen_tokens, self.seen_tokens + q_len, device=key_states.device)
+        pos = pos.expand(b, h, q_len)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values, self.positions = key_states, value_states, pos.clone()
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = torch.cat([self.positions, pos], dim=-1)
+        self.seen_tokens += q_len
+        return self.keys, self.values
+
+    def keep(self, idx: Tensor) -> None:
+        """Keep only entries `idx` `[B, H_sel, k]` (indices into the current entries); free the rest.
+
+        `H_sel` is the stored head count, or a multiple of it to switch to one copy per query head.
+        """
+        b, h_sel, _ = idx.shape
+        h_store = self.keys.shape[1]
+        if h_sel % h_store:
+            raise ValueError(f"cache: cannot select {h_sel} heads from a layer holding {h_store}")
+        rep = h_sel // h_store
+        batch = torch.arange(b, device=idx.device)[:, None, None]
+        head = (torch.arange(h_sel, device=idx.device) // rep)[None, :, None]
+        self.keys = self.keys[batch, head, idx].contiguous()  # advanced indexing copies: old storage is released
+        self.values = self.values[batch, head, idx].contiguous()
+        self.positions = self.positions[batch, head, idx].contiguous()
+        self.repeat *= rep
+
+    # --- accounting -------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of K and V physically held (positions are bookkeeping and reported separately)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def entries_per_head(self) -> list[int]:
+        """Logical entries kept per stored head (batch element 0)."""
+        if not self.is_initialized:
+            return []
+        return [self.keys.shape[-2]] * self.keys.shape[1]
+
+
+class KVCache(Cache):
+    """A list of `KVLayer`s, one per decoder layer (created lazily on first update)."""
+
+    def __init__(self):
+        super().__init__(layer_class_to_replicate=KVLayer)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def entries_per_head(self) -> list[list[int]]:
+        return [layer.entries_per_head() for layer in self.layers]
+
+    def entries_per_layer(self) -> list[float]:
+        """Mean entries per head, per layer (the quantity budgets are stated in)."""
+        return [sum(e) / len(e) if e else 0.0 for e in self.entries_per_head()]

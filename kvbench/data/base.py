@@ -1,0 +1,38 @@
+"""The one record type every benchmark builder yields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt to run. `prompt` is final text (template applied); `answers` are the references for scoring.
+
+    `stop` holds stop strings (generation ends when one appears; the prediction is cut before it).
+    `meta` carries benchmark-specific fields the scorer or the report needs (e.g. NIAH context_length, depth_percent).
+    """
+
+    id: str
+    prompt: str
+    answers: list[str]
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Dataset:
+    """A benchmark builder: a dataclass (built from `configs/dataset/<name>.yaml` by `_target_`) that turns a
+    tokenizer into samples and scores predictions. Subclasses register with `@DATASETS.register("<name>")`.
+
+    `version` goes into every manifest; bump it whenever prompts, lengths or scoring change.
+    """
+
+    version: str = "0"
+    primary_metric: str = ""
+
+    def build(self, tokenizer, max_prompt_tokens: int) -> list[Sample]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:  # pragma: no cover - interface
+        raise NotImplementedError

@@ -1,0 +1,155 @@
+"""prefill -> compress -> decode, as free functions with explicit positions (gpt-fast style).
+
+Prefill runs full attention over the whole prompt (so the first generated token equals the full cache's), the
+method then drops entries from the cache, and decoding appends one token at a time. The t-th generated token gets
+position `prompt_len + t`, never the cache length: kept keys keep their original RoPE positions.
+No Hydra, no files: `kvbench.run` owns those.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvbench.cache import KVCache
+from kvbench.methods.base import LayerView, Method
+from kvbench.models.capture import AttentionCapture
+
+
+@dataclass
+class Sampling:
+    """Greedy by default; `do_sample=True` samples with temperature / top-k / top-p from a seeded generator."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    prompt_len: int
+    kv_bytes: int  # after compression, before decoding
+    full_kv_bytes: int  # what the uncompressed prompt cache held
+    kv_bytes_final: int
+    kept_per_head: list[list[int]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kept_per_layer(self) -> list[float]:
+        return [sum(h) / len(h) for h in self.kept_per_head]
+
+    @property
+    def effective_budget(self) -> float:
+        per_layer = self.kept_per_layer
+        return sum(per_layer) / len(per_layer)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: Tensor, cache: KVCache) -> Tensor:
+    """Full-attention forward over the prompt; fills `cache`; returns the last position's logits `[B, V]`."""
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    out = model(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: int | None) -> None:
+    """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed."""
+    if not method.compresses:
+        return
+    n_layers = len(cache.layers)
+    prompt_len = cache.layers[0].keys.shape[-2]
+    budgets = method.layer_budgets(prompt_len, n_layers, budget)
+    for layer_idx, (layer, n_keep) in enumerate(zip(cache.layers, budgets)):
+        if n_keep >= prompt_len:
+            continue
+        view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
+                         capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0))
+        layer.keep(method.select(view, n_keep))
+    capture.reset()  # the window queries are no longer needed
+
+
+def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
+    """`[B, V]` logits -> `[B, 1]` token ids."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / max(sampling.temperature, 1e-6)
+    if sampling.top_k > 0:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > sampling.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new_tokens: int,
+           eos_ids: set[int], stop: tuple[str, ...] = (), tokenizer=None, sampling: Sampling = Sampling(),
+           on_logits=None) -> tuple[list[int], str, int]:
+    """Generate up to `max_new_tokens` (batch 1); stop at EOS or when a stop string appears (cut before it).
+
+    Returns (token ids, text, number of decode forwards). `on_logits(t, logits)` sees each step's logits.
+    """
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.do_sample else None
+    logits, tokens, text, n_forward = first_logits, [], "", 0
+    for t in range(max_new_tokens):
+        if on_logits is not None:
+            on_logits(t, logits)
+        token = next_token(logits, sampling, generator)
+        if token.item() in eos_ids:
+            break
+        tokens.append(token.item())
+        if stop and tokenizer is not None:
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            if cut >= 0:
+                return tokens, text[:cut], n_forward
+        if t + 1 == max_new_tokens:
+            break
+        pos = torch.tensor([[prompt_len + t]], device=token.device)
+        logits = model(input_ids=token, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
+        n_forward += 1
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+    return tokens, text, n_forward
+
+
+def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
+             budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
+             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None) -> Generation:
+    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`."""
+    if eos_ids is None:
+        eos_ids = eos_token_ids(model, tokenizer)
+    cache, prompt_len = KVCache(), input_ids.shape[1]
+    capture.reset()
+    t0 = time.perf_counter()
+    logits = prefill(model, input_ids, cache)
+    t1 = time.perf_counter()
+    full_bytes = cache.nbytes()
+    compress(method, cache, capture, budget)
+    t2 = time.perf_counter()
+    kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
+    tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
+                                   sampling, on_logits)
+    t3 = time.perf_counter()
+    return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
+                      {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,
+                       "decode_tok_s": (n_steps / (t3 - t2)) if n_steps and t3 > t2 else 0.0})
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config (may be a list) and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids

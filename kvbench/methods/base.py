@@ -1,0 +1,113 @@
+"""What every method shares: the `Method` base, the per-layer view it scores, and the selection helpers.
+
+A method declares its knobs (dataclass fields, mirrored by `configs/method/<name>.yaml`) and capabilities
+(`phase`, `needs`, `granularity`), turns a budget into per-layer entry counts (`layer_budgets`), and picks which
+entries of one layer survive (`select`). It never loads models, registers hooks, touches files or frees memory:
+`kvbench.generation.compress` applies its choice to the cache.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # one-shot eviction after the prompt
+    DECODE = "decode"  # eviction while generating
+    BOTH = "both"
+
+
+@dataclass
+class LayerView:
+    """What a method sees of one layer right after prefill.
+
+    keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None.
+    """
+
+    layer_idx: int
+    n_layers: int
+    keys: Tensor
+    values: Tensor
+    window_queries: Tensor | None
+    scaling: float
+
+    @property
+    def prompt_len(self) -> int:
+        return self.keys.shape[-2]
+
+
+@dataclass
+class Method:
+    """Base class: subclasses are dataclasses registered with `@METHODS.register(name)`."""
+
+    phase: ClassVar[Phase] = Phase.PREFILL
+    needs: ClassVar[frozenset[str]] = frozenset()  # "window_queries": the capture records `self.window` queries
+
+    @property
+    def compresses(self) -> bool:
+        return True
+
+    def check_budget(self, budget: int | None) -> None:
+        """Raise ValueError (one line, naming the fix) if `budget` makes no sense for this method."""
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"{self.registry_name}: budget={budget!r} must be a positive integer "
+                             "(KV entries kept per head per layer, window included); or use ratio=<0..1>.")
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
+        return [min(budget, prompt_len)] * n_layers
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:  # pragma: no cover - interface
+        """Indices `[B, H, n_keep]` of the entries to keep, sorted ascending; H = KV heads or query heads."""
+        raise NotImplementedError
+
+
+# --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
+def window_attention(window_queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
+    """Softmax attention of the last w queries over all n keys: `[B, H_q, w, n]`, fp32.
+
+    The causal mask applies only inside the trailing w x w block (every prefix key precedes every window query).
+    Costs w x n per head; the n x n matrix is never built.
+    """
+    b, h_q, w, d = window_queries.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    q = window_queries.reshape(b, h_kv, (h_q // h_kv) * w, d)  # group the query heads of each KV head
+    logits = (q @ keys.transpose(-1, -2)).float() * scaling  # [B, H_kv, r*w, n]
+    logits = logits.view(b, h_q, w, n)
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+    logits[..., n - w:] = logits[..., n - w:].masked_fill(future, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def reduce_groups(scores: Tensor, n_kv_heads: int, how: Literal["mean", "max", "sum"]) -> Tensor:
+    """`[B, H_q, T]` -> `[B, H_kv, T]`: combine the query heads of each KV group."""
+    b, h_q, t = scores.shape
+    grouped = scores.view(b, n_kv_heads, h_q // n_kv_heads, t)
+    return {"mean": grouped.mean, "max": lambda dim: grouped.max(dim).values, "sum": grouped.sum}[how](dim=2)
+
+
+def pool1d(scores: Tensor, kernel: int, pooling: Literal["max", "avg", "none"]) -> Tensor:
+    """Length-preserving 1-D pooling along the sequence, per head (stride 1, padding kernel // 2)."""
+    if pooling == "none" or kernel <= 1:
+        return scores
+    b, h, t = scores.shape
+    x = scores.reshape(b * h, 1, t)
+    pad = kernel // 2
+    if pooling == "max":
+        x = F.max_pool1d(x, kernel, stride=1, padding=pad)
+    else:
+        x = F.avg_pool1d(x, kernel, stride=1, padding=pad)
+    return x.reshape(b, h, -1)[..., :t]
+
+
+def topk_plus_window(scores: Tensor, n_keep: int, prompt_len: int, window: int) -> Tensor:
+    """Top `n_keep - window` prefix positions by score, plus the last `window` positions; sorted `[B, H, n_keep]`."""
+    b, h, _ = scores.shape
+    top = scores.topk(n_keep - window, dim=-1).indices
+    recent = torch.arange(prompt_len - window, prompt_len, device=scores.device).expand(b, h, window)
+    return torch.cat([top, recent], dim=-1).sort(dim=-1).values

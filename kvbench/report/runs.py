@@ -1,0 +1,104 @@
+"""Read run directories (docs/RECORDS.md) into one pandas table, one row per prediction record.
+
+The report works from records only (never from a live model), so any set of runs, finished or crashed halfway, from
+one machine or a cluster, can be compared. A run directory is any folder holding predictions.jsonl; its
+manifest.json says which model, method, budget and dataset produced the records.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS = "predictions.jsonl"
+MANIFEST = "manifest.json"
+# manifest fields copied onto every record row; run_dir is added as well
+MANIFEST_COLUMNS = ("model", "dataset", "method", "budget", "ratio", "primary_metric", "dataset_version")
+
+
+def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Each path is a run directory or a folder searched recursively for them; returns them sorted, deduplicated."""
+    paths = list(paths)
+    if not paths:
+        raise ValueError("report: no paths given; pass run directories or folders that contain them")
+    found: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"report: {p} does not exist")
+        if (p / PREDICTIONS).is_file():
+            here = {p.resolve()}
+        else:
+            here = {f.parent.resolve() for f in p.rglob(PREDICTIONS) if f.is_file()} if p.is_dir() else set()
+        if not here:
+            raise ValueError(f"report: no run directory (a folder with {PREDICTIONS}) found under {p}")
+        found |= here
+    return sorted(found)
+
+
+def read_predictions(path: str | Path) -> list[dict]:
+    """Parse a predictions.jsonl; a torn last line (a crash mid-write) is skipped with a warning.
+
+    A bad line anywhere else means two writers or an append after a torn tail: that is corruption, so it raises
+    with the line number instead of silently dropping samples.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                logger.warning("report: %s: skipping a torn last line (%d chars): %s", path, len(line), e)
+                break
+            raise ValueError(f"report: {path}:{i} is not valid JSON ({e}); only a torn last line is tolerated. "
+                             f"Remove or repair that line.") from None
+    return records
+
+
+def read_manifest(run_dir: str | Path) -> dict:
+    """The run's manifest.json; a run directory without one is not a kvbench run, so this raises."""
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"report: {run_dir} has {PREDICTIONS} but no {MANIFEST}; not a kvbench run directory")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def load_run(run_dir: str | Path) -> pd.DataFrame:
+    """One run's records, nested dicts flattened (`meta.context_length`, `scores.<metric>`), manifest columns added."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    records = read_predictions(run_dir / PREDICTIONS)
+    if not records:
+        logger.warning("report: %s has no complete prediction records yet", run_dir)
+    df = pd.json_normalize(records, sep=".") if records else pd.DataFrame()
+    for col in MANIFEST_COLUMNS:
+        df[col] = manifest.get(col)
+    df["run_dir"] = str(run_dir)
+    return df
+
+
+def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
+    """All records of every run found under `paths`, as one DataFrame (one row per prediction record).
+
+    Columns: the record fields of docs/RECORDS.md (nested `meta` and `scores` flattened with a dot), plus the
+    manifest's model, dataset, method, budget, ratio, primary_metric, dataset_version, and run_dir.
+    `budget` is a nullable integer: a full-cache or ratio-based run may have none.
+    """
+    frames = [load_run(d) for d in find_run_dirs(paths)]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=[*MANIFEST_COLUMNS, "run_dir", "id", "score"])
+    df = pd.concat(frames, ignore_index=True)
+    df["budget"] = pd.to_numeric(df["budget"]).astype("Int64")
+    df["ratio"] = pd.to_numeric(df["ratio"]).astype("Float64")
+    return df

@@ -1,0 +1,251 @@
+"""Entry point: `python -m kvbench.run method=pyramidkv budget=128` (add `-m` and comma lists to sweep).
+
+Composes model x method x dataset x budget with Hydra, validates everything before any weights load, runs each
+sample through prefill -> compress -> decode, streams one JSON line per sample into the run directory, and writes
+scores.json, a summary and (NIAH) a heatmap. Rerunning the same command resumes where it stopped.
+This is the only module that imports Hydra.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("method", "dataset", "model")
+logger = logging.getLogger("kvbench.run")
+
+
+# --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
+def config_hash(*nodes) -> str:
+    """Short hash of the parts of the config that change results (the run dir's suffix)."""
+    plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def budget_tag(budget, ratio) -> str:
+    return f"r{ratio}" if ratio is not None else f"b{budget}"
+
+
+OmegaConf.register_new_resolver("kvbench_hash", config_hash, replace=True)
+OmegaConf.register_new_resolver("kvbench_budget", budget_tag, replace=True)
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Fail in one line, before Hydra's multi-line error, on an unknown method/dataset/model name."""
+    from kvbench.registry import unknown_choice
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key in GROUPS and value:
+            choices = group_choices(key)
+            for name in value.split(","):
+                if name not in choices:
+                    hint = " (or model=hf model.path=<hub id | local dir | file.gguf>)" if key == "model" else ""
+                    sys.exit(f"kvbench: {unknown_choice(key, name, choices)}{hint}")
+
+
+# --- setup: everything that can fail on bad input, before weights load ----------------------------------------
+def setup(cfg: DictConfig):
+    from hydra.utils import instantiate
+
+    from kvbench import methods  # noqa: F401  (registers the built-in methods)
+    from kvbench.models.loader import ModelSpec
+
+    def build(node, what):
+        try:
+            return instantiate(node)
+        except Exception as e:  # Hydra wraps the dataclass' ValueError in a multi-line message
+            cause = e.__cause__ or e
+            raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
+
+    method = build(cfg.method, "method")
+    dataset = build(cfg.dataset, "dataset")
+    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    if cfg.ratio is not None:
+        if not 0 <= cfg.ratio < 1:
+            raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
+    else:
+        method.check_budget(cfg.budget)
+    return method, dataset, spec
+
+
+def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:
+    if cfg.ratio is not None:
+        return max(1, int(prompt_len * (1 - cfg.ratio)))
+    return cfg.budget
+
+
+# --- manifest -------------------------------------------------------------------------------------------------
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CONFIG_DIR.parent, capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    import kvbench
+    from kvbench.models.loader import describe_source, resolve_device
+
+    versions = {}
+    for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "fuzzywuzzy", "numpy", "gguf"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "kvbench_version": kvbench.__version__, "git_sha": git_sha(),
+        "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+        "model": spec.name, "model_source": describe_source(spec),
+        "dataset": dataset_name, "dataset_version": getattr(dataset, "version", None),
+        "primary_metric": getattr(dataset, "primary_metric", None), "data_sha256": data_sha,
+        "versions": versions,
+        "hardware": {"device": resolve_device(spec.device), "cpu": platform.processor() or platform.machine(),
+                     "threads": torch.get_num_threads(),
+                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "finished_utc": None,
+        "n_samples": n_samples, "wall_s": None,
+    }
+
+
+def peak_mem_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; process-lifetime peak
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+def encode(tokenizer, prompt: str, spec) -> list[int]:
+    if spec.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
+    """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated."""
+    import torch
+    from tqdm import tqdm
+
+    from kvbench.generation import Sampling, generate
+    from kvbench.models import AttentionCapture, load
+    from kvbench.store import RunStore, aggregate, sha256_text, write_json_atomic
+
+    method, dataset, spec = job or setup(cfg)
+    choices = _choices(cfg)
+    store = RunStore(run_dir)
+    logger.info("run dir: %s | git %s", run_dir, git_sha())
+    t_start = time.perf_counter()
+    model, tokenizer = load(spec)
+    samples = dataset.build(tokenizer, spec.max_prompt_tokens)
+    if cfg.limit is not None:
+        samples = samples[: cfg.limit]
+    data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    old = store.read_json("manifest.json")
+    info = manifest(cfg, choices["method"], choices["dataset"], dataset, spec, data_sha, len(samples))
+    if old is not None:
+        if old.get("data_sha256") != data_sha:
+            logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
+                           "new tokenizer or data version?")
+        info["started_utc"] = old.get("started_utc", info["started_utc"])
+    store.write_json("manifest.json", info)
+
+    done = store.done_ids()
+    todo = [s for s in samples if s.id not in done]
+    logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
+                len(samples), len(samples) - len(todo))
+    sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+    device = next(model.parameters()).device
+    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    with AttentionCapture(model, window=window) as capture:
+        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=choices["method"]):
+            ids = encode(tokenizer, sample.prompt, spec)
+            if len(ids) > spec.max_prompt_tokens:  # middle truncation, as LongBench does
+                half = spec.max_prompt_tokens // 2
+                ids = ids[:half] + ids[-half:]
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            budget = sample_budget(cfg, len(ids))
+            gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                           sample.max_new_tokens, sample.stop, sampling)
+            scores = dataset.score(sample, gen.text)
+            store.append({
+                "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
+                "prediction": gen.text, "references": sample.answers,
+                "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
+                "new_tokens": len(gen.token_ids), "budget": budget,
+                "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
+                "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
+                "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
+            })
+    store.close()
+    ids_now = {s.id for s in samples}
+    summary = {"dataset": choices["dataset"], "method": choices["method"], "budget": cfg.budget, "ratio": cfg.ratio,
+               "model": spec.name, "primary_metric": dataset.primary_metric,
+               **aggregate(r for r in store.records if r["id"] in ids_now)}
+    write_json_atomic(run_dir / "scores.json", summary)
+    info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                wall_s=round(time.perf_counter() - t_start, 2))
+    store.write_json("manifest.json", info)
+    if cfg.report:
+        try:
+            from kvbench.report import write_run_report
+
+            write_run_report(run_dir)
+        except Exception as e:  # a plotting problem must never cost the predictions
+            logger.warning("report for %s failed: %s", run_dir, e)
+    logger.info("%s = %.4f over %d samples | KV bytes %.1f%% of full | %s", dataset.primary_metric,
+                summary["metrics"].get(dataset.primary_metric, float("nan")), summary["n"],
+                100 * (summary.get("kv_ratio") or 0), run_dir)
+    return summary
+
+
+def _choices(cfg: DictConfig) -> dict[str, str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return {g: HydraConfig.get().runtime.choices[g] for g in GROUPS}
+    return {g: cfg.get("names", {}).get(g, g) for g in GROUPS}
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        job = setup(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        sys.exit(f"kvbench: {message}")
+    run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
+
+
+if __name__ == "__main__":
+    check_group_overrides(sys.argv[1:])
+    main()

@@ -1,0 +1,110 @@
+"""The run directory: resolved config, manifest, streamed predictions, atomic scores; resume after a crash.
+
+`predictions.jsonl` gets one line per finished sample, flushed and fsynced at once, so a crash loses at most the
+sample in flight. On reopen, a torn last line (no newline, or not valid JSON) is cut off, and ids already present
+are skipped by the runner: rerunning the same command finishes the job with each id exactly once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS = "predictions.jsonl"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file and rename it over `path`: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class RunStore:
+    """Owns one run directory. Use `done_ids()` to resume, `append()` per sample, `write_scores()` at the end."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.predictions_path = self.dir / PREDICTIONS
+        self._records = self._load_and_repair()
+        self._file = None
+
+    def _load_and_repair(self) -> list[dict]:
+        if not self.predictions_path.exists():
+            return []
+        raw = self.predictions_path.read_bytes()
+        records, good_bytes = [], 0
+        for line in raw.splitlines(keepends=True):
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("torn line")
+                records.append(json.loads(line))
+            except ValueError:
+                logger.warning("%s: dropping a torn or invalid line after %d good records (crash mid-write?)",
+                               self.predictions_path, len(records))
+                break
+            good_bytes += len(line)
+        if good_bytes != len(raw):
+            with open(self.predictions_path, "r+b") as f:
+                f.truncate(good_bytes)
+        return records
+
+    @property
+    def records(self) -> list[dict]:
+        return list(self._records)
+
+    def done_ids(self) -> set[str]:
+        return {r["id"] for r in self._records}
+
+    def append(self, record: dict) -> None:
+        if self._file is None:
+            self._file = open(self.predictions_path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record, ensure_ascii=False, default=float) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._records.append(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def write_json(self, name: str, obj: Any) -> None:
+        write_json_atomic(self.dir / name, obj)
+
+    def read_json(self, name: str) -> dict | None:
+        path = self.dir / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def aggregate(records: Iterable[dict]) -> dict:
+    """Means over samples of every metric and of the accounting fields (the body of scores.json)."""
+    records = list(records)
+    if not records:
+        return {"n": 0, "metrics": {}}
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in records) / len(records)
+
+    metrics = sorted({m for r in records for m in r.get("scores", {})})
+    full = mean("full_kv_bytes")
+    return {
+        "n": len(records),
+        "metrics": {m: sum(r["scores"][m] for r in records) / len(records) for m in metrics},
+        "kv_bytes_mean": mean("kv_bytes"),
+        "full_kv_bytes_mean": full,
+        "kv_ratio": mean("kv_bytes") / full if full else None,
+        "effective_budget_mean": mean("effective_budget"),
+        "prefill_s_mean": mean("prefill_s"),
+        "decode_tok_s_mean": mean("decode_tok_s"),
+    }

@@ -1,0 +1,20 @@
+"""Tiny random GQA models built in-process (no download): Llama, Mistral, Qwen2."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+
+
+def tiny_model(family: str = "llama", layers: int = 4, attn: str = "sdpa", seed: int = 0):
+    config = FAMILIES[family](vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
+                              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+    if family == "mistral":
+        config.sliding_window = None
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def prompt(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
