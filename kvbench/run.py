@@ -243,7 +243,12 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, KeyError, FileNotFoundError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.exit(f"kvbench: {message}")
-    run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
+    from kvbench.store import RunDirBusy
+
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
+    except RunDirBusy as e:
+        sys.exit(f"kvbench: {e}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ are skipped by the runner: rerunning the same command finishes the job with each
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -16,6 +17,10 @@ from typing import Any, Iterable
 logger = logging.getLogger(__name__)
 
 PREDICTIONS = "predictions.jsonl"
+
+
+class RunDirBusy(RuntimeError):
+    """Another process holds the run directory."""
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -35,6 +40,12 @@ class RunStore:
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.dir / ".lock", "w")
+        try:  # two processes appending to one predictions.jsonl would duplicate ids
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RunDirBusy(f"store: {self.dir} is in use by another kvbench process; wait for it or stop it")
         self.predictions_path = self.dir / PREDICTIONS
         self._records = self._load_and_repair()
         self._file = None
@@ -78,6 +89,9 @@ class RunStore:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if not self._lock.closed:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
 
     def write_json(self, name: str, obj: Any) -> None:
         write_json_atomic(self.dir / name, obj)

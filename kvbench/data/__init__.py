@@ -1,4 +1,5 @@
-"""Benchmark builders. Each yields plain `Sample` records; importing a module registers its builder."""
-from kvbench.data.base import Sample
+"""Benchmark builders. Each yields plain `Sample` records; importing this package registers the built-in ones."""
+from kvbench.data import niah  # noqa: F401  (registration)
+from kvbench.data.base import Dataset, Sample
 
-__all__ = ["Sample"]
+__all__ = ["Dataset", "Sample"]

@@ -17,7 +17,8 @@ class Full(Method):
         return False
 
     def check_budget(self, budget: int | None) -> None:
-        return None
+        if budget is not None:  # ignored, but a nonsensical value is still a mistake worth reporting
+            super().check_budget(budget)
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int | None) -> list[int]:
         return [prompt_len] * n_layers

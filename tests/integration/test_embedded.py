@@ -1,0 +1,72 @@
+"""The embedded SmolLM2-135M-Instruct on the needle test (slow: ~1 min on 2 CPU cores, runs in CI)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvbench.methods  # noqa: F401
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from kvbench.run import CONFIG_DIR
+from kvbench.generation import generate
+from kvbench.models import AttentionCapture, ModelSpec, load
+from kvbench.registry import METHODS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(2)
+    yield load(ModelSpec(name="smollm2", path="embedded"))
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def niah():
+    """The NIAH dataset exactly as `python -m kvbench.run` composes it for the embedded model."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["dataset.context_lengths=[2000]", "dataset.depth_percents=[50]"])
+    return instantiate(cfg.dataset)
+
+
+@pytest.fixture(scope="module")
+def needle_2k(smollm2, niah):
+    _, tok = smollm2
+    (sample,) = niah.build(tok, 8000)
+    return sample
+
+
+def run(smollm2, sample, name, budget):
+    model, tok = smollm2
+    method = METHODS[name]()
+    ids = torch.tensor([tok(sample.prompt).input_ids])
+    with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
+        return generate(model, tok, method, capture, ids, budget, sample.max_new_tokens, sample.stop)
+
+
+def test_full_cache_finds_the_needle_at_2k(smollm2, niah, needle_2k):
+    gen = run(smollm2, needle_2k, "full", None)
+    assert niah.score(needle_2k, gen.text)["pyramidkv_recall"] >= 10 / 11, gen.text
+    assert gen.kv_bytes == gen.full_kv_bytes == 30 * 3 * gen.prompt_len * 64 * 2 * 4  # fp32, 30 layers, 3 KV heads
+
+
+def test_pyramidkv_at_256_runs_and_holds_a_smaller_cache(smollm2, needle_2k):
+    gen = run(smollm2, needle_2k, "pyramidkv", 256)
+    assert gen.text.strip()
+    kept = gen.kept_per_layer
+    assert kept[0] > kept[-1] and len(kept) == 30  # the pyramid: bottom layers keep the most
+    assert gen.effective_budget == pytest.approx(256, rel=0.05)
+    assert gen.kv_bytes == pytest.approx(gen.full_kv_bytes * gen.effective_budget / gen.prompt_len)
+    assert gen.kv_bytes < gen.full_kv_bytes / 5
+
+
+def test_loads_from_a_local_directory_with_identical_logits(smollm2):
+    from kvbench.models.embedded import embedded_model_dir
+
+    model, tok = smollm2
+    again, _ = load(ModelSpec(name="local", path=str(embedded_model_dir())))
+    ids = torch.tensor([tok("The grass is green. The sky is").input_ids])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)

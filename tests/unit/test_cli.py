@@ -1,0 +1,101 @@
+"""The command line on the tiny random model: smoke run, multirun, resume, and one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = ["dataset.context_lengths=[400,600]", "dataset.depth_percents=[0,100]"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+
+
+def kvbench(*args: str, results: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench.run", *args, f"results_dir={results}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def run_dirs(results: Path) -> list[Path]:
+    return sorted(p.parent for p in results.rglob("predictions.jsonl"))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_writes_the_run_directory(tmp_path):
+    out = kvbench("model=tiny_llama", "method=snapkv", "budget=64", *GRID, results=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert run_dir.relative_to(tmp_path).parts[:4] == ("niah", "tiny-llama", "snapkv", run_dir.name)
+    assert run_dir.name.startswith("b64-")
+    recs = records(run_dir)
+    assert sorted(r["id"] for r in recs) == ["niah-L400-d0", "niah-L400-d100", "niah-L600-d0", "niah-L600-d100"]
+    for r in recs:
+        assert r["kv_bytes"] < r["full_kv_bytes"] and r["kept_per_layer"] == [64.0, 64.0]
+        assert r["effective_budget"] == 64.0 and r["prompt_tokens"] > 64
+        assert {"prefill_s", "compress_s", "decode_s", "peak_mem_bytes", "prompt_sha256", "score"} <= set(r)
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["n"] == 4 and scores["method"] == "snapkv" and scores["budget"] == 64
+    assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(sum(r["score"] for r in recs) / 4)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["model"] == "tiny-llama" and manifest["dataset_version"] == "1" and manifest["finished_utc"]
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "heatmap.png").is_file()
+
+
+def test_multirun_sweeps_methods_and_budgets(tmp_path):
+    out = kvbench("-m", "model=tiny_llama", "method=full,streamingllm", "budget=32,64",
+                  "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", results=tmp_path)
+    assert out.returncode == 0, out.stderr
+    names = {(d.parent.name, d.name.split("-")[0]) for d in run_dirs(tmp_path)}
+    assert names == {("full", "b32"), ("full", "b64"), ("streamingllm", "b32"), ("streamingllm", "b64")}
+
+
+def test_submitit_launcher_runs_each_configuration_as_a_job(tmp_path):
+    """The real Hydra submitit plugin (local executor), as a SLURM sweep would run: one process per config."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    out = kvbench("-m", "hydra/launcher=local", "model=tiny_llama", "method=full,snapkv", "budget=64",
+                  "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", results=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert {d.parent.name for d in run_dirs(tmp_path)} == {"full", "snapkv"}
+    assert all(len(records(d)) == 1 for d in run_dirs(tmp_path))
+
+
+def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
+    first = kvbench("model=tiny_llama", "method=pyramidkv", "budget=32", *GRID, "limit=2", results=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (run_dir,) = run_dirs(tmp_path)  # `limit` is not part of the run's identity: the same dir is resumed
+    before = records(run_dir)
+    with open(run_dir / "predictions.jsonl", "a") as f:
+        f.write('{"id": "niah-L600-d0", "prediction": "half a rec')  # a crash mid-write
+    second = kvbench("model=tiny_llama", "method=pyramidkv", "budget=32", *GRID, results=tmp_path)
+    assert second.returncode == 0, second.stderr
+    after = records(run_dir)
+    assert [r["id"] for r in after].count("niah-L600-d0") == 1
+    assert sorted(r["id"] for r in after) == sorted({r["id"] for r in after}) and len(after) == 4
+    assert after[:2] == before  # finished work is kept as it was, not recomputed
+    assert json.loads((run_dir / "scores.json").read_text())["n"] == 4
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: full, pyramidkv, snapkv, streamingllm"),
+    (["dataset=nia"], "Unknown dataset 'nia'. Did you mean: niah?"),
+    (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
+    (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),
+    (["method=snapkv", "budget=16"], "snapkv: window=32 must be < budget=16"),
+    (["method=pyramidkv", "budget=-3"], "pyramidkv: budget=-3 must be a positive integer"),
+    (["method=streamingllm", "budget=4"], "streamingllm: budget=4 must be > n_sink=4"),
+    (["method=snapkv", "method.pooling=mean"], "pooling='mean' is not one of max, avg, none"),
+    (["ratio=1.5"], "ratio=1.5 must be in [0, 1)"),
+    (["dataset.depth_percents=[120]"], "niah:"),
+])
+def test_bad_input_gets_one_line_error_before_loading(tmp_path, args, expected):
+    out = kvbench(*args, results=tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvbench: ") and expected in lines[0], out.stderr
+    assert not list(tmp_path.rglob("predictions.jsonl"))
