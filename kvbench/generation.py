@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
+from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import LayerView, Method
 from kvbench.models.capture import AttentionCapture
 
@@ -45,6 +46,11 @@ class Generation:
         return [sum(h) / len(h) for h in self.kept_per_head]
 
     @property
+    def kept_head_stats(self) -> list[tuple[int, float, int]]:
+        """(min, mean, max) entries per head, per layer: how unevenly a per-head method spread its budget."""
+        return [(min(h), sum(h) / len(h), max(h)) for h in self.kept_per_head]
+
+    @property
     def effective_budget(self) -> float:
         per_layer = self.kept_per_layer
         return sum(per_layer) / len(per_layer)
@@ -71,8 +77,13 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             continue
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0))
-        layer.keep(method.select(view, n_keep))
+        idx = method.select(view, n_keep)
+        if isinstance(idx, Tensor):
+            layer.keep(idx)
+        else:  # one index tensor per head, of different lengths: store flattened (Ada-KV)
+            cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
     capture.reset()  # the window queries are no longer needed
+    capture.cache = cache
 
 
 def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:

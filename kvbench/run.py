@@ -157,12 +157,12 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     from kvbench.store import RunStore, aggregate, sha256_text, write_json_atomic
 
     method, dataset, spec = job or setup(cfg)
-    choices = _choices(cfg)
+    choices = _choices()
     store = RunStore(run_dir)
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
     model, tokenizer = load(spec)
-    samples = dataset.build(tokenizer, spec.max_prompt_tokens)
+    samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if cfg.limit is not None:
         samples = samples[: cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
@@ -185,13 +185,18 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
     with AttentionCapture(model, window=window) as capture:
         for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=choices["method"]):
-            ids = encode(tokenizer, sample.prompt, spec)
-            if len(ids) > spec.max_prompt_tokens:  # middle truncation, as LongBench does
+            ids = list(sample.input_ids) if sample.input_ids is not None else encode(tokenizer, sample.prompt, spec)
+            if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens (builders may do their own first)
                 half = spec.max_prompt_tokens // 2
                 ids = ids[:half] + ids[-half:]
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             budget = sample_budget(cfg, len(ids))
+            if cfg.ratio is not None:
+                try:
+                    method.check_budget(budget)
+                except ValueError as e:  # finished samples are already on disk
+                    sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
             gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
                            sample.max_new_tokens, sample.stop, sampling)
             scores = dataset.score(sample, gen.text)
@@ -201,14 +206,16 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                 "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
                 "new_tokens": len(gen.token_ids), "budget": budget,
                 "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
+                "kept_head_stats": gen.kept_head_stats,
                 "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
                 "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
             })
     store.close()
     ids_now = {s.id for s in samples}
+    finished = [r for r in store.records if r["id"] in ids_now]
     summary = {"dataset": choices["dataset"], "method": choices["method"], "budget": cfg.budget, "ratio": cfg.ratio,
-               "model": spec.name, "primary_metric": dataset.primary_metric,
-               **aggregate(r for r in store.records if r["id"] in ids_now)}
+               "model": spec.name, "primary_metric": dataset.primary_metric, **aggregate(finished),
+               **dataset.summarize(finished)}
     write_json_atomic(run_dir / "scores.json", summary)
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))
@@ -226,12 +233,11 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     return summary
 
 
-def _choices(cfg: DictConfig) -> dict[str, str]:
+def _choices() -> dict[str, str]:
+    """The group options Hydra picked (`snapkv`, `niah`, ...): the names used in paths and manifests."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        return {g: HydraConfig.get().runtime.choices[g] for g in GROUPS}
-    return {g: cfg.get("names", {}).get(g, g) for g in GROUPS}
+    return {g: HydraConfig.get().runtime.choices[g] for g in GROUPS}
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

@@ -54,6 +54,8 @@ def main() -> None:
         sample = NeedleHaystack(context_lengths=[length + 165], depth_percents=[50]).build(tok, 100_000)[0]
         ids = torch.tensor([tok(sample.prompt).input_ids], device=device)
         rows: dict[str, list] = {name: [] for name in METHOD_ARGS}
+        with AttentionCapture(model) as capture:  # warm-up: the first forward at a new length pays allocation costs
+            generate(model, tok, METHODS["full"](), capture, ids, None, 2, eos_ids=set())
         t0 = (snapshot(), time.time())
         for _ in range(args.reps):
             for name, kw in METHOD_ARGS.items():  # interleaved: a burst of noise hits every method alike

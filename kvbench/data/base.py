@@ -10,7 +10,10 @@ class Sample:
     """One prompt to run. `prompt` is final text (template applied); `answers` are the references for scoring.
 
     `stop` holds stop strings (generation ends when one appears; the prediction is cut before it).
-    `meta` carries benchmark-specific fields the scorer or the report needs (e.g. NIAH context_length, depth_percent).
+    `meta` carries benchmark-specific fields the scorer or the report needs (e.g. NIAH context_length, depth_percent;
+    multi-task benchmarks put the task name in `meta["task"]`).
+    `input_ids`, when a builder sets it, is the exact token sequence to run (the builder applied its own truncation
+    and chat-template rules, as LongBench's must); otherwise the runner tokenizes `prompt` with the model's policy.
     """
 
     id: str
@@ -19,6 +22,7 @@ class Sample:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+    input_ids: tuple[int, ...] | None = None
 
 
 class Dataset:
@@ -31,8 +35,15 @@ class Dataset:
     version: str = "0"
     primary_metric: str = ""
 
-    def build(self, tokenizer, max_prompt_tokens: int) -> list[Sample]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def build(self, tokenizer, max_prompt_tokens: int, chat_template: bool = False) -> list[Sample]:
+        """Samples for this tokenizer. `chat_template` is the model config's policy; builders that set
+        `Sample.input_ids` apply it themselves (with their benchmark's exceptions), others may ignore it."""
+        raise NotImplementedError  # pragma: no cover - interface
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def summarize(self, records: list[dict]) -> dict:
+        """Benchmark-specific aggregates merged into scores.json (e.g. per-task scores and the paper's average).
+        Default: nothing beyond the per-metric means every run gets."""
+        return {}

@@ -156,7 +156,8 @@ class NeedleHaystack(Dataset):
                              f"after the {self.final_context_length_buffer}-token buffer.")
         return insert_needle(haystack_ids[:n_haystack], needle_ids, depth, period_ids)
 
-    def build(self, tokenizer, max_prompt_tokens: int | None = None) -> list[Sample]:
+    def build(self, tokenizer, max_prompt_tokens: int | None = None,
+              chat_template: bool = False) -> list[Sample]:
         """One sample per (length, depth), lengths outer as in PyramidKV; lengths whose prompt would exceed
         `max_prompt_tokens` are skipped with one warning."""
         haystack = self.haystack_ids(tokenizer, max(self.context_lengths))

@@ -62,8 +62,10 @@ class Method:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
 
-    def select(self, view: LayerView, n_keep: int) -> Tensor:  # pragma: no cover - interface
-        """Indices `[B, H, n_keep]` of the entries to keep, sorted ascending; H = KV heads or query heads."""
+    def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor]:  # pragma: no cover - interface
+        """Indices `[B, H, n_keep]` of the entries to keep, sorted ascending; H = KV heads or query heads.
+        A per-head variable selection (batch 1) returns one sorted index tensor per head instead; `n_keep` is then
+        the mean per head."""
         raise NotImplementedError
 
 

@@ -24,6 +24,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from kvbench.cache.varlen import varlen_decode_attention
+
 _ids = itertools.count()
 
 
@@ -37,6 +39,7 @@ class AttentionCapture:
         self.decode_hook = decode_hook
         self.window_queries: dict[int, Tensor] = {}
         self.scaling: dict[int, float] = {}
+        self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
 
@@ -44,6 +47,7 @@ class AttentionCapture:
         """Forget what the previous prompt left behind (call between samples)."""
         self.window_queries.clear()
         self.scaling.clear()
+        self.cache = None
 
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
@@ -71,6 +75,13 @@ class AttentionCapture:
                 self.scaling[layer_idx] = kwargs.get("scaling") or module.scaling
             elif q_len == 1 and self.decode_hook is not None:
                 self.decode_hook(layer_idx, query, key)
+            if q_len == 1:
+                layer = self.cache.layers[layer_idx] if self.cache is not None else None
+                if getattr(layer, "is_varlen", False):
+                    scaling = kwargs.get("scaling") or module.scaling
+                    return varlen_decode_attention(query, layer, scaling), None
+                if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+                    attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
                 module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),

@@ -6,9 +6,11 @@ present, needle_panels.png (one file per model and dataset when there are severa
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import re
 import sys
+from pathlib import Path
 
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.runs import load_runs
@@ -17,6 +19,20 @@ from kvbench.report.tables import summary_table, to_markdown, write_tables
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
+
+
+def benchmark_reports(df, out: Path) -> list[Path]:
+    """Benchmark-specific layouts: for each dataset family in the runs (`longbench`, `ruler`, ...), a module
+    `kvbench.report.<family>` with `write_reports(df, out) -> list[Path]` adds its paper tables and figures.
+    The family is the dataset name up to the first underscore (`longbench_e` -> `longbench`)."""
+    written: list[Path] = []
+    for family in sorted({str(d).split("_")[0] for d in df["dataset"].dropna().unique()}):
+        try:
+            module = importlib.import_module(f"kvbench.report.{family}")
+        except ModuleNotFoundError:
+            continue
+        written += module.write_reports(df[df["dataset"].astype(str).str.split("_").str[0] == family], out)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 fig.savefig(written[0].parent / f"{stem}.pdf")
                 written.append(written[0].parent / f"{stem}.pdf")
 
+    written += benchmark_reports(df, Path(args.out))
     print(to_markdown(table))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0

@@ -47,6 +47,15 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "heatmap.png").is_file()
 
 
+def test_ratio_sets_the_budget_from_each_prompt_length(tmp_path):
+    out = kvbench("model=tiny_llama", "method=snapkv", "ratio=0.75", *GRID, results=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert run_dir.name.startswith("r0.75-")
+    for r in records(run_dir):
+        assert r["budget"] == int(r["prompt_tokens"] * 0.25) and r["effective_budget"] == r["budget"]
+
+
 def test_multirun_sweeps_methods_and_budgets(tmp_path):
     out = kvbench("-m", "model=tiny_llama", "method=full,streamingllm", "budget=32,64",
                   "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", results=tmp_path)
@@ -82,7 +91,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: full, pyramidkv, snapkv, streamingllm"),
+    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, full, pyramidkv, snapkv"),
     (["dataset=nia"], "Unknown dataset 'nia'. Did you mean: niah?"),
     (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
     (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),

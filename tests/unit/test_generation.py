@@ -59,27 +59,35 @@ def test_first_token_equals_full_under_compression(name):
     assert not torch.equal(logits[1], full_logits[1])  # and the cache really is smaller afterwards
 
 
-@pytest.mark.parametrize("granularity", ["kv_head", "query_head"])
-def test_decode_after_eviction_equals_masked_dense_recompute(granularity):
+def kept_positions(layer) -> list[torch.Tensor]:
+    """Original positions kept per stored head, for dense and per-head variable layers alike."""
+    if getattr(layer, "is_varlen", False):
+        return list(layer.flat_positions.split(layer.head_lens.tolist()))
+    return list(layer.positions[0].clone())
+
+
+@pytest.mark.parametrize("name,granularity", [("snapkv", "kv_head"), ("snapkv", "query_head"),
+                                              ("adakv", "kv_head"), ("adakv", "query_head")])
+def test_decode_after_eviction_equals_masked_dense_recompute(name, granularity):
     """Our decode logits equal attention over the *uncompressed* cache masked, per query head, to the kept original
     positions plus the new token at position N (not at the cache length): independent of kvbench's cache code."""
     model, ids = tiny_model("llama"), prompt(N)
-    method = METHODS["snapkv"](window=8, granularity=granularity)
+    method = METHODS[name](window=8, granularity=granularity)
     cache = KVCache()
     with AttentionCapture(model, window=8) as capture:
         logits = prefill(model, ids, cache)
         compress(method, cache, capture, 48)
-        kept = [layer.positions[0].clone() for layer in cache.layers]  # [H, k] original positions
+        kept = [kept_positions(layer) for layer in cache.layers]  # per layer: [k_h] per stored head
         token = logits.argmax(-1, keepdim=True)
         ours = model(token, past_key_values=cache, position_ids=torch.tensor([[N]])).logits[:, -1]
 
     n_heads = model.config.num_attention_heads
 
     def masked(module, q, k, v, mask, scaling=None, **kw):
-        pos = kept[module.layer_idx]
-        pos = pos.repeat_interleave(n_heads // pos.shape[0], dim=0)  # per query head
+        per_head = kept[module.layer_idx]
         allowed = torch.zeros(n_heads, k.shape[2], dtype=torch.bool)
-        allowed.scatter_(1, pos, True)
+        for hq in range(n_heads):  # query head hq reads stored head hq * H_stored // H_q
+            allowed[hq, per_head[hq * len(per_head) // n_heads]] = True
         allowed[:, -1] = True  # the new token
         k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, :, None, :], scale=scaling)
