@@ -40,6 +40,7 @@ class VarlenLayer(KVLayer):
         lens = torch.tensor([len(i) for i in idx], device=layer.keys.device)
         new.head_lens = lens
         new.cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        new.offsets = new.cu.tolist()  # plain ints for the CPU loop
         empty = layer.keys.new_empty(1, len(idx), 0, layer.keys.shape[-1])
         new.keys, new.values = empty, empty.clone()
         new.positions = layer.positions.new_empty(1, len(idx), 0)
@@ -79,14 +80,15 @@ def varlen_decode_attention(query: Tensor, layer: VarlenLayer, scaling: float) -
 
 
 def _torch_decode(q: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
+    """Per stored head: logits over its segment and its decoded tokens, one softmax, two matmuls. Float32 math."""
     qf = q.float()
+    flat_k, flat_v = layer.flat_keys.float(), layer.flat_values.float()  # no copy when the cache is fp32
     dense_k, dense_v = layer.keys[0].float(), layer.values[0].float()  # [H, t, D]
     out = torch.empty_like(qf)
-    for h in range(qf.shape[0]):
-        s, e = int(layer.cu[h]), int(layer.cu[h + 1])
-        logits = torch.cat([qf[h] @ layer.flat_keys[s:e].float().T, qf[h] @ dense_k[h].T], dim=-1) * scaling
+    for h, (s, e) in enumerate(zip(layer.offsets, layer.offsets[1:])):
+        logits = torch.cat([qf[h] @ flat_k[s:e].T, qf[h] @ dense_k[h].T], dim=-1) * scaling
         probs = logits.softmax(dim=-1)  # [G, len_h + t]: the logits, not the cache, are concatenated
-        out[h] = probs[:, : e - s] @ layer.flat_values[s:e].float() + probs[:, e - s:] @ dense_v[h]
+        out[h] = probs[:, : e - s] @ flat_v[s:e] + probs[:, e - s:] @ dense_v[h]
     return out
 
 

@@ -1,0 +1,87 @@
+"""Benchmark (not a test): needle accuracy, KV bytes and decode time per token for several methods and budgets,
+relative to the full cache, on the embedded model, all measured in one run.
+
+Each needle prompt is prefilled once (prefill is full attention, identical for every method); each (method, budget)
+then compresses a copy of that cache and decodes. The NIAH dataset is composed exactly as `python -m kvbench.run`
+does for the model (so SmolLM2 gets its answer-prefix specialization).
+
+    python scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 25 50 75 100 \
+        --methods snapkv adakv pyramidkv ada_pyramidkv --budgets 64 128 256
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import kvbench.methods  # noqa: F401
+from kvbench.cache import KVCache
+from kvbench.generation import compress, decode, eos_token_ids, prefill
+from kvbench.models import AttentionCapture, ModelSpec, load
+from kvbench.registry import METHODS
+from kvbench.run import CONFIG_DIR
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4000, 8000])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100])
+    ap.add_argument("--methods", nargs="+", default=["snapkv", "adakv", "pyramidkv", "ada_pyramidkv"])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256])
+    args = ap.parse_args()
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={args.model}", f"dataset.context_lengths={args.lengths}",
+                                           f"dataset.depth_percents={args.depths}"])
+    dataset = instantiate(cfg.dataset)
+    model, tok = load(ModelSpec(**cfg.model))
+    eos = eos_token_ids(model, tok)
+    runs = [("full", None)] + [(m, b) for m in args.methods for b in args.budgets]
+    acc, kv, ms = defaultdict(list), defaultdict(list), defaultdict(list)
+    t_start = time.time()
+    for sample in dataset.build(tok, cfg.model.max_prompt_tokens):
+        ids = torch.tensor([tok(sample.prompt).input_ids])
+        length = sample.meta["context_length"]
+        with AttentionCapture(model, window=32) as capture:  # 32 covers every method's window
+            base = KVCache()
+            logits = prefill(model, ids, base)
+            queries, scaling = dict(capture.window_queries), dict(capture.scaling)
+            for name, budget in runs:
+                cache, method = copy.deepcopy(base), METHODS[name]()
+                capture.window_queries.update(queries)
+                capture.scaling.update(scaling)
+                compress(method, cache, capture, budget)
+                kv_bytes = cache.nbytes()
+                t0 = time.perf_counter()
+                tokens, text, steps = decode(model, cache, logits, ids.shape[1], sample.max_new_tokens, eos,
+                                             sample.stop, tok)
+                elapsed = time.perf_counter() - t0
+                key = (length, name, budget)
+                acc[key].append(dataset.score(sample, text)[dataset.primary_metric])
+                kv[key].append(kv_bytes)
+                if steps:
+                    ms[key].append(1000 * elapsed / steps)
+        print(f"# done {sample.id} ({ids.shape[1]} tokens) after {time.time() - t_start:.0f} s", flush=True)
+
+    for length in args.lengths:
+        full = (length, "full", None)
+        print(f"\n## NIAH context {length} ({len(acc[full])} depths), embedded model, Acc. = 100 x word recall")
+        print("| method | budget | Acc. | KV bytes vs full | decode ms/tok | decode vs full |")
+        print("|---|---|---|---|---|---|")
+        full_kv, full_ms = statistics.mean(kv[full]), statistics.median(ms[full])
+        for name, budget in runs:
+            key = (length, name, budget)
+            d = statistics.median(ms[key]) if ms[key] else float("nan")
+            print(f"| {name} | {budget or '-'} | {100 * statistics.mean(acc[key]):.1f} | "
+                  f"{statistics.mean(kv[key]) / full_kv:.4f} | {d:.1f} | {d / full_ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
