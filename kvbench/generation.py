@@ -14,8 +14,10 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
+from kvbench.cache.rerotate import model_inv_freq, shift_to_slots
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import LayerView, Method
+from kvbench.methods.decoding import DecodingMethod, EvictionState
 from kvbench.models.capture import AttentionCapture
 
 
@@ -65,9 +67,23 @@ def prefill(model, input_ids: Tensor, cache: KVCache) -> Tensor:
 
 
 @torch.no_grad()
-def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: int | None) -> None:
-    """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed."""
+def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: int | None,
+             state: EvictionState | None = None, inv_freq: Tensor | None = None) -> None:
+    """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed.
+
+    Accumulated-attention methods (`state` given) evict from their prefill scores here and are hooked into every
+    decode step. With `inv_freq` (positions=shift), kept keys are re-rotated to their slots after each eviction."""
     if not method.compresses:
+        return
+    shift = (lambda layer: shift_to_slots(layer, inv_freq)) if inv_freq is not None else None
+    if state is not None:
+        state.on_evict = shift
+        for layer_idx, layer in enumerate(cache.layers):
+            state.prefill(layer_idx, layer, capture.column_sums[layer_idx])
+        capture.reset()
+        capture.cache = cache
+        if method.evicts_while_decoding:
+            capture.decode_hook = lambda i, query, key, scaling: state.decode(i, cache.layers[i], query, key, scaling)
         return
     n_layers = len(cache.layers)
     prompt_len = cache.layers[0].keys.shape[-2]
@@ -82,6 +98,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             layer.keep(idx)
         else:  # one index tensor per head, of different lengths: store flattened (Ada-KV)
             cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
+        if shift is not None:
+            shift(cache.layers[layer_idx])
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
 
@@ -105,7 +123,7 @@ def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | 
 @torch.no_grad()
 def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new_tokens: int,
            eos_ids: set[int], stop: tuple[str, ...] = (), tokenizer=None, sampling: Sampling = Sampling(),
-           on_logits=None) -> tuple[list[int], str, int]:
+           on_logits=None, positions: str = "original") -> tuple[list[int], str, int]:
     """Generate up to `max_new_tokens` (batch 1); stop at EOS or when a stop string appears (cut before it).
 
     Returns (token ids, text, number of decode forwards). `on_logits(t, logits)` sees each step's logits.
@@ -126,7 +144,13 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
                 return tokens, text[:cut], n_forward
         if t + 1 == max_new_tokens:
             break
-        pos = torch.tensor([[prompt_len + t]], device=token.device)
+        if positions == "shift":  # the new token sits right after the kept entries (layer 0's length)
+            slot = cache.layers[0].keys.shape[-2]
+            for layer in cache.layers:
+                layer.next_position = slot
+            pos = torch.tensor([[slot]], device=token.device)
+        else:
+            pos = torch.tensor([[prompt_len + t]], device=token.device)
         logits = model(input_ids=token, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
         n_forward += 1
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
@@ -135,21 +159,34 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
 
 def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
              budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
-             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None) -> Generation:
-    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`."""
+             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
+             positions: str = "original", seed: int = 0) -> Generation:
+    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
+
+    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (keys
+    re-rotated to their cache slots after each eviction, StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
+    randomness of a method (Keyformer's Gumbel noise)."""
+    if positions not in ("original", "shift"):
+        raise ValueError(f"positions={positions!r} is not one of original, shift")
     if eos_ids is None:
         eos_ids = eos_token_ids(model, tokenizer)
     cache, prompt_len = KVCache(), input_ids.shape[1]
     capture.reset()
+    state = None
+    if isinstance(method, DecodingMethod):
+        state = method.start(prompt_len, budget, max_new_tokens, seed)
+        capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
+    inv_freq = model_inv_freq(model) if positions == "shift" else None
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     t1 = time.perf_counter()
     full_bytes = cache.nbytes()
-    compress(method, cache, capture, budget)
+    compress(method, cache, capture, budget, state, inv_freq)
     t2 = time.perf_counter()
     kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
     tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
-                                   sampling, on_logits)
+                                   sampling, on_logits, positions)
+    capture.reset()
     t3 = time.perf_counter()
     return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
                       {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,

@@ -77,6 +77,8 @@ def setup(cfg: DictConfig):
     method = build(cfg.method, "method")
     dataset = build(cfg.dataset, "dataset")
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    if cfg.positions not in ("original", "shift"):
+        raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
     if cfg.ratio is not None:
         if not 0 <= cfg.ratio < 1:
             raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
@@ -198,7 +200,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                 except ValueError as e:  # finished samples are already on disk
                     sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
             gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
-                           sample.max_new_tokens, sample.stop, sampling)
+                           sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions,
+                           seed=cfg.seed + int(sha256_text(sample.id)[:8], 16))  # per sample, order-free
             scores = dataset.score(sample, gen.text)
             store.append({
                 "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),

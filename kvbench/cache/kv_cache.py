@@ -27,6 +27,7 @@ class KVLayer(DynamicLayer):
         self.positions: Tensor | None = None
         self.seen_tokens = 0  # logical length: every token ever appended, kept or not
         self.repeat = 1  # >1 once the layer holds one copy per query head
+        self.next_position: int | None = None  # set for position shift: where the next appended token sits
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append new entries `[B, H_kv, q_len, D]` and return the whole layer (what attention reads)."""
@@ -35,7 +36,9 @@ class KVLayer(DynamicLayer):
             key_states = key_states.repeat_interleave(self.repeat, dim=1)
             value_states = value_states.repeat_interleave(self.repeat, dim=1)
         b, h = key_states.shape[:2]
-        pos = torch.arange(self.seen_tokens, self.seen_tokens + q_len, device=key_states.device)
+        first = self.seen_tokens if self.next_position is None else self.next_position
+        self.next_position = None
+        pos = torch.arange(first, first + q_len, device=key_states.device)
         pos = pos.expand(b, h, q_len)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -5,8 +5,11 @@ model's own implementation (sdpa or eager), points *this* model at it, and resto
 is patched: another model in the same process keeps its attention untouched.
 
 What it records at prefill, per layer: the last `window` post-RoPE queries `[B, H_q, w, D]` and the softmax scale.
-That is all SnapKV-style scoring needs, so the n x n attention matrix is never built. Decode-time policies (H2O,
-Keyformer) get `on_decode(layer_idx, query, key)` callbacks through `decode_hook`.
+That is all SnapKV-style scoring needs, so the n x n attention matrix is never built. For accumulated-attention
+policies (H2O, Keyformer, BUZZ) it also computes, when `column_score` is given, the column sums of a row-wise score
+of the causal prefill logits, `[B, H_q, n]`, in chunks of query rows (memory chunk x n, never n x n). During
+decoding, `decode_hook(layer_idx, query, key, scaling)` runs after each layer's attention, so a policy can score the
+new query over the cache and evict before the next step.
 
 The wrapper also lets a layer hold one KV copy per query head (the paper-era `query_head` layout): the wrapped
 function then sees as many key heads as query heads and is told not to repeat them.
@@ -33,11 +36,15 @@ class AttentionCapture:
     """Records window queries at prefill for one model instance; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, window: int = 0,
-                 decode_hook: Callable[[int, Tensor, Tensor], None] | None = None):
+                 decode_hook: Callable[[int, Tensor, Tensor, float], None] | None = None,
+                 column_score: Callable[[Tensor], Tensor] | None = None, chunk: int = 512):
         self.model = model
         self.window = window
         self.decode_hook = decode_hook
+        self.column_score = column_score  # masked fp32 logits [B, H_q, c, n] -> row scores (e.g. softmax)
+        self.chunk = chunk
         self.window_queries: dict[int, Tensor] = {}
+        self.column_sums: dict[int, Tensor] = {}
         self.scaling: dict[int, float] = {}
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
@@ -46,8 +53,11 @@ class AttentionCapture:
     def reset(self) -> None:
         """Forget what the previous prompt left behind (call between samples)."""
         self.window_queries.clear()
+        self.column_sums.clear()
         self.scaling.clear()
         self.cache = None
+        self.decode_hook = None  # per-sample hooks are set again by the next sample's `generate`
+        self.column_score = None
 
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
@@ -70,15 +80,20 @@ class AttentionCapture:
         def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
             layer_idx = module.layer_idx
             q_len = query.shape[2]
-            if q_len > 1 and self.window:  # prefill: keep only what window scoring needs
-                self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
-                self.scaling[layer_idx] = kwargs.get("scaling") or module.scaling
-            elif q_len == 1 and self.decode_hook is not None:
-                self.decode_hook(layer_idx, query, key)
+            scaling = kwargs.get("scaling") or module.scaling
+            if q_len > 1:  # prefill: keep only what scoring needs
+                self.scaling[layer_idx] = scaling
+                if self.window:
+                    self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
+                if self.column_score is not None:
+                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling)
+            elif self.decode_hook is not None:
+                out = inner(module, query, key, value, attention_mask, **kwargs)
+                self.decode_hook(layer_idx, query, key, scaling)  # may evict: this step already attended
+                return out
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "is_varlen", False):
-                    scaling = kwargs.get("scaling") or module.scaling
                     return varlen_decode_attention(query, layer, scaling), None
                 if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
                     attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
@@ -89,3 +104,20 @@ class AttentionCapture:
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
+
+    @torch.no_grad()
+    def _column_sums(self, query: Tensor, key: Tensor, scaling: float) -> Tensor:
+        """Sum over the n prompt queries of `column_score(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows."""
+        b, h_q, n, d = query.shape
+        h_kv = key.shape[1]
+        keys = key.float()
+        total = query.new_zeros(b, h_q, n, dtype=torch.float32)
+        for start in range(0, n, self.chunk):
+            rows = query[:, :, start:start + self.chunk].float()
+            c = rows.shape[2]
+            grouped = rows.reshape(b, h_kv, (h_q // h_kv) * c, d) if key.shape[1] != h_q else rows
+            logits = (grouped @ keys.transpose(-1, -2)).view(b, h_q, c, n) * scaling
+            future = torch.arange(n, device=query.device)[None, :] > torch.arange(start, start + c,
+                                                                                  device=query.device)[:, None]
+            total += self.column_score(logits.masked_fill(future, float("-inf"))).sum(dim=2)
+        return total

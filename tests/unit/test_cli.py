@@ -91,7 +91,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, full, pyramidkv, snapkv"),
+    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, buzz, full, h2o, keyformer"),
     (["dataset=nia"], "Unknown dataset 'nia'. Did you mean: niah?"),
     (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
     (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),
@@ -100,6 +100,8 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
     (["method=streamingllm", "budget=4"], "streamingllm: budget=4 must be > n_sink=4"),
     (["method=snapkv", "method.pooling=mean"], "pooling='mean' is not one of max, avg, none"),
     (["ratio=1.5"], "ratio=1.5 must be in [0, 1)"),
+    (["positions=rope"], "positions='rope' is not one of original, shift"),
+    (["method=h2o", "budget=8", "method.recent_size=8"], "h2o: recent_size=8 must be < budget=8"),
     (["dataset.depth_percents=[120]"], "niah:"),
 ])
 def test_bad_input_gets_one_line_error_before_loading(tmp_path, args, expected):

@@ -1,0 +1,103 @@
+"""Shared machinery for methods that keep evicting while the model generates (H2O, Keyformer, BUZZ).
+
+A decoding method is a config dataclass; `start(...)` makes the per-sample `EvictionState` that holds, per layer,
+accumulated scores `[B, H_kv, T]` aligned entry for entry with the cache. At prefill it receives the column sums
+of the method's row score over the causal prompt attention (computed in chunks by the capture); after each decode
+step it receives the new query's logits over the cache (new token included), accumulates, and evicts for real
+with `layer.keep(idx)`, gathering its scores with the same indices. Nothing is kept across samples.
+
+Convention (every method): after each eviction a layer stores at most `budget` entries per head; the step that
+triggers an eviction has already attended to all entries, including its own token (as H2O's real-drop cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.methods.base import Method, Phase, reduce_groups
+
+
+@dataclass
+class EvictionState:
+    """Per-sample state of a decoding method: accumulated scores per layer, a step counter and a noise source."""
+
+    method: "DecodingMethod"
+    budget: int
+    prompt_len: int
+    max_new_tokens: int
+    generator: torch.Generator
+    scores: dict[int, Tensor] = field(default_factory=dict)
+    extra: dict[int, dict] = field(default_factory=dict)  # per-layer method state (e.g. BUZZ's old-sample count)
+    step: int = 0  # decode forwards so far (counted at layer 0)
+    on_evict: object = None  # callable(layer) after an eviction (position shift), or None
+
+    def prefill(self, layer_idx: int, layer: KVLayer, column_sums: Tensor) -> None:
+        scores = reduce_groups(column_sums, layer.keys.shape[1], self.method.gqa_reduce)
+        self.scores[layer_idx] = scores
+        self.extra[layer_idx] = {}
+        self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=True))
+
+    def decode(self, layer_idx: int, layer: KVLayer, query: Tensor, key: Tensor, scaling: float) -> None:
+        if layer_idx == 0:
+            self.step += 1
+        b, h_q, _, d = query.shape
+        h_kv = key.shape[1]
+        logits = (query.float().reshape(b, h_kv, h_q // h_kv, d) @ key.float().transpose(-1, -2)) * scaling
+        row = self.method.row_score(logits.view(b, h_q, 1, -1), self, decoding=True)[:, :, 0]
+        old = self.scores[layer_idx]
+        grown = torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1)
+        scores = grown + reduce_groups(row, h_kv, self.method.gqa_reduce)
+        self.scores[layer_idx] = scores
+        self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=False))
+
+    def _apply(self, layer_idx: int, layer: KVLayer, idx: Tensor | None) -> None:
+        if idx is None:
+            return
+        layer.keep(idx)
+        self.scores[layer_idx] = self.scores[layer_idx].gather(-1, idx)
+        if self.on_evict is not None:
+            self.on_evict(layer)
+
+
+@dataclass
+class DecodingMethod(Method):
+    """Base for accumulated-attention policies. Subclasses define `evict` (and `row_score` if not softmax)."""
+
+    gqa_reduce: Literal["mean", "sum", "max"] = "mean"  # query heads of a KV group -> one score (MHA: no-op)
+
+    phase: ClassVar[Phase] = Phase.BOTH
+    needs: ClassVar[frozenset[str]] = frozenset({"column_scores"})
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return True
+
+    def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
+        """Masked fp32 logits `[B, H_q, rows, n]` -> the per-row score that accumulates (softmax: H2O, BUZZ)."""
+        return logits.softmax(dim=-1)
+
+    def start(self, prompt_len: int, budget: int, max_new_tokens: int, seed: int) -> EvictionState:
+        return EvictionState(self, budget, prompt_len, max_new_tokens, torch.Generator().manual_seed(seed))
+
+    def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
+        """Indices `[B, H_kv, k]` (sorted) to keep, or None to keep everything."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        return [prompt_len] * n_layers  # selection happens in the state, not through `select`
+
+
+def heavy_recent_keep(scores: Tensor, n_keep: int, recent: int) -> Tensor | None:
+    """H2O's rule: the last `recent` entries plus the top-(n_keep - recent) of the others by score; None if the
+    layer already fits. The entry that just left the recent window competes with the heavy hitters."""
+    n = scores.shape[-1]
+    if n <= n_keep:
+        return None
+    b, h, _ = scores.shape
+    heavy = scores[..., : n - recent].topk(n_keep - recent, dim=-1).indices
+    tail = torch.arange(n - recent, n, device=scores.device).expand(b, h, recent)
+    return torch.cat([heavy, tail], dim=-1).sort(dim=-1).values

@@ -1,0 +1,82 @@
+"""Keyformer (Adnan et al., MLSys 2024). Reference code: d-matrix-ai/keyformer-llm @ f327831 (MPT path).
+
+The eviction score is a Gumbel-perturbed softmax of the attention logits, softmax((x + g) / tau) with fresh standard
+Gumbel noise g per element and per step, and tau rising linearly from tau_init at prefill to tau_end over the
+generation (tau_t = tau_init + t (tau_end - tau_init) / max_new_tokens). Scores accumulate per layer and head from the
+whole prompt (column sums) and every decode step. The cache holds k = budget entries: the last w = int(k *
+recent_ratio) plus the k - w best "key tokens". The attention itself stays a plain softmax.
+
+Selection rules:
+- `paper` (default): the token leaving the recent window competes with the key tokens on accumulated score (§3.4).
+- `code_frozen`: the released code's off-by-one: the boundary token is dropped unscored (at prefill, position
+  n - w - 1; at each step, the entry that just left the window), so the key set chosen at prefill never changes.
+  Use it to rebuild the paper's tables.
+Budget: `budget` entries, or `budget_fraction` of the prompt length (the paper's "% of prompt"; the code measured it
+on prompts left-padded to 1920 tokens, which this does not emulate). Noise is seeded per sample (run `seed`).
+Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kvbench.methods.decoding import DecodingMethod, EvictionState, heavy_recent_keep
+from kvbench.registry import METHODS
+
+
+@METHODS.register("keyformer")
+@dataclass
+class Keyformer(DecodingMethod):
+    recent_ratio: float = 0.3  # w / k (the code's `recent` = 30 %)
+    tau_init: float = 1.0
+    tau_end: float = 2.0
+    selection: Literal["paper", "code_frozen"] = "paper"
+    budget_fraction: float | None = None  # k = int(prompt_len * fraction) instead of `budget`
+
+    def __post_init__(self):
+        if not 0 <= self.recent_ratio < 1:
+            raise ValueError(f"keyformer: recent_ratio={self.recent_ratio} must be in [0, 1)")
+        if self.selection not in ("paper", "code_frozen"):
+            raise ValueError(f"keyformer: selection={self.selection!r} is not one of paper, code_frozen")
+        if self.tau_init <= 0 or self.tau_end <= 0:
+            raise ValueError("keyformer: tau_init and tau_end must be > 0")
+        if self.budget_fraction is not None and not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"keyformer: budget_fraction={self.budget_fraction} must be in (0, 1]")
+
+
+    def check_budget(self, budget: int | None) -> None:
+        if self.budget_fraction is None:
+            super().check_budget(budget)
+
+    def start(self, prompt_len: int, budget: int, max_new_tokens: int, seed: int) -> EvictionState:
+        if self.budget_fraction is not None:
+            budget = max(1, int(prompt_len * self.budget_fraction))
+        return super().start(prompt_len, budget, max_new_tokens, seed)
+
+    def tau(self, state: EvictionState, decoding: bool) -> float:
+        t = state.step if decoding else 0
+        return self.tau_init + t * (self.tau_end - self.tau_init) / max(state.max_new_tokens, 1)
+
+    def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
+        exp = torch.empty(logits.shape, dtype=torch.float32).exponential_(generator=state.generator)
+        gumbel = -exp.log().to(logits.device)
+        return ((logits + gumbel) / self.tau(state, decoding)).softmax(dim=-1)
+
+    def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
+        k = state.budget
+        w = int(k * self.recent_ratio)
+        if self.selection == "paper":
+            return heavy_recent_keep(scores, k, w)
+        n = scores.shape[-1]
+        if n <= k:
+            return None
+        b, h, _ = scores.shape
+        if prefill:  # key tokens from [0, n - w - 1): the boundary entry n - w - 1 is never scored
+            keys = scores[..., : n - w - 1].topk(k - w, dim=-1).indices.sort(dim=-1).values
+        else:  # drop the entry that just left the window; everything older is the frozen key set
+            keys = torch.arange(n - w - 1, device=scores.device).expand(b, h, n - w - 1)
+        recent = torch.arange(n - w, n, device=scores.device).expand(b, h, w)
+        return torch.cat([keys, recent], dim=-1)
