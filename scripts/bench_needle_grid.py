@@ -1,8 +1,10 @@
 """Benchmark (not a test): needle accuracy, KV bytes and decode time per token for several methods and budgets,
 relative to the full cache, on the embedded model, all measured in one run.
 
-Each needle prompt is prefilled once (prefill is full attention, identical for every method); each (method, budget)
-then compresses a copy of that cache and decodes. The NIAH dataset is composed exactly as `python -m kvbench.run`
+Each needle prompt is prefilled once (prefill is full attention, identical for every method); each prefill-time
+(method, budget) then compresses a copy of that cache and decodes. Decode-time methods (H2O, Keyformer, BUZZ) run
+the whole `generate` (their prefill scores depend on the method). `--summary-tokens N` adds a summarisation-style
+long generation (N tokens, no stop) over an essay prompt: decode time per token and ROUGE-L against full's text. The NIAH dataset is composed exactly as `python -m kvbench.run`
 does for the model (so SmolLM2 gets its answer-prefix specialization).
 
     python scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 25 50 75 100 \
@@ -22,7 +24,8 @@ from hydra.utils import instantiate
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.generation import compress, decode, eos_token_ids, prefill
+from kvbench.generation import compress, decode, eos_token_ids, generate, prefill
+from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 from kvbench.run import CONFIG_DIR
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100])
     ap.add_argument("--methods", nargs="+", default=["snapkv", "adakv", "pyramidkv", "ada_pyramidkv"])
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--summary-tokens", type=int, default=0)
     args = ap.parse_args()
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -54,7 +58,18 @@ def main() -> None:
             logits = prefill(model, ids, base)
             queries, scaling = dict(capture.window_queries), dict(capture.scaling)
             for name, budget in runs:
-                cache, method = copy.deepcopy(base), METHODS[name]()
+                method = METHODS[name]()
+                if isinstance(method, DecodingMethod):
+                    t0 = time.perf_counter()
+                    gen = generate(model, tok, method, capture, ids, budget, sample.max_new_tokens, sample.stop,
+                                   eos_ids=eos)
+                    key = (length, name, budget)
+                    acc[key].append(dataset.score(sample, gen.text)[dataset.primary_metric])
+                    kv[key].append(gen.kv_bytes_final)
+                    if len(gen.token_ids) > 1:
+                        ms[key].append(1000 * gen.timings["decode_s"] / (len(gen.token_ids) - 1))
+                    continue
+                cache = copy.deepcopy(base)
                 capture.window_queries.update(queries)
                 capture.scaling.update(scaling)
                 compress(method, cache, capture, budget)
@@ -70,9 +85,43 @@ def main() -> None:
                     ms[key].append(1000 * elapsed / steps)
         print(f"# done {sample.id} ({ids.shape[1]} tokens) after {time.time() - t_start:.0f} s", flush=True)
 
+    print_tables(args, runs, acc, kv, ms)
+    if args.summary_tokens:
+        summarisation(model, tok, runs, args.summary_tokens)
+
+
+def summarisation(model, tok, runs, n_tokens: int) -> None:
+    """A long generation: a 2k-token essay excerpt, then 'Summarize...'; every method decodes n_tokens (no stop)."""
+    from rouge_score import rouge_scorer
+
+    from kvbench.data.niah import essays_dir, read_haystack
+
+    essay = tok.decode(tok(read_haystack(essays_dir())).input_ids[:2000])
+    ids = torch.tensor([tok(essay + "\n\nSummarize the essay above in detail, point by point:\n").input_ids])
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    texts, rows = {}, []
+    for name, budget in runs:
+        method = METHODS[name]()
+        window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+        with AttentionCapture(model, window=window) as capture:
+            gen = generate(model, tok, method, capture, ids, budget, n_tokens, eos_ids=set())
+        texts[(name, budget)] = gen.text
+        rows.append((name, budget, 1000 * gen.timings["decode_s"] / max(len(gen.token_ids) - 1, 1),
+                     gen.kv_bytes_final, gen.text))
+    full_text, full_ms, full_kv = texts[("full", None)], rows[0][2], rows[0][3]
+    print(f"\n## summarisation-style generation: {ids.shape[1]}-token prompt, {n_tokens} new tokens")
+    print("| method | budget | decode ms/tok | vs full | KV bytes at end vs full | ROUGE-L vs full's text |")
+    print("|---|---|---|---|---|---|")
+    for name, budget, ms_tok, kv_end, text in rows:
+        rl = scorer.score(full_text, text)["rougeL"].fmeasure
+        print(f"| {name} | {budget or '-'} | {ms_tok:.1f} | {ms_tok / full_ms:.2f} | {kv_end / full_kv:.3f} | {rl:.3f} |")
+
+
+def print_tables(args, runs, acc, kv, ms) -> None:
     for length in args.lengths:
         full = (length, "full", None)
         print(f"\n## NIAH context {length} ({len(acc[full])} depths), embedded model, Acc. = 100 x word recall")
+        print("(KV bytes: after compression; decode-time methods: at the end of decoding)")
         print("| method | budget | Acc. | KV bytes vs full | decode ms/tok | decode vs full |")
         print("|---|---|---|---|---|---|")
         full_kv, full_ms = statistics.mean(kv[full]), statistics.median(ms[full])

@@ -1,0 +1,57 @@
+"""Every registered method, at two budgets, on each tiny model family: the cache shrinks to the budget (decode-time
+methods stay within it while generating), kept keys keep their original positions, and no hook is left behind.
+A new method is covered as soon as it is registered and has a YAML."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from transformers import AttentionInterface
+
+import kvbench.methods  # noqa: F401
+from kvbench.generation import generate
+from kvbench.methods.decoding import DecodingMethod
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from kvbench.run import CONFIG_DIR
+from tests.unit.tiny import prompt, tiny_model
+
+N, NEW = 150, 12
+
+
+def configured(name: str):
+    """The method exactly as its YAML configures it, with windows shrunk to fit tiny budgets."""
+    cfg = OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml")
+    if "window" in cfg and cfg.window is not None:
+        cfg.window = 8
+    return instantiate(cfg)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", METHODS.names())
+def test_method_contract(name, family):
+    model, ids = tiny_model(family, layers=3), prompt(N)
+    method = configured(name)
+    for budget in (32, 64):
+        method.check_budget(budget)
+        with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
+            gen = generate(model, None, method, capture, ids, budget, NEW, eos_ids=set())
+            for layer in capture.cache.layers if capture.cache is not None else []:
+                positions = (layer.flat_positions if getattr(layer, "is_varlen", False) else layer.positions)
+                assert positions.min() >= 0 and positions.max() < N + NEW  # original positions survive
+        assert model.config._attn_implementation == "sdpa"
+        assert capture.name not in AttentionInterface._global_mapping
+        assert len(gen.token_ids) == NEW
+        if name == "full":
+            assert gen.kv_bytes == gen.full_kv_bytes
+            continue
+        per_entry = gen.full_kv_bytes / (N * model.config.num_key_value_heads * model.config.num_hidden_layers)
+        heads = max(len(layer) for layer in gen.kept_per_head)
+        mean_kept = gen.kv_bytes / per_entry / heads / model.config.num_hidden_layers
+        if isinstance(method, DecodingMethod):  # evicting while generating: never above the budget
+            assert max(max(layer) for layer in gen.kept_per_head) <= budget
+            assert gen.kv_bytes_final / per_entry / heads / model.config.num_hidden_layers <= budget
+        else:  # one-shot: the mean kept per head is the budget (pyramid rounding may add a few percent)
+            assert budget * 0.9 <= mean_kept <= budget * 1.35, (name, budget, mean_kept)
+            assert gen.kv_bytes < gen.full_kv_bytes
