@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean
+.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean longbench longbench-data longbench-configs
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -40,6 +40,16 @@ test-gpu: setup  ## GPU tier (skipped without CUDA)
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 on the embedded model, then the report
 	$(PYTHON) -m kvbench.run -m method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
 	$(PYTHON) -m kvbench.report results/niah --out results/report
+
+longbench-data:  ## download LongBench data.zip into data/longbench (needs the Hub)
+	$(PYTHON) scripts/download_longbench.py
+
+longbench: setup  ## LongBench 16-task sweep (full/snapkv/pyramidkv x 64,128,256) + the paper table
+	$(PYTHON) -m kvbench.run -m dataset=longbench method=full,snapkv,pyramidkv budget=64,128,256
+	$(PYTHON) -m kvbench.report results/longbench --out results/report
+
+longbench-configs:  ## regenerate configs/dataset/longbench*.yaml from the task table
+	$(PYTHON) scripts/gen_longbench_configs.py
 
 report: setup  ## tables + heatmaps over every run under results/
 	$(PYTHON) -m kvbench.report results --out results/report

@@ -123,18 +123,24 @@ def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | 
 @torch.no_grad()
 def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new_tokens: int,
            eos_ids: set[int], stop: tuple[str, ...] = (), tokenizer=None, sampling: Sampling = Sampling(),
-           on_logits=None, positions: str = "original") -> tuple[list[int], str, int]:
-    """Generate up to `max_new_tokens` (batch 1); stop at EOS or when a stop string appears (cut before it).
+           on_logits=None, positions: str = "original", stop_token_ids: tuple[int, ...] = (),
+           min_new_tokens: int = 0) -> tuple[list[int], str, int]:
+    """Generate up to `max_new_tokens` (batch 1); stop at EOS, at a stop token, or when a stop string appears (the
+    prediction is cut before it). Before `min_new_tokens` tokens, EOS and stop tokens are forbidden.
 
     Returns (token ids, text, number of decode forwards). `on_logits(t, logits)` sees each step's logits.
     """
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.do_sample else None
     logits, tokens, text, n_forward = first_logits, [], "", 0
+    enders = set(eos_ids) | set(stop_token_ids)
     for t in range(max_new_tokens):
         if on_logits is not None:
             on_logits(t, logits)
+        if t < min_new_tokens and enders:
+            logits = logits.clone()
+            logits[:, sorted(enders)] = float("-inf")
         token = next_token(logits, sampling, generator)
-        if token.item() in eos_ids:
+        if token.item() in enders:
             break
         tokens.append(token.item())
         if stop and tokenizer is not None:
@@ -160,7 +166,8 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
 def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
              budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
              sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
-             positions: str = "original", seed: int = 0) -> Generation:
+             positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
+             min_new_tokens: int = 0) -> Generation:
     """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
 
     `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (keys
@@ -185,7 +192,7 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     t2 = time.perf_counter()
     kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
     tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
-                                   sampling, on_logits, positions)
+                                   sampling, on_logits, positions, stop_token_ids, min_new_tokens)
     capture.reset()
     t3 = time.perf_counter()
     return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,

@@ -76,6 +76,8 @@ def setup(cfg: DictConfig):
 
     method = build(cfg.method, "method")
     dataset = build(cfg.dataset, "dataset")
+    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
+        dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     if cfg.positions not in ("original", "shift"):
         raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
@@ -112,7 +114,8 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples)
     from kvbench.models.loader import describe_source, resolve_device
 
     versions = {}
-    for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "fuzzywuzzy", "numpy", "gguf"):
+    for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "rouge", "jieba", "fuzzywuzzy",
+                "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -187,10 +190,13 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
     with AttentionCapture(model, window=window) as capture:
         for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=choices["method"]):
-            ids = list(sample.input_ids) if sample.input_ids is not None else encode(tokenizer, sample.prompt, spec)
-            if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens (builders may do their own first)
-                half = spec.max_prompt_tokens // 2
-                ids = ids[:half] + ids[-half:]
+            if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
+                ids = list(sample.input_ids)
+            else:
+                ids = encode(tokenizer, sample.prompt, spec)
+                if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
+                    half = spec.max_prompt_tokens // 2
+                    ids = ids[:half] + ids[-half:]
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             budget = sample_budget(cfg, len(ids))
@@ -201,7 +207,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                     sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
             gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
                            sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions,
-                           seed=cfg.seed + int(sha256_text(sample.id)[:8], 16))  # per sample, order-free
+                           seed=cfg.seed + int(sha256_text(sample.id)[:8], 16),  # per sample, order-free
+                           stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
             scores = dataset.score(sample, gen.text)
             store.append({
                 "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),

@@ -14,6 +14,8 @@ class Sample:
     multi-task benchmarks put the task name in `meta["task"]`).
     `input_ids`, when a builder sets it, is the exact token sequence to run (the builder applied its own truncation
     and chat-template rules, as LongBench's must); otherwise the runner tokenizes `prompt` with the model's policy.
+    `stop_token_ids` end generation at a token (excluded from the prediction), as HF's extra `eos_token_id`s do;
+    `min_new_tokens` forbids EOS and those tokens before that many new tokens (HF's `min_length`).
     """
 
     id: str
@@ -23,6 +25,8 @@ class Sample:
     stop: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     input_ids: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
 
 
 class Dataset:

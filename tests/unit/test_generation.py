@@ -148,3 +148,18 @@ def test_sampling_is_seeded():
                          sampling=Sampling(do_sample=True, temperature=1.5, top_p=0.9, seed=s)).token_ids
                 for s in (1, 1, 2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_stop_tokens_and_min_new_tokens_follow_hf_semantics():
+    """A stop token ends generation (excluded), as an extra HF eos id; min_new_tokens forbids it at step 0."""
+    model, ids = tiny_model("llama"), prompt(64)
+    method = METHODS["full"]()
+    with AttentionCapture(model) as capture:
+        free = generate(model, None, method, capture, ids, None, 8, eos_ids=set()).token_ids
+        cut = generate(model, None, method, capture, ids, None, 8, eos_ids=set(), stop_token_ids=(free[2],))
+        first = generate(model, None, method, capture, ids, None, 8, eos_ids=set(), stop_token_ids=(free[0],))
+        forced = generate(model, None, method, capture, ids, None, 8, eos_ids=set(), stop_token_ids=(free[0],),
+                          min_new_tokens=1)
+    assert cut.token_ids == free[: free.index(free[2])]
+    assert first.token_ids == []
+    assert forced.token_ids and forced.token_ids[0] != free[0]  # the next-best token instead
