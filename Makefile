@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean longbench longbench-data longbench-configs
+.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -50,6 +50,16 @@ longbench: setup  ## LongBench 16-task sweep (full/snapkv/pyramidkv x 64,128,256
 
 longbench-configs:  ## regenerate configs/dataset/longbench*.yaml from the task table
 	$(PYTHON) scripts/gen_longbench_configs.py
+
+ruler: setup  ## RULER 4k on the embedded model: full vs snapkv/pyramidkv at 128/512, then the report
+	$(PYTHON) -m kvbench.run -m dataset=ruler dataset.length=4096 method=full,snapkv,pyramidkv budget=128,512
+	$(PYTHON) -m kvbench.report results/ruler --out results/report
+
+ruler-data:  ## SQuAD v2 dev + HotpotQA dev for RULER qa_1/qa_2 (needs the sources' hosts)
+	$(PYTHON) scripts/download_ruler_qa.py
+
+ruler-fixtures:  ## regenerate RULER golden fixtures with upstream's generator (RULER_REPO=<NVIDIA/RULER clone>)
+	$(PYTHON) tests/fixtures/ruler/make_fixtures.py --ruler-repo $(RULER_REPO)
 
 report: setup  ## tables + heatmaps over every run under results/
 	$(PYTHON) -m kvbench.report results --out results/report

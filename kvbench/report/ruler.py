@@ -1,0 +1,223 @@
+"""RULER reports from run directories: the per-task table with its average, in RULER's layout, and two figures.
+
+    python -m kvbench.report results/ruler --out results/report      # calls write_reports for the `ruler` family
+
+- `ruler_table.{md,tex,csv}`: one row per (model, method, KV size, length), one column per task in RULER's order
+  (`scripts/synthetic.yaml`) and "Avg." (the mean over the row's tasks), as in RULER's summary and the KV papers'
+  RULER tables (e.g. TailorKV Table 16). Task scores are recomputed from the predictions with upstream's batched
+  metric and rounding, so they are RULER's numbers, not means of rounded values. The full cache is one row per
+  length whatever `budget` its runs were launched with.
+- `ruler_summary.csv`: RULER's `summary.csv` content in long form (task, score, nulls) for every configuration.
+- `ruler_vs_budget.png`: average vs KV size per method (full cache dashed), one panel per (model, length).
+- `ruler_vs_length.png`: average vs length per method and KV size, one panel per model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from kvbench.data.ruler.templates import ALL_TASKS, task_metric
+from kvbench.metrics.ruler import postprocess, task_score
+from kvbench.report.tables import METHOD_NAMES, method_label, sort_runs, tex_escape
+
+logger = logging.getLogger(__name__)
+
+TASK, LENGTH = "meta.task", "meta.length"
+KEYS = ["model", "dataset_version", "method", "budget", "ratio", "length"]
+HEADERS = {"model": "Model", "dataset_version": "Version", "method": "Method", "budget": "KV Size", "ratio": "Ratio",
+           "length": "Length"}
+DPI = 150
+
+
+def has_ruler_records(df: pd.DataFrame) -> bool:
+    return TASK in df and LENGTH in df and bool(df[TASK].notna().any())
+
+
+def task_scores(df: pd.DataFrame) -> pd.DataFrame:
+    """Long table: one row per configuration and task with RULER's score, nulls and n. The full cache's budget is
+    dropped (it keeps everything) and its duplicate records across budgets are counted once."""
+    df = df[df[TASK].notna()].copy()
+    df["length"] = df[LENGTH].astype(int)
+    full = df["method"] == "full"
+    df["budget"] = df["budget"].astype("Int64").mask(full)
+    df["ratio"] = df["ratio"].astype("Float64").mask(full)
+    df = df.drop_duplicates(subset=[*KEYS, "id"], keep="first")
+    rows = []
+    for key, g in df.groupby([*KEYS, TASK], dropna=False, sort=False):
+        preds = [postprocess(str(p)) for p in g["prediction"]]
+        task = key[-1]
+        rows.append({**dict(zip(KEYS, key[:-1])), "task": task,
+                     "score": task_score(task_metric(task), preds, [list(r) for r in g["references"]]),
+                     "nulls": f"{sum(len(p) == 0 for p in preds)}/{len(preds)}", "n": len(preds)})
+    out = pd.DataFrame(rows)
+    out["budget"] = out["budget"].astype("Int64")
+    out["ratio"] = out["ratio"].astype("Float64")
+    return out
+
+
+def wide_table(scores: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration; task columns in RULER's order, then "Avg." (mean over the row's tasks)."""
+    tasks = [t for t in ALL_TASKS if t in set(scores["task"])]
+    rows = [{**dict(zip(KEYS, key)), **dict(zip(g["task"], g["score"]))}
+            for key, g in scores.groupby(KEYS, dropna=False, sort=False)]
+    wide = pd.DataFrame(rows).reindex(columns=[*KEYS, *tasks])
+    wide["budget"] = wide["budget"].astype("Int64")
+    wide["Avg."] = wide[tasks].mean(axis=1).round(2)
+    wide = sort_runs(wide.assign(dataset="ruler")).drop(columns="dataset")
+    wide = wide.sort_values(["model", "length"], kind="stable")
+    keep = ["model", "method", "budget", *(["ratio"] if wide["ratio"].notna().any() else []), "length"]
+    if wide["dataset_version"].nunique() > 1:
+        keep.insert(1, "dataset_version")
+    return wide[[*keep, *tasks, "Avg."]].reset_index(drop=True)
+
+
+def cells(wide: pd.DataFrame, missing: str) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Headers, cell strings and right-alignment flags: labels as text, KV size and length as integers, scores
+    with 2 decimals (RULER's rounding)."""
+    def fmt(col: str, v) -> str:
+        if v is None or v is pd.NA or (isinstance(v, float) and pd.isna(v)):
+            return missing
+        if col == "method":
+            return method_label(v)
+        if col in ("budget", "length"):
+            return str(int(v))
+        if col == "ratio":
+            return f"{float(v):g}"
+        return f"{v:.2f}" if col not in HEADERS else str(v)
+    headers = [HEADERS.get(c, c) for c in wide.columns]
+    rows = [[fmt(c, v) for c, v in zip(wide.columns, row)] for row in wide.itertuples(index=False)]
+    return headers, rows, [c not in ("model", "dataset_version", "method") for c in wide.columns]
+
+
+def to_markdown(wide: pd.DataFrame) -> str:
+    headers, rows, right = cells(wide, "–")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def to_latex(wide: pd.DataFrame) -> str:
+    """A booktabs tabular (\\usepackage{booktabs}); task names as RULER spells them."""
+    headers, rows, right = cells(wide, "--")
+    lines = [r"\begin{tabular}{" + "".join("r" if r else "l" for r in right) + "}", r"\toprule",
+             " & ".join(map(tex_escape, headers)) + r" \\", r"\midrule"]
+    lines += [" & ".join(map(tex_escape, r)) + r" \\" for r in rows]
+    return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
+
+
+def skipped_tasks(df: pd.DataFrame) -> dict[str, str]:
+    """Tasks a run skipped and why (scores.json `ruler.skipped`, e.g. qa_1 without SQuAD), over all runs."""
+    skipped: dict[str, str] = {}
+    for run_dir in df["run_dir"].dropna().unique() if "run_dir" in df else []:
+        path = Path(run_dir) / "scores.json"
+        if path.is_file():
+            skipped.update(json.loads(path.read_text(encoding="utf-8")).get("ruler", {}).get("skipped", {}))
+    return skipped
+
+
+def notes(scores: pd.DataFrame, skipped: dict[str, str] | None = None) -> list[str]:
+    missing = [t for t in ALL_TASKS if t not in set(scores["task"])]
+    lines = [f"Scores: RULER's metrics (string_match_part for qa, string_match_all otherwise), x100. "
+             f"Avg. = mean over the tasks shown; n per task = {sorted(set(scores['n']))}."]
+    if missing:
+        lines.append(f"Not run: {', '.join(missing)}; the average covers {len(ALL_TASKS) - len(missing)} of 13 tasks.")
+    lines += [f"Skipped {task}: {why}." for task, why in (skipped or {}).items() if task in missing]
+    return lines
+
+
+def _panel_grid(n: int, width: float = 4.2, height: float = 3.2) -> tuple[Figure, list]:
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig = Figure(figsize=(width * cols, height * rows), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _method_order(methods) -> list[str]:
+    order = {m: i for i, m in enumerate(METHOD_NAMES)}
+    return sorted(methods, key=lambda m: (order.get(m, len(order)), m))
+
+
+def plot_vs_budget(wide: pd.DataFrame, path: Path) -> Path | None:
+    """Average vs KV size, a line per method, the full cache as a dashed line; a panel per (model, length)."""
+    data = wide[wide["budget"].notna() | (wide["method"] == "full")]
+    if not data["budget"].notna().any():
+        return None
+    panels = list(data.groupby(["model", "length"], sort=False))
+    fig, axes = _panel_grid(len(panels))
+    for ax, ((model, length), g) in zip(axes, panels):
+        for method in _method_order(g["method"].unique()):
+            m = g[g["method"] == method].sort_values("budget")
+            if method == "full":
+                ax.axhline(m["Avg."].iloc[0], color="black", linestyle="--", linewidth=1, label="FullKV")
+            else:
+                ax.plot(m["budget"].astype(int), m["Avg."], marker="o", label=method_label(method))
+        ax.set_xscale("log", base=2)
+        budgets = sorted(int(b) for b in g["budget"].dropna().unique())
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(f"{model}, {length} tokens", fontsize=10)
+        ax.set_xlabel("KV size (entries per head per layer)")
+        ax.set_ylabel("RULER Avg.")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+def plot_vs_length(wide: pd.DataFrame, path: Path) -> Path:
+    """Average vs length, a line per (method, KV size); a panel per model."""
+    data = wide.assign(length_int=wide["length"].astype(int))
+    panels = list(data.groupby("model", sort=False))
+    fig, axes = _panel_grid(len(panels), width=5.0)
+    for ax, (model, g) in zip(axes, panels):
+        keys = [k for k in ("method", "budget", "ratio") if k in g]
+        for key, m in g.groupby(keys, dropna=False, sort=False):
+            row = dict(zip(keys, key))
+            method, budget, ratio = row["method"], row.get("budget"), row.get("ratio")
+            label = method_label(method)
+            if pd.notna(budget):
+                label += f" {int(budget)}"
+            elif ratio is not None and pd.notna(ratio):
+                label += f" r{float(ratio):g}"
+            m = m.sort_values("length_int")
+            style = dict(color="black", linestyle="--") if method == "full" else {}
+            ax.plot(m["length_int"], m["Avg."], marker="o", label=label, **style)
+        ax.set_xscale("log", base=2)
+        lengths = sorted(g["length_int"].unique())
+        ax.set_xticks(lengths, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in lengths])
+        ax.minorticks_off()
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("length (tokens)")
+        ax.set_ylabel("RULER Avg.")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
+    """The RULER table (md/tex/csv), the long summary CSV and the two figures into `out`; returns the paths."""
+    if not has_ruler_records(df):
+        return []
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    scores = task_scores(df)
+    wide = wide_table(scores)
+    note = notes(scores, skipped_tasks(df))
+    paths = [out / "ruler_table.md", out / "ruler_table.tex", out / "ruler_table.csv", out / "ruler_summary.csv"]
+    paths[0].write_text(to_markdown(wide) + "\n" + "\n".join(note) + "\n", encoding="utf-8")
+    paths[1].write_text(to_latex(wide) + "".join(f"% {tex_escape(n)}\n" for n in note), encoding="utf-8")
+    wide.to_csv(paths[2], index=False)
+    scores.to_csv(paths[3], index=False)
+    paths += [p for p in (plot_vs_budget(wide, out / "ruler_vs_budget.png"),
+                          plot_vs_length(wide, out / "ruler_vs_length.png")) if p is not None]
+    logger.info("report: RULER table and figures in %s", out)
+    return paths
