@@ -157,18 +157,24 @@ def plot_vs_budget(wide: pd.DataFrame, path: Path) -> Path | None:
                 ax.axhline(m["Avg."].iloc[0], color="black", linestyle="--", linewidth=1, label="FullKV")
             else:
                 ax.plot(m["budget"].astype(int), m["Avg."], marker="o", label=method_label(method))
-        ax.set_xscale("log", base=2)
         budgets = sorted(int(b) for b in g["budget"].dropna().unique())
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.minorticks_off()
-        ax.set_title(f"{model}, {length} tokens", fontsize=10)
-        ax.set_xlabel("KV size (entries per head per layer)")
-        ax.set_ylabel("RULER Avg.")
-        ax.set_ylim(0, 100)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style_axis(ax, budgets, [str(b) for b in budgets], f"{model}, {length} tokens",
+                    "KV size (entries per head per layer)")
     fig.savefig(path)
     return path
+
+
+def _style_axis(ax, ticks: list[int], labels: list[str], title: str, xlabel: str) -> None:
+    """The shared look of both RULER figures: log2 x axis with the given ticks, 0-100 y axis, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, labels)
+    ax.minorticks_off()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("RULER Avg.")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def plot_vs_length(wide: pd.DataFrame, path: Path) -> Path:
@@ -189,16 +195,9 @@ def plot_vs_length(wide: pd.DataFrame, path: Path) -> Path:
             m = m.sort_values("length_int")
             style = dict(color="black", linestyle="--") if method == "full" else {}
             ax.plot(m["length_int"], m["Avg."], marker="o", label=label, **style)
-        ax.set_xscale("log", base=2)
         lengths = sorted(g["length_int"].unique())
-        ax.set_xticks(lengths, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in lengths])
-        ax.minorticks_off()
-        ax.set_title(model, fontsize=10)
-        ax.set_xlabel("length (tokens)")
-        ax.set_ylabel("RULER Avg.")
-        ax.set_ylim(0, 100)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _style_axis(ax, lengths, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in lengths], model,
+                    "length (tokens)")
     fig.savefig(path)
     return path
 
