@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache.kv_cache import KVLayer
-from kvbench.cache.varlen import VarlenLayer, _torch_decode, varlen_decode_attention
+from kvbench.cache.varlen import VarlenLayer, varlen_decode_attention
 from kvbench.generation import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture

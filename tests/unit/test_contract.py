@@ -4,7 +4,6 @@ A new method is covered as soon as it is registered and has a YAML."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import AttentionInterface
