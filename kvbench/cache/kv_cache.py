@@ -7,7 +7,8 @@ query head (the paper-era `query_head` layout of PyramidKV/SnapKV code): the fir
 expands the layer, and later appended tokens are repeated to match.
 
 Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and per-head offsets; the attention
-wrapper in `kvbench.models.capture` asks `layer.is_varlen` instead of testing types. Decode-time eviction calls
+wrapper in `kvbench.models.capture` calls a layer's own `attend(query, scaling)` at decode when it has one (varlen,
+quantized and offloaded layers), instead of testing types. Decode-time eviction calls
 `keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ class KVLayer(DynamicLayer):
     """One layer's cache: keys/values `[B, H, T, D]`, positions `[B, H, T]` (original token positions)."""
 
     is_varlen = False
+    attend = None  # subclasses with their own storage define `attend(query, scaling) -> [B, 1, H_q, D]`
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

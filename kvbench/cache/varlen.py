@@ -48,6 +48,10 @@ class VarlenLayer(KVLayer):
         new.seen_tokens, new.repeat = layer.seen_tokens, layer.repeat * rep
         return new
 
+    def attend(self, query: Tensor, scaling: float) -> Tensor:
+        """Decode attention of one token over this layer (the capture calls it instead of the model's kernel)."""
+        return varlen_decode_attention(query, self, scaling)
+
     def keep(self, idx: Tensor) -> None:
         raise NotImplementedError("cache: eviction after a per-head variable selection is not supported yet")
 

@@ -27,8 +27,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvbench.cache.varlen import varlen_decode_attention
-
 _ids = itertools.count()
 
 
@@ -93,8 +91,8 @@ class AttentionCapture:
                 return out
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
-                if getattr(layer, "is_varlen", False):
-                    return varlen_decode_attention(query, layer, scaling), None
+                if getattr(layer, "attend", None) is not None:  # a layer with its own storage (varlen, quantized...)
+                    return layer.attend(query, scaling), None
                 if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
                     attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
