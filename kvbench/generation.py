@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
+from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq, shift_to_slots
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import LayerView, Method
@@ -42,6 +43,9 @@ class Generation:
     kv_bytes_final: int
     kept_per_head: list[list[int]]
     timings: dict[str, float] = field(default_factory=dict)
+    kv_bytes_per_layer: list[int] = field(default_factory=list)  # device-resident, after compression
+    host_kv_bytes: int = 0  # offloaded to host memory (TailorKV's sparse layers)
+    transfers: dict | None = None  # the byte ledger's summary, for offloading methods
 
     @property
     def kept_per_layer(self) -> list[float]:
@@ -68,13 +72,16 @@ def prefill(model, input_ids: Tensor, cache: KVCache) -> Tensor:
 
 @torch.no_grad()
 def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: int | None,
-             state: EvictionState | None = None, inv_freq: Tensor | None = None) -> None:
+             state: EvictionState | None = None, inv_freq: Tensor | None = None) -> TransferLedger | None:
     """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed.
 
     Accumulated-attention methods (`state` given) evict from their prefill scores here and are hooked into every
-    decode step. With `inv_freq` (positions=shift), kept keys are re-rotated to their slots after each eviction."""
+    decode step. With `inv_freq` (positions=shift), kept keys are re-rotated to their slots after each eviction.
+    Storage methods (TailorKV) rebuild the layers themselves and return the ledger of bytes they move."""
     if not method.compresses:
-        return
+        return None
+    if hasattr(method, "attach"):
+        return method.attach(cache, capture, budget)
     shift = (lambda layer: shift_to_slots(layer, inv_freq)) if inv_freq is not None else None
     if state is not None:
         state.on_evict = shift
@@ -84,7 +91,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         capture.cache = cache
         if method.evicts_while_decoding:
             capture.decode_hook = lambda i, query, key, scaling: state.decode(i, cache.layers[i], query, key, scaling)
-        return
+        return None
     n_layers = len(cache.layers)
     prompt_len = cache.layers[0].keys.shape[-2]
     budgets = method.layer_budgets(prompt_len, n_layers, budget)
@@ -102,6 +109,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             shift(cache.layers[layer_idx])
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
+    return None
 
 
 def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
@@ -175,6 +183,8 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     randomness of a method (Keyformer's Gumbel noise)."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
+    if positions == "shift" and hasattr(method, "attach"):
+        raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
     if eos_ids is None:
         eos_ids = eos_token_ids(model, tokenizer)
     cache, prompt_len = KVCache(), input_ids.shape[1]
@@ -188,16 +198,18 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     logits = prefill(model, input_ids, cache)
     t1 = time.perf_counter()
     full_bytes = cache.nbytes()
-    compress(method, cache, capture, budget, state, inv_freq)
+    ledger = compress(method, cache, capture, budget, state, inv_freq)
     t2 = time.perf_counter()
     kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
+    per_layer = [layer.nbytes() for layer in cache.layers]
     tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
                                    sampling, on_logits, positions, stop_token_ids, min_new_tokens)
     capture.reset()
     t3 = time.perf_counter()
     return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
                       {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,
-                       "decode_tok_s": (n_steps / (t3 - t2)) if n_steps and t3 > t2 else 0.0})
+                       "decode_tok_s": (n_steps / (t3 - t2)) if n_steps and t3 > t2 else 0.0},
+                      per_layer, cache.host_nbytes(), ledger.summary() if ledger is not None else None)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

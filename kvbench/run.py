@@ -166,6 +166,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
     model, tokenizer = load(spec)
+    prepared = method.prepare(model, tokenizer) if hasattr(method, "prepare") else None
     samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if cfg.limit is not None:
         samples = samples[: cfg.limit]
@@ -173,6 +174,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     old = store.read_json("manifest.json")
     info = manifest(cfg, choices["method"], choices["dataset"], dataset, spec, data_sha, len(samples))
+    if prepared is not None:
+        info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
     if old is not None:
         if old.get("data_sha256") != data_sha:
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
@@ -217,7 +220,9 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                 "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
                 "kept_head_stats": gen.kept_head_stats,
                 "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
+                "kv_bytes_per_layer": gen.kv_bytes_per_layer, "host_kv_bytes": gen.host_kv_bytes,
                 "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
+                **({"transfers": gen.transfers} if gen.transfers is not None else {}),
             })
     store.close()
     ids_now = {s.id for s in samples}

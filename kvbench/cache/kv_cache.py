@@ -76,6 +76,10 @@ class KVLayer(DynamicLayer):
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def host_nbytes(self) -> int:
+        """Bytes this layer keeps in host memory (offloading layers); 0 for a device-resident layer."""
+        return 0
+
     def entries_per_head(self) -> list[int]:
         """Logical entries kept per stored head (batch element 0)."""
         if not self.is_initialized:
@@ -91,6 +95,9 @@ class KVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def host_nbytes(self) -> int:
+        return sum(layer.host_nbytes() for layer in self.layers)
 
     def entries_per_head(self) -> list[list[int]]:
         return [layer.entries_per_head() for layer in self.layers]

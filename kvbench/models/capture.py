@@ -9,7 +9,9 @@ That is all SnapKV-style scoring needs, so the n x n attention matrix is never b
 policies (H2O, Keyformer, BUZZ) it also computes, when `column_score` is given, the column sums of a row-wise score
 of the causal prefill logits, `[B, H_q, n]`, in chunks of query rows (memory chunk x n, never n x n). During
 decoding, `decode_hook(layer_idx, query, key, scaling)` runs after each layer's attention, so a policy can score the
-new query over the cache and evict before the next step.
+new query over the cache and evict before the next step, and `input_hook(layer_idx, hidden, position_embeddings)`
+runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
+next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
 
 The wrapper also lets a layer hold one KV copy per query head (the paper-era `query_head` layout): the wrapped
 function then sees as many key heads as query heads and is told not to repeat them.
@@ -25,7 +27,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 _ids = itertools.count()
 
@@ -35,18 +37,23 @@ class AttentionCapture:
 
     def __init__(self, model: torch.nn.Module, window: int = 0,
                  decode_hook: Callable[[int, Tensor, Tensor, float], None] | None = None,
-                 column_score: Callable[[Tensor], Tensor] | None = None, chunk: int = 512):
+                 column_score: Callable[[Tensor], Tensor] | None = None, chunk: int = 512,
+                 input_hook: Callable[[int, Tensor, tuple[Tensor, Tensor]], None] | None = None):
         self.model = model
         self.window = window
         self.decode_hook = decode_hook
         self.column_score = column_score  # masked fp32 logits [B, H_q, c, n] -> row scores (e.g. softmax)
         self.chunk = chunk
+        self.input_hook = input_hook
         self.window_queries: dict[int, Tensor] = {}
         self.column_sums: dict[int, Tensor] = {}
         self.scaling: dict[int, float] = {}
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
+        self.attention_modules = {m.layer_idx: m for m in model.modules()
+                                  if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
+        self._handles: list = []
 
     def reset(self) -> None:
         """Forget what the previous prompt left behind (call between samples)."""
@@ -56,6 +63,7 @@ class AttentionCapture:
         self.cache = None
         self.decode_hook = None  # per-sample hooks are set again by the next sample's `generate`
         self.column_score = None
+        self.input_hook = None
 
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
@@ -65,13 +73,36 @@ class AttentionCapture:
         mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(self._original, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         AttentionMaskInterface.register(self.name, mask_fn)
         self.model.set_attn_implementation(self.name)
+        for module in self.attention_modules.values():
+            self._handles.append(module.register_forward_pre_hook(self._before_attention, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
         self.model.set_attn_implementation(self._original)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         AttentionInterface._global_mapping.pop(self.name, None)
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()
+
+    # --- before each attention module (decode only) -------------------------------------------------------------
+    def _before_attention(self, module, args, kwargs) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
+            self.input_hook(module.layer_idx, hidden, kwargs["position_embeddings"])
+
+    @torch.no_grad()
+    def predict_query(self, layer_idx: int, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+        """Layer `layer_idx`'s query projection and RoPE applied to another layer's input `[B, 1, hidden]`:
+        `[B, H_q, 1, D]`. TailorKV feeds it the previous layer's post-norm input (residual streams change slowly)."""
+        module = self.attention_modules[layer_idx]
+        query = module.q_proj(hidden).view(hidden.shape[0], 1, -1, module.head_dim)
+        if hasattr(module, "q_norm"):  # Qwen3-style per-head norm is part of the projection
+            query = module.q_norm(query)
+        cos, sin = position_embeddings
+        query = query.transpose(1, 2)
+        return apply_rotary_pos_emb(query, query, cos, sin)[0]
 
     # --- the attention function -------------------------------------------------------------------------------
     def _wrap(self, inner: Callable) -> Callable:

@@ -34,6 +34,7 @@ class ModelSpec:
     revision: str | None = None
     trust_remote_code: bool = False
     device: str = "auto"  # auto = cuda if available, else cpu
+    quant_friendly_layers: list[int] | None = None  # TailorKV's offline layer split (published or identified)
 
     def __post_init__(self):
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):

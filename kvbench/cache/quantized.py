@@ -1,0 +1,192 @@
+"""KIVI-style static quantization for TailorKV's quantization-friendly layers (1 or 2 bits), pure PyTorch.
+
+Quantizer: uniform asymmetric, per group of `group` consecutive elements along the last dimension: zero = min,
+scale = (max - min) / (2^b - 1), both stored in fp16 (as the paper says); codes = round(clamp((x - zero) / scale,
+0, 2^b - 1)) with torch's half-to-even rounding, computed from the fp16-rounded zero/scale so that dequantization
+(code * scale + zero) is consistent. A constant group (scale 0, where the official code divides by zero and gets NaN)
+gets codes 0 and dequantizes to its min. Codes are bit-packed into uint8 along the last dimension (8 / b codes per
+byte, the first code in the lowest bits), so `nbytes()` is the memory a packed kernel would hold.
+
+`QuantizedLayer` follows the official `TailorKVCache` (spec seed-tailorkv §1.2):
+- keys are quantized per channel: stored `[B, H, D, T]`, groups of `group` consecutive tokens; the last n mod
+  `residual` prompt tokens stay full precision, and each time that residual reaches `residual` tokens it is quantized
+  as one block (blocks are whole groups, so appending is concatenating along the packed axis);
+- values are quantized per token: stored `[B, H, T, D]`, groups of min(group, D) channels; the last `residual` tokens
+  stay full precision, and once more arrive the oldest one is quantized (the window slides one token per step).
+Decode attention dequantizes the layer to fp32 and runs two matmuls (the official fused dequant-GEMV kernel is not
+reimplemented), so each step holds a transient of 2 x T x D x H fp32 for this layer. Every token is kept, so eviction
+(`keep`) is not supported; `positions` is None because nothing reads it for this layer (no eviction, no re-rotation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvbench.cache.kv_cache import KVLayer
+
+BITS = (1, 2, 4, 8)
+
+
+# --- the quantizer ----------------------------------------------------------------------------------------------
+@dataclass
+class Quantized:
+    """A tensor `[..., length]` quantized in groups along its last dim: packed codes `[..., length * bits / 8]`
+    (uint8), fp16 `scale` and `zero` `[..., length / group]`."""
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor
+    bits: int
+    group: int
+    length: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """`[..., length]`: code * scale + zero, computed in fp32."""
+        codes = unpack(self.packed, self.bits, self.length).float()
+        codes = codes.unflatten(-1, (-1, self.group))
+        x = codes * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return x.flatten(-2).to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+
+def quantize(x: Tensor, bits: int, group: int) -> Quantized:
+    """Quantize `x` `[..., L]` in groups of `group` consecutive elements of the last dim (L divisible by `group`)."""
+    if bits not in BITS:
+        raise ValueError(f"quantize: bits={bits} is not one of {BITS}")
+    length = x.shape[-1]
+    if length % group:
+        raise ValueError(f"quantize: the last dim ({length}) is not a multiple of group={group}")
+    g = x.float().unflatten(-1, (-1, group))  # [..., L / group, group]
+    mn, mx = g.amin(dim=-1), g.amax(dim=-1)
+    zero, scale = mn.half(), ((mx - mn) / (2**bits - 1)).half()
+    z, s = zero.float()[..., None], scale.float()[..., None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))  # constant group: codes 0, dequantizes to zero
+    codes = ((g - z) / safe).clamp(0, 2**bits - 1).round()
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    return Quantized(pack(codes.flatten(-2).to(torch.uint8), bits), scale, zero, bits, group, length)
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes `[..., L]` (each < 2^bits) -> `[..., L * bits / 8]` uint8; code j of a byte sits at bit j * bits."""
+    per = 8 // bits
+    if codes.shape[-1] % per:
+        raise ValueError(f"pack: the last dim ({codes.shape[-1]}) is not a multiple of {per} ({bits}-bit codes)")
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    return (codes.unflatten(-1, (-1, per)) << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: sum == or
+
+
+def unpack(packed: Tensor, bits: int, length: int) -> Tensor:
+    """Inverse of `pack`: `[..., L * bits / 8]` uint8 -> codes `[..., length]` uint8."""
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    codes = (packed[..., None] >> shifts) & (2**bits - 1)
+    return codes.flatten(-2)[..., :length]
+
+
+def cat(a: Quantized | None, b: Quantized, dim: int) -> Quantized:
+    """Concatenate two quantized tensors along `dim` (`a` may be None). Along the last (packed) dim `a` must end on a
+    byte and a group boundary, which whole blocks of groups do; along any other dim the lengths must match."""
+    if a is None:
+        return b
+    if (a.bits, a.group) != (b.bits, b.group):
+        raise ValueError("quantize: cannot concatenate tensors with different bits or group")
+    last = dim % a.packed.dim() == a.packed.dim() - 1
+    if last and (a.length * a.bits % 8 or a.length % a.group):
+        raise ValueError(f"quantize: a block of length {a.length} does not end on a byte and group boundary")
+    if not last and a.length != b.length:
+        raise ValueError(f"quantize: lengths {a.length} and {b.length} differ")
+    parts = [torch.cat([x, y], dim=dim) for x, y in ((a.packed, b.packed), (a.scale, b.scale), (a.zero, b.zero))]
+    return Quantized(*parts, a.bits, a.group, a.length + b.length if last else a.length)
+
+
+# --- the cache layer --------------------------------------------------------------------------------------------
+class QuantizedLayer(KVLayer):
+    """Quantized keys/values plus full-precision residual windows; see the module docstring. Built by `from_layer`.
+    `keys`/`values` hold the fp key and value residuals `[B, H, t, D]` (of different lengths)."""
+
+    is_varlen = False
+    is_croppable = False
+
+    @classmethod
+    def from_layer(cls, layer: KVLayer, bits: int, group: int = 64, residual: int = 128) -> QuantizedLayer:
+        """Quantize a filled prompt layer (n tokens). Values use groups of min(group, D) channels: the tiny test
+        models have D = 16, real models 64 or 128. The new layer keeps no reference to `layer`'s tensors."""
+        keys, values = layer.keys, layer.values
+        n, d = keys.shape[-2:]
+        group_v = min(group, d)
+        if bits not in BITS:
+            raise ValueError(f"quantize: bits={bits} is not one of {BITS}")
+        if residual % group or group % (8 // bits) or d % group_v:
+            raise ValueError(f"quantize: need residual ({residual}) a multiple of group ({group}), group a multiple "
+                             f"of {8 // bits} ({bits}-bit packing), and head_dim ({d}) a multiple of {group_v}")
+        new = cls()
+        new.device, new.dtype, new.is_initialized = keys.device, keys.dtype, True
+        new.bits, new.group, new.group_v, new.residual = bits, group, group_v, residual
+        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, None
+        n_kq, n_vq = n // residual * residual, max(n - residual, 0)
+        new.k_quant = quantize(keys[:, :, :n_kq].transpose(-1, -2), bits, group) if n_kq else None
+        new.v_quant = quantize(values[:, :, :n_vq], bits, group_v) if n_vq else None
+        new.keys, new.values = keys[:, :, n_kq:].clone(), values[:, :, n_vq:].clone()  # clone: slices pin storage
+        return new
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append one decode step `[B, H_kv, 1, D]`, flushing the residual windows; returns the fp residuals."""
+        if key_states.shape[-2] != 1:
+            raise ValueError(f"quantized cache: one token per update after the build, got {key_states.shape[-2]}")
+        if self.repeat > 1:
+            key_states = key_states.repeat_interleave(self.repeat, dim=1)
+            value_states = value_states.repeat_interleave(self.repeat, dim=1)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        if self.keys.shape[-2] == self.residual:  # a full block of keys: quantize it whole, empty the residual
+            self.k_quant = cat(self.k_quant, quantize(self.keys.transpose(-1, -2), self.bits, self.group), dim=-1)
+            self.keys = self.keys[:, :, :0].clone()
+        if self.values.shape[-2] == self.residual:  # the window is full: its oldest value leaves it quantized
+            oldest = quantize(self.values[:, :, :1], self.bits, self.group_v)
+            self.v_quant = cat(self.v_quant, oldest, dim=-2)
+            self.values = torch.cat([self.values[:, :, 1:], value_states], dim=-2)
+        else:
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        self.seen_tokens += 1
+        return self.keys, self.values
+
+    def attend(self, query: Tensor, scaling: float) -> Tensor:
+        """Decode attention of one token `[B, H_q, 1, D]` -> `[B, 1, H_q, D]` (query head h*G+g reads KV head h).
+        Keys and values split quantized/residual at different tokens, so the softmax runs over all T tokens in order
+        and the probabilities are split again at the value boundary. fp32 math."""
+        b, h_q, _, d = query.shape
+        q = query.float().reshape(b, self.keys.shape[1], -1, d)  # [B, H, G, D]
+        logits = q @ self.keys.float().transpose(-1, -2)
+        if self.k_quant is not None:
+            logits = torch.cat([q @ self.k_quant.dequantize(), logits], dim=-1)  # quantized keys are [B, H, D, T]
+        probs = (logits * scaling).softmax(dim=-1)  # [B, H, G, T]
+        n_vq = probs.shape[-1] - self.values.shape[-2]
+        out = probs[..., n_vq:] @ self.values.float()
+        if self.v_quant is not None:
+            out = out + probs[..., :n_vq] @ self.v_quant.dequantize()
+        return out.reshape(b, 1, h_q, d).to(query.dtype)
+
+    def keep(self, idx: Tensor) -> None:
+        raise NotImplementedError("cache: a quantized layer keeps every token; eviction does not apply")
+
+    # --- accounting -------------------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] + (self.k_quant.length if self.k_quant is not None else 0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0  # `attend` ignores masks (one token sees every entry)
+
+    def nbytes(self) -> int:
+        """Bytes held: packed codes and fp16 scales/zeros of K and V, plus the fp residuals."""
+        quant = sum(q.nbytes() for q in (self.k_quant, self.v_quant) if q is not None)
+        return quant + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def full_precision_bytes(self) -> int:
+        """What the same tokens would take unquantized in the layer's dtype (for reporting the compression)."""
+        b, h, _, d = self.keys.shape
+        return 2 * b * h * self.get_seq_length() * d * self.keys.element_size()
+
+    def entries_per_head(self) -> list[int]:
+        return [self.get_seq_length()] * self.keys.shape[1]

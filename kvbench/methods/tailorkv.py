@@ -1,0 +1,105 @@
+"""TailorKV: 1-2-bit quantized dense-attention layers + offloaded sparse layers with top-k retrieval.
+
+Nothing is evicted. After the (exact) prefill, each layer becomes one of two stores, fixed per model by an offline
+identification (`kvbench.methods.tailorkv_layers`):
+- quantization-friendly layers (`quant_layers`, shallow, dense attention): KIVI-style `bits`-bit keys per channel and
+  values per token in groups of 64, with the official code's full-precision residual window of 128 tokens
+  (`kvbench.cache.quantized.QuantizedLayer`);
+- all others: the prompt K/V is offloaded to host memory; the device keeps `start_size` sinks, `recent_size` recent
+  prompt tokens and every generated token, and each step fetches the top-(budget - start - recent) prompt tokens
+  chosen by a `channels`-channel approximate score whose channels come from the next-layer query predicted from the
+  previous layer's input (`kvbench.cache.offloaded.OffloadedLayer`).
+
+Budget semantics (the paper's "64(+128)"): `budget` = sinks + recent + fetched top-k per KV head per sparse layer,
+generated tokens excluded. LongBench: budget 192, start 8, recent 56, channels 8; RULER/InfiniteBench: budget 1024,
+start 64, recent 64, channels 12. A storage method builds its own cache layers (`attach`), unlike the eviction
+methods, whose choices `generation.compress` applies.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvbench.cache.kv_cache import KVCache
+from kvbench.cache.ledger import TransferLedger
+from kvbench.cache.offloaded import OffloadedLayer
+from kvbench.cache.quantized import QuantizedLayer
+from kvbench.methods.base import Method, Phase
+from kvbench.registry import METHODS
+
+logger = logging.getLogger(__name__)
+
+
+@METHODS.register("tailorkv")
+@dataclass
+class TailorKV(Method):
+    bits: int = 1  # TailorKV-1 (LongBench tables) or TailorKV-2 (the RULER/InfiniteBench scripts' default)
+    group_size: int = 64  # quantization group: tokens per key group, channels per value group
+    residual: int = 128  # full-precision window of the official code (keys flush in blocks, values slide)
+    start_size: int = 8  # sinks kept on the device (RULER/InfiniteBench: 64)
+    recent_size: int = 56  # recent prompt tokens kept on the device (RULER/InfiniteBench: 64)
+    channels: int = 8  # critical channels d_s per KV head for the approximate scores (RULER/InfiniteBench: 12)
+    quant_layers: list[int] | None = None  # None: identify on the calibration prompt when the model is loaded
+
+    phase: ClassVar[Phase] = Phase.DECODE
+
+    def __post_init__(self):
+        if self.bits not in (1, 2, 4, 8):
+            raise ValueError(f"tailorkv: bits={self.bits!r} is not one of 1, 2, 4, 8 (the paper uses 1 and 2)")
+        for name in ("group_size", "residual", "channels"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"tailorkv: {name}={getattr(self, name)!r} must be a positive integer")
+        if self.start_size < 0 or self.recent_size < 0:
+            raise ValueError("tailorkv: start_size and recent_size must be >= 0")
+        if self.quant_layers is not None:
+            self.quant_layers = sorted({int(i) for i in self.quant_layers})
+        self.identification: dict | None = None
+
+    def check_budget(self, budget: int | None) -> None:
+        super().check_budget(budget)
+        if budget <= self.start_size + self.recent_size:
+            raise ValueError(f"tailorkv: budget={budget} must exceed start_size + recent_size = "
+                             f"{self.start_size + self.recent_size} (the top-k part is budget minus both)")
+
+    def prepare(self, model, tokenizer) -> dict:
+        """Once per run with the loaded model: identify the quantization-friendly layers if none were given."""
+        if self.quant_layers is None:
+            from kvbench.methods.tailorkv_layers import identify_with_calibration
+
+            result = identify_with_calibration(model, tokenizer)
+            self.quant_layers = result.quant_layers
+            self.identification = {"scores": result.scores, "source": "run-time identification (calibration "
+                                   "stand-in prompt)"}
+            logger.info("tailorkv: identified quantization-friendly layers %s", self.quant_layers)
+        return {"quant_layers": self.quant_layers, "identification": self.identification}
+
+    def attach(self, cache: KVCache, capture, budget: int) -> TransferLedger:
+        """Replace the prefilled layers by quantized / offloaded stores and hook the per-layer prefetch into the
+        capture. Returns the ledger that counts every byte moved."""
+        if self.quant_layers is None:
+            raise ValueError("tailorkv: quant_layers is unknown; call prepare(model, tokenizer) first")
+        n_layers, ledger = len(cache.layers), TransferLedger()
+        outside = [i for i in self.quant_layers if not 0 <= i < n_layers]
+        if outside:
+            raise ValueError(f"tailorkv: quant_layers {outside} outside the model's layers 0..{n_layers - 1}")
+        layers = cache.layers
+        prompt_len = layers[0].keys.shape[-2]
+        for i, layer in enumerate(layers):
+            if i in self.quant_layers:
+                layers[i] = QuantizedLayer.from_layer(layer, self.bits, self.group_size, self.residual)
+            elif self.start_size + self.recent_size < prompt_len:  # else the prompt fits: keep it as it is
+                layers[i] = OffloadedLayer.from_layer(layer, self.start_size, self.recent_size,
+                                                      budget - self.start_size - self.recent_size, self.channels,
+                                                      ledger)
+
+        def before_attention(layer_idx, hidden, position_embeddings):
+            if layer_idx == 0:
+                ledger.begin_step()
+            following = layer_idx + 1
+            if following < n_layers and isinstance(layers[following], OffloadedLayer):
+                layers[following].prefetch(capture.predict_query(following, hidden, position_embeddings))
+
+        capture.input_hook = before_attention
+        capture.cache = cache
+        return ledger
