@@ -9,6 +9,10 @@ does for the model (so SmolLM2 gets its answer-prefix specialization).
 
     python scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 25 50 75 100 \
         --methods snapkv adakv pyramidkv ada_pyramidkv --budgets 64 128 256
+
+A method may carry settings, `name:key=value,...`, and its own budgets after `@`: `tailorkv:bits=2@192,1024`.
+For offloading methods (TailorKV) the table adds host memory and host->device bytes per token from the byte ledger;
+"KV bytes" is then what stays on the device, and "+transient" the largest per-layer working set fetched in a step.
 """
 from __future__ import annotations
 
@@ -47,8 +51,11 @@ def main() -> None:
     dataset = instantiate(cfg.dataset)
     model, tok = load(ModelSpec(**cfg.model))
     eos = eos_token_ids(model, tok)
-    runs = [("full", None)] + [(m, b) for m in args.methods for b in args.budgets]
+    runs = [("full", None)] + [(m, b) for spec in args.methods for m, budgets in [parse_method(spec, args.budgets)]
+                               for b in budgets]
+    methods = {name: build_method(name, model, tok) for name, _ in runs}
     acc, kv, ms = defaultdict(list), defaultdict(list), defaultdict(list)
+    moved = defaultdict(list)  # offloading methods: (host bytes, h2d bytes per token, transient bytes)
     t_start = time.time()
     for sample in dataset.build(tok, cfg.model.max_prompt_tokens):
         ids = torch.tensor([tok(sample.prompt).input_ids])
@@ -58,7 +65,8 @@ def main() -> None:
             logits = prefill(model, ids, base)
             queries, scaling = dict(capture.window_queries), dict(capture.scaling)
             for name, budget in runs:
-                method = METHODS[name]()
+                method = methods[name]
+                capture.input_hook = capture.decode_hook = None  # nothing of the previous run stays hooked
                 if isinstance(method, DecodingMethod):
                     t0 = time.perf_counter()
                     gen = generate(model, tok, method, capture, ids, budget, sample.max_new_tokens, sample.stop,
@@ -72,7 +80,7 @@ def main() -> None:
                 cache = copy.deepcopy(base)
                 capture.window_queries.update(queries)
                 capture.scaling.update(scaling)
-                compress(method, cache, capture, budget)
+                ledger = compress(method, cache, capture, budget)
                 kv_bytes = cache.nbytes()
                 t0 = time.perf_counter()
                 tokens, text, steps = decode(model, cache, logits, ids.shape[1], sample.max_new_tokens, eos,
@@ -83,9 +91,13 @@ def main() -> None:
                 kv[key].append(kv_bytes)
                 if steps:
                     ms[key].append(1000 * elapsed / steps)
+                if ledger is not None:
+                    summary = ledger.summary()
+                    moved[key].append((cache.host_nbytes(), summary["h2d_bytes_per_token"],
+                                       summary["transient_device_bytes_max"]))
         print(f"# done {sample.id} ({ids.shape[1]} tokens) after {time.time() - t_start:.0f} s", flush=True)
 
-    print_tables(args, runs, acc, kv, ms)
+    print_tables(args, runs, acc, kv, ms, moved)
     if args.summary_tokens:
         summarisation(model, tok, runs, args.summary_tokens)
 
@@ -101,7 +113,7 @@ def summarisation(model, tok, runs, n_tokens: int) -> None:
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     texts, rows = {}, []
     for name, budget in runs:
-        method = METHODS[name]()
+        method = build_method(name, model, tok)
         window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
         with AttentionCapture(model, window=window) as capture:
             gen = generate(model, tok, method, capture, ids, budget, n_tokens, eos_ids=set())
@@ -117,19 +129,38 @@ def summarisation(model, tok, runs, n_tokens: int) -> None:
         print(f"| {name} | {budget or '-'} | {ms_tok:.1f} | {ms_tok / full_ms:.2f} | {kv_end / full_kv:.3f} | {rl:.3f} |")
 
 
-def print_tables(args, runs, acc, kv, ms) -> None:
+def parse_method(spec: str, default_budgets: list[int]) -> tuple[str, list[int]]:
+    name, _, budgets = spec.partition("@")
+    return name, [int(b) for b in budgets.split(",")] if budgets else default_budgets
+
+
+def build_method(spec: str, model, tok):
+    """`tailorkv:bits=2,channels=12` -> the configured method; `prepare` runs once (TailorKV's layer split)."""
+    name, _, settings = spec.partition(":")
+    kwargs = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (s.split("=") for s in settings.split(",") if s)}
+    method = METHODS[name](**kwargs)
+    if hasattr(method, "prepare"):
+        print(f"# {spec}: {method.prepare(model, tok)}", flush=True)
+    return method
+
+
+def print_tables(args, runs, acc, kv, ms, moved) -> None:
+    mib = 2 ** 20
     for length in args.lengths:
         full = (length, "full", None)
         print(f"\n## NIAH context {length} ({len(acc[full])} depths), embedded model, Acc. = 100 x word recall")
-        print("(KV bytes: after compression; decode-time methods: at the end of decoding)")
-        print("| method | budget | Acc. | KV bytes vs full | decode ms/tok | decode vs full |")
-        print("|---|---|---|---|---|---|")
+        print("(KV bytes: on the device after compression; decode-time methods: at the end of decoding)")
+        print("| method | budget | Acc. | KV bytes vs full | +transient vs full | host MiB | H2D MiB/token "
+              "| decode ms/tok | decode vs full |")
+        print("|---|---|---|---|---|---|---|---|---|")
         full_kv, full_ms = statistics.mean(kv[full]), statistics.median(ms[full])
         for name, budget in runs:
             key = (length, name, budget)
             d = statistics.median(ms[key]) if ms[key] else float("nan")
+            host, h2d, transient = (statistics.mean(x) for x in zip(*moved[key])) if moved[key] else (0, 0, 0)
             print(f"| {name} | {budget or '-'} | {100 * statistics.mean(acc[key]):.1f} | "
-                  f"{statistics.mean(kv[key]) / full_kv:.4f} | {d:.1f} | {d / full_ms:.2f} |")
+                  f"{statistics.mean(kv[key]) / full_kv:.4f} | {(statistics.mean(kv[key]) + transient) / full_kv:.4f}"
+                  f" | {host / mib:.1f} | {h2d / mib:.2f} | {d:.1f} | {d / full_ms:.2f} |")
 
 
 if __name__ == "__main__":

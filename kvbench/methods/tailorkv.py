@@ -69,8 +69,8 @@ class TailorKV(Method):
 
             result = identify_with_calibration(model, tokenizer)
             self.quant_layers = result.quant_layers
-            self.identification = {"scores": result.scores, "source": "run-time identification (calibration "
-                                   "stand-in prompt)"}
+            self.identification = {"scores": [round(x, 6) for x in result.scores],
+                                   "source": "identified at load on the self-written calibration stand-in"}
             logger.info("tailorkv: identified quantization-friendly layers %s", self.quant_layers)
         return {"quant_layers": self.quant_layers, "identification": self.identification}
 

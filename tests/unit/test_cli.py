@@ -47,6 +47,22 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "heatmap.png").is_file()
 
 
+def test_tailorkv_run_records_the_byte_ledger(tmp_path):
+    out = kvbench("model=tiny_llama", "method=tailorkv", "budget=100", "method.start_size=4",
+                  "method.recent_size=12", "method.quant_layers=[0]", "dataset.context_lengths=[300]",
+                  "dataset.depth_percents=[50]", results=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert json.loads((run_dir / "manifest.json").read_text())["method_prepared"]["quant_layers"] == [0]
+    (record,) = records(run_dir)
+    n, topk, steps = record["prompt_tokens"], 100 - 16, record["new_tokens"] - 1
+    fp32_row = 2 * 16 * 4  # 2 KV heads x head_dim 16 x 4 bytes (layer 1 is offloaded)
+    assert record["transfers"]["h2d_bytes_per_step"]["topk_keys"] == [topk * fp32_row] * steps
+    assert record["transfers"]["d2h_prefill_bytes"] == 3 * n * fp32_row
+    assert record["host_kv_bytes"] == 3 * n * fp32_row and record["kv_bytes"] < record["full_kv_bytes"]
+    assert record["kv_bytes_per_layer"][1] == 2 * 16 * fp32_row + fp32_row  # K/V of 16 sinks + recent, max|K|
+
+
 def test_ratio_sets_the_budget_from_each_prompt_length(tmp_path):
     out = kvbench("model=tiny_llama", "method=snapkv", "ratio=0.75", *GRID, results=tmp_path)
     assert out.returncode == 0, out.stderr

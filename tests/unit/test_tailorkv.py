@@ -247,3 +247,16 @@ def test_quant_layers_outside_the_model_fail_clearly():
         prefill(model, ids, cache)
         with pytest.raises(ValueError, match=r"quant_layers \[7\] outside the model's layers 0..3"):
             compress(TailorKV(quant_layers=[7]), cache, capture, 192)
+
+
+def test_prepare_identifies_the_split_when_the_model_config_has_none():
+    from kvbench.methods.tailorkv_layers import identify_with_calibration
+
+    model = tiny_model("llama", layers=2)
+    tokenizer = lambda text, return_tensors: type("Enc", (), {"input_ids": prompt(300)})()  # noqa: E731
+    method = TailorKV()
+    prepared = method.prepare(model, tokenizer)
+    expected = identify_with_calibration(model, tokenizer)
+    assert prepared["quant_layers"] == method.quant_layers == expected.quant_layers
+    assert prepared["identification"]["scores"] == [round(x, 6) for x in expected.scores]
+    assert TailorKV(quant_layers=[1]).prepare(model, tokenizer) == {"quant_layers": [1], "identification": None}
