@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
+.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -66,6 +66,13 @@ report: setup  ## tables + heatmaps over every run under results/
 
 bench: setup  ## prefill / compress / decode time and KV bytes per method at 4k and 8k (prints a table)
 	$(PYTHON) scripts/bench_methods.py
+
+tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy, device/host bytes, H2D bytes per token
+	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \
+		--methods snapkv@64,128,256 tailorkv@192 tailorkv:bits=2@192
+
+tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedded model (per-layer scores + split)
+	$(PYTHON) -m kvbench.methods.tailorkv_layers
 
 clean:  ## remove the venv and caches (not results/)
 	rm -rf $(VENV) .pytest_cache

@@ -162,6 +162,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
 
     method, dataset, spec = job or setup(cfg)
     choices = _choices()
+    method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     store = RunStore(run_dir)
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
@@ -173,7 +174,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     old = store.read_json("manifest.json")
-    info = manifest(cfg, choices["method"], choices["dataset"], dataset, spec, data_sha, len(samples))
+    info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
     if prepared is not None:
         info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
     if old is not None:
@@ -191,7 +192,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     device = next(model.parameters()).device
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
     with AttentionCapture(model, window=window) as capture:
-        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=choices["method"]):
+        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name):
             if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
                 ids = list(sample.input_ids)
             else:
@@ -227,7 +228,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     store.close()
     ids_now = {s.id for s in samples}
     finished = [r for r in store.records if r["id"] in ids_now]
-    summary = {"dataset": choices["dataset"], "method": choices["method"], "budget": cfg.budget, "ratio": cfg.ratio,
+    summary = {"dataset": choices["dataset"], "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
                "model": spec.name, "primary_metric": dataset.primary_metric, **aggregate(finished),
                **dataset.summarize(finished)}
     write_json_atomic(run_dir / "scores.json", summary)

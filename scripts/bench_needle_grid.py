@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -53,7 +54,7 @@ def main() -> None:
     eos = eos_token_ids(model, tok)
     runs = [("full", None)] + [(m, b) for spec in args.methods for m, budgets in [parse_method(spec, args.budgets)]
                                for b in budgets]
-    methods = {name: build_method(name, model, tok) for name, _ in runs}
+    methods = {name: build_method(name, model, tok, cfg.model) for name in dict.fromkeys(n for n, _ in runs)}
     acc, kv, ms = defaultdict(list), defaultdict(list), defaultdict(list)
     moved = defaultdict(list)  # offloading methods: (host bytes, h2d bytes per token, transient bytes)
     t_start = time.time()
@@ -134,10 +135,13 @@ def parse_method(spec: str, default_budgets: list[int]) -> tuple[str, list[int]]
     return name, [int(b) for b in budgets.split(",")] if budgets else default_budgets
 
 
-def build_method(spec: str, model, tok):
-    """`tailorkv:bits=2,channels=12` -> the configured method; `prepare` runs once (TailorKV's layer split)."""
+def build_method(spec: str, model, tok, model_cfg=None):
+    """`tailorkv:bits=2,channels=12` -> the configured method; `prepare` runs once (TailorKV's layer split, taken
+    from the model config when it lists one, as `configs/method/tailorkv.yaml` does)."""
     name, _, settings = spec.partition(":")
-    kwargs = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (s.split("=") for s in settings.split(",") if s)}
+    kwargs = {k: yaml.safe_load(v) for k, v in (s.split("=") for s in settings.split(",") if s)}
+    if name == "tailorkv" and model_cfg is not None:
+        kwargs.setdefault("quant_layers", model_cfg.get("quant_friendly_layers"))
     method = METHODS[name](**kwargs)
     if hasattr(method, "prepare"):
         print(f"# {spec}: {method.prepare(model, tok)}", flush=True)

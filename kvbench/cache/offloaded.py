@@ -11,6 +11,12 @@ sinks and the recent window of the prompt, `max_t |K|` per channel, and every ge
    sinks + recent + fetched + generated entries. The fetched rows are freed after the step.
 
 Every host->device copy goes through the `TransferLedger`, so the bytes per token are counted, not estimated.
+
+CPU (the reference) runs both stages synchronously. On CUDA the host pool is pinned and `prefetch` runs on a side
+stream that `attend` waits for; the rows are gathered on the host and copied asynchronously (the official code
+gathers with a UVA kernel from DGL, which kvbench does not depend on). Reading the chosen indices back to the host
+makes the host wait for the GPU at each sparse layer, so this path overlaps the copies, not the host's work: its
+latency is an upper bound on what a UVA-gather implementation would reach.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ class OffloadedLayer(KVLayer):
         new.host_keys_t = _to_host(keys.transpose(-1, -2))
         for name, t in (("keys", new.host_keys), ("values", new.host_values), ("keys_transposed", new.host_keys_t)):
             ledger.offloaded(name, t)
+        if keys.is_cuda:  # the host copies were asynchronous: finish them before the CPU gathers read them
+            torch.cuda.current_stream().synchronize()
         new.static_keys = torch.cat([keys[:, :, :start], keys[:, :, n - recent:]], dim=2)
         new.static_values = torch.cat([values[:, :, :start], values[:, :, n - recent:]], dim=2)
         new.abs_max = keys.abs().amax(dim=2)  # [B, H, D], prompt keys only (never updated while decoding)

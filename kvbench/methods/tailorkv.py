@@ -41,10 +41,14 @@ class TailorKV(Method):
     recent_size: int = 56  # recent prompt tokens kept on the device (RULER/InfiniteBench: 64)
     channels: int = 8  # critical channels d_s per KV head for the approximate scores (RULER/InfiniteBench: 12)
     quant_layers: list[int] | None = None  # None: identify on the calibration prompt when the model is loaded
+    channel_query: str = "predicted"  # predicted: q̂ from the previous layer's input (paper); current: the layer's
+    #                                   own query (an oracle ablation: exact channels, no one-layer-ahead prefetch)
 
     phase: ClassVar[Phase] = Phase.DECODE
 
     def __post_init__(self):
+        if self.channel_query not in ("predicted", "current"):
+            raise ValueError(f"tailorkv: channel_query={self.channel_query!r} is not one of predicted, current")
         if self.bits not in (1, 2, 4, 8):
             raise ValueError(f"tailorkv: bits={self.bits!r} is not one of 1, 2, 4, 8 (the paper uses 1 and 2)")
         for name in ("group_size", "residual", "channels"):
@@ -53,8 +57,16 @@ class TailorKV(Method):
         if self.start_size < 0 or self.recent_size < 0:
             raise ValueError("tailorkv: start_size and recent_size must be >= 0")
         if self.quant_layers is not None:
-            self.quant_layers = sorted({int(i) for i in self.quant_layers})
+            if isinstance(self.quant_layers, str) or not all(isinstance(i, int) for i in self.quant_layers):
+                raise ValueError(f"tailorkv: quant_layers={self.quant_layers!r} must be a list of layer indices "
+                                 "(e.g. [0]; [] offloads every layer) or null (identify at load)")
+            self.quant_layers = sorted(set(self.quant_layers))
         self.identification: dict | None = None
+
+    @property
+    def label(self) -> str:
+        """The papers' name of this variant (TailorKV-1 / TailorKV-2), used in manifests and tables."""
+        return f"tailorkv-{self.bits}"
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
@@ -97,7 +109,8 @@ class TailorKV(Method):
             if layer_idx == 0:
                 ledger.begin_step()
             following = layer_idx + 1
-            if following < n_layers and isinstance(layers[following], OffloadedLayer):
+            if self.channel_query == "predicted" and following < n_layers and isinstance(layers[following],
+                                                                                           OffloadedLayer):
                 layers[following].prefetch(capture.predict_query(following, hidden, position_embeddings))
 
         capture.input_hook = before_attention

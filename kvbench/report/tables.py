@@ -16,7 +16,7 @@ import pandas as pd
 # registry name -> name in the papers; the order is the column order of the papers' tables
 METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", "h2o": "H2O",
                 "streamingllm": "StreamingLLM", "adakv": "Ada-KV", "keyformer": "Keyformer", "buzz": "BUZZ",
-                "tailorkv": "TailorKV"}
+                "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2"}
 METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in the papers
 # column -> (header, format); the score column, named after its metric, is "{:.2f}"
 COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("Method", "{}"),

@@ -53,7 +53,8 @@ def test_tailorkv_run_records_the_byte_ledger(tmp_path):
                   "dataset.depth_percents=[50]", results=tmp_path)
     assert out.returncode == 0, out.stderr
     (run_dir,) = run_dirs(tmp_path)
-    assert json.loads((run_dir / "manifest.json").read_text())["method_prepared"]["quant_layers"] == [0]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["method_prepared"]["quant_layers"] == [0] and manifest["method"] == "tailorkv-1"
     (record,) = records(run_dir)
     n, topk, steps = record["prompt_tokens"], 100 - 16, record["new_tokens"] - 1
     fp32_row = 2 * 16 * 4  # 2 KV heads x head_dim 16 x 4 bytes (layer 1 is offloaded)

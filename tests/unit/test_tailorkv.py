@@ -233,6 +233,8 @@ def test_layers_become_quantized_and_offloaded_stores():
 
 @pytest.mark.parametrize("kwargs,budget,message", [
     ({"bits": 3}, 192, "bits=3 is not one of 1, 2, 4, 8"),
+    ({"channel_query": "next"}, 192, "channel_query='next' is not one of predicted, current"),
+    ({"quant_layers": "0"}, 192, "quant_layers='0' must be a list of layer indices"),
     ({}, 64, "budget=64 must exceed start_size + recent_size = 64"),
 ])
 def test_bad_settings_fail_in_one_line(kwargs, budget, message):
