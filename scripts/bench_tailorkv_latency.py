@@ -54,7 +54,7 @@ def main() -> None:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[args.shape]), torch_dtype=dtype,
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[args.shape]), dtype=dtype,
                                                  attn_implementation="sdpa").eval()
     methods = {"full": (Full(), None),
                f"tailorkv-{args.bits}": (TailorKV(bits=args.bits, quant_layers=[0]), 192)}
