@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.generation import generate
 from kvbench.methods.buzz import theorem_ratio
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit.tiny import prompt, tiny_model
+from tests.unit.tiny import attention_function, prompt, tiny_model
 
 N, STEPS, BUDGET, MAX_NEW = 60, 30, 24, 40
 
@@ -121,14 +121,8 @@ class Reference:
             ref.kept[layer] = ref.rule(layer, ref.kept[layer], ref.score[layer], False)
             return out[None, None].to(q.dtype), None
 
-        AttentionInterface.register("test_reference", masked)
-        self.model.set_attn_implementation("test_reference")
-        try:
-            with torch.no_grad():
-                self.model(token, past_key_values=cache, position_ids=torch.tensor([[pos]]))
-        finally:
-            self.model.set_attn_implementation("sdpa")
-            AttentionInterface._global_mapping.pop("test_reference", None)
+        with attention_function(self.model, masked):
+            self.model(token, past_key_values=cache, position_ids=torch.tensor([[pos]]))
         self.history.append(self.snapshot())
 
     def snapshot(self):

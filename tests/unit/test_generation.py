@@ -11,7 +11,7 @@ from kvbench.cache import KVCache
 from kvbench.generation import Sampling, compress, generate, prefill
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit.tiny import prompt, tiny_model
+from tests.unit.tiny import attention_function, prompt, tiny_model
 
 N, NEW = 200, 12
 
@@ -96,14 +96,8 @@ def test_decode_after_eviction_equals_masked_dense_recompute(name, granularity):
     with torch.no_grad():
         reference = DynamicCache()
         model(ids, past_key_values=reference, use_cache=True)  # plain full prefill
-    AttentionInterface.register("test_masked", masked)
-    model.set_attn_implementation("test_masked")
-    try:
-        with torch.no_grad():
-            expected = model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
-    finally:
-        model.set_attn_implementation("sdpa")
-        AttentionInterface._global_mapping.pop("test_masked", None)
+    with attention_function(model, masked):
+        expected = model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
@@ -18,7 +18,7 @@ from kvbench.generation import compress, generate, prefill
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit.tiny import prompt, tiny_model
+from tests.unit.tiny import attention_function, prompt, tiny_model
 
 N, NEW = 200, 8
 H_Q, H_KV, D = 6, 2, 16  # the tiny models' heads
@@ -171,14 +171,8 @@ def test_predicted_query_is_the_next_layers_projection_of_this_input():
         grabbed["q"] = q
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
 
-    AttentionInterface.register("test_grab", grab)
-    model.set_attn_implementation("test_grab")
-    try:
-        with torch.no_grad():
-            attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
-    finally:
-        model.set_attn_implementation("sdpa")
-        AttentionInterface._global_mapping.pop("test_grab", None)
+    with attention_function(model, grab):
+        attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
     torch.testing.assert_close(predicted, grabbed["q"])
 
 
@@ -210,14 +204,8 @@ def test_decode_logits_equal_masked_full_attention_over_the_selection():
     with torch.no_grad():
         reference = DynamicCache()
         model(ids, past_key_values=reference, use_cache=True)
-    AttentionInterface.register("test_tailor_masked", masked)
-    model.set_attn_implementation("test_tailor_masked")
-    try:
-        with torch.no_grad():
-            expected = model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
-    finally:
-        model.set_attn_implementation("sdpa")
-        AttentionInterface._global_mapping.pop("test_tailor_masked", None)
+    with attention_function(model, masked):
+        expected = model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -1,8 +1,10 @@
 """Tiny random GQA models built in-process (no download): Llama, Mistral, Qwen2."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 
@@ -18,3 +20,16 @@ def tiny_model(family: str = "llama", layers: int = 4, attn: str = "sdpa", seed:
 
 def prompt(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@contextmanager
+def attention_function(model, fn, name: str = "test_reference"):
+    """Run `model` with `fn` as its attention function (a test's independent reference), then restore sdpa."""
+    AttentionInterface.register(name, fn)
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.set_attn_implementation("sdpa")
+        AttentionInterface._global_mapping.pop(name, None)
