@@ -12,7 +12,7 @@ does for the model (so SmolLM2 gets its answer-prefix specialization).
 
 A method may carry settings, `name:key=value,...`, and its own budgets after `@`: `tailorkv:bits=2@192,1024`.
 For offloading methods (TailorKV) the table adds host memory and host->device bytes per token from the byte ledger;
-"KV bytes" is then what stays on the device, and "+transient" the largest per-layer working set fetched in a step.
+"KV bytes" is then what stays on the device, and "+transient" adds the most fetched bytes alive at once in a step.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ class TransferLedger:
     def __init__(self):
         self.offload: dict[str, int] = defaultdict(int)  # device -> host at prefill
         self.steps: list[dict[str, int]] = []  # host -> device, one dict per decode step
-        self.transient_peak: list[int] = []  # per step: largest fetched working set of one layer (freed after it)
+        self.transient_peak: list[int] = []  # per step: most fetched bytes alive at once on the device
+        self.held = 0  # fetched bytes alive now: this layer's rows and channel slices, the next layer's slices
 
     def begin_step(self) -> None:
         self.steps.append(dict.fromkeys(H2D, 0))
@@ -44,9 +45,14 @@ class TransferLedger:
             self.steps[-1][category] += rows.numel() * rows.element_size()
         return rows
 
-    def note_transient(self, nbytes: int) -> None:
+    def hold(self, tensor: Tensor) -> None:
+        """A fetched tensor now occupies device memory (until `release`)."""
+        self.held += tensor.numel() * tensor.element_size()
         if self.transient_peak:
-            self.transient_peak[-1] = max(self.transient_peak[-1], nbytes)
+            self.transient_peak[-1] = max(self.transient_peak[-1], self.held)
+
+    def release(self, *tensors: Tensor) -> None:
+        self.held -= sum(t.numel() * t.element_size() for t in tensors)
 
     def summary(self) -> dict:
         """What a prediction record stores: per-step host->device bytes by category, their mean per token, and the
@@ -57,5 +63,6 @@ class TransferLedger:
             "d2h_prefill_bytes": sum(self.offload.values()),
             "h2d_bytes_per_step": per_step,
             "h2d_bytes_per_token": sum(totals) / len(totals) if totals else 0.0,
-            "transient_device_bytes_max": max(self.transient_peak, default=0),
+            "transient_device_bytes_max": max(self.transient_peak, default=0),  # critical slices of two layers
+            #                                                                    (prefetch runs one layer ahead) + rows
         }

@@ -79,6 +79,7 @@ class OffloadedLayer(KVLayer):
         score = group_mean(query, self.abs_max.shape[1]).abs() * self.abs_max.float()
         self.channels = score.topk(self.n_channels, dim=-1).indices  # [B, H, d_s]
         self.critical_keys = self.ledger.transfer(self.host_keys_t, self.channels, self.device, "critical_keys")
+        self.ledger.hold(self.critical_keys)
 
     def attend(self, query: Tensor, scaling: float) -> Tensor:
         """Decode attention of one token `[B, H_q, 1, D]` -> `[B, 1, H_q, D]` over sinks + recent + top-k + generated
@@ -94,8 +95,9 @@ class OffloadedLayer(KVLayer):
             self.selections.append((self.channels.cpu(), top.sort(dim=-1).values.cpu()))
         fetched_k = self.ledger.transfer(self.host_keys, top, self.device, "topk_keys")
         fetched_v = self.ledger.transfer(self.host_values, top, self.device, "topk_values")
-        self.ledger.note_transient(sum(t.numel() * t.element_size() for t in (self.critical_keys, fetched_k,
-                                                                               fetched_v)))
+        self.ledger.hold(fetched_k)
+        self.ledger.hold(fetched_v)
+        self.ledger.release(self.critical_keys, fetched_k, fetched_v)  # freed once this layer has attended
         keys = torch.cat([self.static_keys, fetched_k, self.keys], dim=2)
         values = torch.cat([self.static_values, fetched_v, self.values], dim=2)
         self.channels = self.critical_keys = self.ready = None  # the fetched working set is freed after the step
