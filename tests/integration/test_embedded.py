@@ -70,3 +70,24 @@ def test_loads_from_a_local_directory_with_identical_logits(smollm2):
     ids = torch.tensor([tok("The grass is green. The sky is").input_ids])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_tailorkv_fetching_every_token_reproduces_full_and_default_holds_little(smollm2, needle_2k):
+    """On the real model: top-k covering the prompt with all 64 channels and no quantized layer gives full's
+    tokens; the default TailorKV-2 (192 = 8 + 56 + 128) keeps < 4 % of the fp32 KV on the device at 2k."""
+    from kvbench.methods.tailorkv import TailorKV
+
+    model, tok = smollm2
+    ids = torch.tensor([tok(needle_2k.prompt).input_ids])
+    full = run(smollm2, needle_2k, "full", None)
+    results = {}
+    for name, method, budget in (("exact", TailorKV(quant_layers=[], channels=64), ids.shape[1]),
+                                 ("default", TailorKV(bits=2, quant_layers=[0]), 192)):
+        with AttentionCapture(model) as capture:
+            results[name] = generate(model, tok, method, capture, ids, budget, needle_2k.max_new_tokens,
+                                     needle_2k.stop)
+    assert results["exact"].token_ids == full.token_ids
+    default = results["default"]
+    assert default.kv_bytes < 0.04 * default.full_kv_bytes
+    assert sum(default.kv_bytes_per_layer[1:]) == 29 * (2 * 3 * 64 * 64 * 4 + 3 * 64 * 4)  # sinks+recent, max|K|
+    assert default.host_kv_bytes == pytest.approx(1.5 * default.full_kv_bytes * 29 / 30)
