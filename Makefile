@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
+.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -70,6 +70,23 @@ bench: setup  ## prefill / compress / decode time and KV bytes per method at 4k 
 tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy, device/host bytes, H2D bytes per token
 	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \
 		--methods snapkv@64,128,256 tailorkv@192 tailorkv:bits=2@192
+
+TAILORKV_LB := -m dataset=longbench_tailorkv model=llama3_1_8b_instruct
+tailorkv-longbench: setup  ## TailorKV Table 14 (GPU + data/longbench): full, StreamingLLM 64+128, SnapKV 128+64, TailorKV-1/2 at 192
+	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=full
+	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=streamingllm budget=192 method.n_sink=64
+	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=snapkv budget=192 method.window=64
+	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=tailorkv budget=192 method.bits=1,2
+	$(PYTHON) -m kvbench.report results/longbench_tailorkv --out results/report
+
+TAILORKV_RULER := -m dataset=ruler dataset.lengths=[65536,131072] dataset.num_samples=25 model=llama3_1_8b_instruct
+tailorkv-ruler: setup  ## TailorKV Table 16 (GPU): RULER 64k/128k, budget 1024 (TailorKV 128+896, d_s 12)
+	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=full
+	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=streamingllm budget=1024 method.n_sink=128
+	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=snapkv budget=1024 method.window=128
+	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=tailorkv budget=1024 method.bits=1,2 method.start_size=64 \
+		method.recent_size=64 method.channels=12
+	$(PYTHON) -m kvbench.report results/ruler --out results/report
 
 tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedded model (per-layer scores + split)
 	$(PYTHON) -m kvbench.methods.tailorkv_layers

@@ -1,4 +1,4 @@
-"""Write configs/dataset/longbench{,_all,_e}.yaml from the task table in kvbench/data/longbench_prompts.py.
+"""Write configs/dataset/longbench{,_all,_e,_tailorkv}.yaml from the task table in kvbench/data/longbench_prompts.py.
 
     python scripts/gen_longbench_configs.py           # rewrite the three files
     python scripts/gen_longbench_configs.py --check   # exit 1 if a file is out of date (a unit test runs this)
@@ -24,6 +24,7 @@ TITLES = {
     "longbench": "LongBench v1: the 16 English + code tasks of SnapKV / PyramidKV / Ada-KV, in their column order.",
     "longbench_all": "LongBench v1: all 21 tasks (14 English, 5 Chinese, 2 code), in LongBench's pred.py order.",
     "longbench_e": "LongBench-E: 13 tasks, length-uniform samples ({task}_e.jsonl), scored in 0-4k/4-8k/8k+ buckets.",
+    "longbench_tailorkv": "LongBench v1: TailorKV's 13 English + code tasks (Tables 3 and 14), in its column order.",
 }
 
 
