@@ -44,6 +44,7 @@ class Generation:
     kept_per_head: list[list[int]]
     timings: dict[str, float] = field(default_factory=dict)
     kv_bytes_per_layer: list[int] = field(default_factory=list)  # device-resident, after compression
+    kv_bytes_per_layer_final: list[int] = field(default_factory=list)  # and at the end of decoding
     host_kv_bytes: int = 0  # offloaded to host memory (TailorKV's sparse layers)
     transfers: dict | None = None  # the byte ledger's summary, for offloading methods
 
@@ -209,7 +210,8 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
                       {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,
                        "decode_tok_s": (n_steps / (t3 - t2)) if n_steps and t3 > t2 else 0.0},
-                      per_layer, cache.host_nbytes(), ledger.summary() if ledger is not None else None)
+                      per_layer, [layer.nbytes() for layer in cache.layers], cache.host_nbytes(),
+                      ledger.summary() if ledger is not None else None)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -221,7 +221,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                 "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
                 "kept_head_stats": gen.kept_head_stats,
                 "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
-                "kv_bytes_per_layer": gen.kv_bytes_per_layer, "host_kv_bytes": gen.host_kv_bytes,
+                "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
+                "host_kv_bytes": gen.host_kv_bytes,
                 "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
                 **({"transfers": gen.transfers} if gen.transfers is not None else {}),
             })

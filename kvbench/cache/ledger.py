@@ -22,11 +22,13 @@ class TransferLedger:
         self.offload: dict[str, int] = defaultdict(int)  # device -> host at prefill
         self.steps: list[dict[str, int]] = []  # host -> device, one dict per decode step
         self.transient_peak: list[int] = []  # per step: most fetched bytes alive at once on the device
+        self.resident: list[int] = []  # per step: KV bytes resident on the device when the step begins
         self.held = 0  # fetched bytes alive now: this layer's rows and channel slices, the next layer's slices
 
-    def begin_step(self) -> None:
+    def begin_step(self, resident_bytes: int) -> None:
         self.steps.append(dict.fromkeys(H2D, 0))
         self.transient_peak.append(0)
+        self.resident.append(resident_bytes)
 
     def offloaded(self, category: str, tensor: Tensor) -> None:
         self.offload[category] += tensor.numel() * tensor.element_size()
@@ -63,6 +65,7 @@ class TransferLedger:
             "d2h_prefill_bytes": sum(self.offload.values()),
             "h2d_bytes_per_step": per_step,
             "h2d_bytes_per_token": sum(totals) / len(totals) if totals else 0.0,
+            "device_bytes_per_step": self.resident,
             "transient_device_bytes_max": max(self.transient_peak, default=0),  # critical slices of two layers
             #                                                                    (prefetch runs one layer ahead) + rows
         }

@@ -107,7 +107,7 @@ class TailorKV(Method):
 
         def before_attention(layer_idx, hidden, position_embeddings):
             if layer_idx == 0:
-                ledger.begin_step()
+                ledger.begin_step(sum(layer.nbytes() for layer in layers))
             following = layer_idx + 1
             if self.channel_query == "predicted" and following < n_layers and isinstance(layers[following],
                                                                                            OffloadedLayer):

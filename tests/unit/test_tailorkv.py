@@ -147,6 +147,11 @@ def test_ledger_counts_equal_closed_form_bytes():
     assert gen.host_kv_bytes == sparse * 3 * H_KV * N * D * 4
     device = sparse * (2 * H_KV * 16 * D * 4 + H_KV * D * 4)  # sinks + recent, max|K|
     assert sum(gen.kv_bytes_per_layer[1:]) == device
+    per_token = 2 * H_KV * D * 4  # each generated token stays on the device in every sparse layer
+    assert sum(gen.kv_bytes_per_layer_final[1:]) == device + sparse * steps * per_token
+    resident = ledger["device_bytes_per_step"]
+    assert resident[0] == gen.kv_bytes and len(resident) == steps
+    assert all(b - a >= sparse * per_token for a, b in zip(resident, resident[1:]))  # grows by a token each step
     # the 1-bit layer (residual 128): keys 128 quantized + 72 fp32, values 72 quantized + 128 fp32
     key_bytes = 128 * H_KV * D // 8 + H_KV * D * (128 // 64) * 2 * 2 + 72 * H_KV * D * 4
     value_bytes = 72 * H_KV * D // 8 + 72 * H_KV * 1 * 2 * 2 + 128 * H_KV * D * 4  # one group of D=16 per token
