@@ -87,6 +87,15 @@ class KVLayer(DynamicLayer):
         return [self.keys.shape[-2]] * self.keys.shape[1]
 
 
+def dense_decode_attention(query: Tensor, keys: Tensor, values: Tensor, scaling: float) -> Tensor:
+    """One query token over `[B, H_kv, T, D]` K/V, GQA-grouped (query head h*G+g reads KV head h); fp32 math.
+    Returns `[B, 1, H_q, D]` in the query's dtype, the layout transformers' attention functions return."""
+    b, h_q, _, d = query.shape
+    q = query.float().reshape(b, keys.shape[1], -1, d)  # [B, H, G, D]
+    probs = (q @ keys.float().transpose(-1, -2) * scaling).softmax(dim=-1)
+    return (probs @ values.float()).reshape(b, 1, h_q, d).to(query.dtype)
+
+
 class KVCache(Cache):
     """A list of `KVLayer`s, one per decoder layer (created lazily on first update)."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.kv_cache import KVLayer, dense_decode_attention
 from kvbench.cache.ledger import TransferLedger
 
 
@@ -125,15 +125,6 @@ class OffloadedLayer(KVLayer):
         """Entries each head attends per step: sinks + recent + top-k + generated."""
         attended = self.static_keys.shape[2] + self.n_topk + self.keys.shape[2]
         return [attended] * self.static_keys.shape[1]
-
-
-def dense_decode_attention(query: Tensor, keys: Tensor, values: Tensor, scaling: float) -> Tensor:
-    """One query token over `[B, H_kv, T, D]` K/V, GQA-grouped (query head h*G+g reads KV head h); fp32 math.
-    Returns `[B, 1, H_q, D]` in the query's dtype, the layout transformers' attention functions return."""
-    b, h_q, _, d = query.shape
-    q = query.float().reshape(b, keys.shape[1], -1, d)  # [B, H, G, D]
-    probs = (q @ keys.float().transpose(-1, -2) * scaling).softmax(dim=-1)
-    return (probs @ values.float()).reshape(b, 1, h_q, d).to(query.dtype)
 
 
 def group_mean(query: Tensor, n_kv_heads: int) -> Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.kv_cache import KVLayer, dense_decode_attention
 
 BITS = (1, 2, 4, 8)
 
@@ -154,19 +154,13 @@ class QuantizedLayer(KVLayer):
 
     def attend(self, query: Tensor, scaling: float) -> Tensor:
         """Decode attention of one token `[B, H_q, 1, D]` -> `[B, 1, H_q, D]` (query head h*G+g reads KV head h).
-        Keys and values split quantized/residual at different tokens, so the softmax runs over all T tokens in order
-        and the probabilities are split again at the value boundary. fp32 math."""
-        b, h_q, _, d = query.shape
-        q = query.float().reshape(b, self.keys.shape[1], -1, d)  # [B, H, G, D]
-        logits = q @ self.keys.float().transpose(-1, -2)
-        if self.k_quant is not None:
-            logits = torch.cat([q @ self.k_quant.dequantize(), logits], dim=-1)  # quantized keys are [B, H, D, T]
-        probs = (logits * scaling).softmax(dim=-1)  # [B, H, G, T]
-        n_vq = probs.shape[-1] - self.values.shape[-2]
-        out = probs[..., n_vq:] @ self.values.float()
+        Keys and values split quantized/residual at different tokens; each side is reassembled in token order."""
+        keys, values = self.keys.float(), self.values.float()  # fp32 math
+        if self.k_quant is not None:  # quantized keys are stored [B, H, D, T]
+            keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2), keys], dim=-2)
         if self.v_quant is not None:
-            out = out + probs[..., :n_vq] @ self.v_quant.dequantize()
-        return out.reshape(b, 1, h_q, d).to(query.dtype)
+            values = torch.cat([self.v_quant.dequantize(), values], dim=-2)
+        return dense_decode_attention(query, keys, values, scaling)
 
     def keep(self, idx: Tensor) -> None:
         raise NotImplementedError("cache: a quantized layer keeps every token; eviction does not apply")

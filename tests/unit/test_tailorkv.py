@@ -119,14 +119,14 @@ def test_budget_covering_the_prompt_equals_full_cache():
 
 def test_quantized_layers_stay_close_and_the_first_token_is_exact():
     model, ids = tiny_model("llama"), prompt(N)
-    full, full_logits = run(model, ids, None)
+    _, full_logits = run(model, ids, None)
     for bits, tol in ((8, 2e-2), (2, None)):
-        gen, logits = run(model, ids, N, quant_layers=[0, 1], bits=bits, residual=64, start_size=4,
+        _, logits = run(model, ids, N, quant_layers=[0, 1], bits=bits, residual=64, start_size=4,
                           recent_size=12, channels=D)
         assert torch.equal(logits[0], full_logits[0])  # prefill is exact
         if tol is not None:
             torch.testing.assert_close(logits[1], full_logits[1], rtol=tol, atol=tol)
-        assert isinstance(gen, type(full)) and not torch.equal(logits[1], full_logits[1])
+        assert not torch.equal(logits[1], full_logits[1])  # decoding really reads the quantized layers
 
 
 def test_ledger_counts_equal_closed_form_bytes():
