@@ -105,12 +105,17 @@ class TailorKV(Method):
                                                       budget - self.start_size - self.recent_size, self.channels,
                                                       ledger)
 
+        predictable = {i for i, module in capture.attention_modules.items() if hasattr(module, "q_proj")
+                       and self.channel_query == "predicted"}
+        if self.channel_query == "predicted" and len(predictable) < n_layers:
+            logger.warning("tailorkv: %d attention modules have no q_proj (fused QKV?); their layers pick channels "
+                           "from their own query", n_layers - len(predictable))
+
         def before_attention(layer_idx, hidden, position_embeddings):
             if layer_idx == 0:
                 ledger.begin_step(sum(layer.nbytes() for layer in layers))
             following = layer_idx + 1
-            if self.channel_query == "predicted" and following < n_layers and isinstance(layers[following],
-                                                                                           OffloadedLayer):
+            if following in predictable and isinstance(layers[following], OffloadedLayer):
                 layers[following].prefetch(capture.predict_query(following, hidden, position_embeddings))
 
         capture.input_hook = before_attention

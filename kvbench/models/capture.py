@@ -52,7 +52,7 @@ class AttentionCapture:
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
         self.attention_modules = {m.layer_idx: m for m in model.modules()
-                                  if hasattr(m, "q_proj") and hasattr(m, "layer_idx")}
+                                  if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
         self._handles: list = []
 
     def reset(self) -> None:
