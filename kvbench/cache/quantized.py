@@ -177,10 +177,5 @@ class QuantizedLayer(KVLayer):
         quant = sum(q.nbytes() for q in (self.k_quant, self.v_quant) if q is not None)
         return quant + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
-    def full_precision_bytes(self) -> int:
-        """What the same tokens would take unquantized in the layer's dtype (for reporting the compression)."""
-        b, h, _, d = self.keys.shape
-        return 2 * b * h * self.get_seq_length() * d * self.keys.element_size()
-
     def entries_per_head(self) -> list[int]:
         return [self.get_seq_length()] * self.keys.shape[1]

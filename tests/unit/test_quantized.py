@@ -207,6 +207,5 @@ def test_nbytes_by_hand():
     residual = 2 * 128 * 64 * 2  # 128 fp16 value tokens (the key residual is empty)
     assert (keys, values, residual) == (6144, 3072, 32768)
     assert layer.nbytes() == keys + values + residual
-    assert layer.full_precision_bytes() == 2 * h * n * d * 2 == src.nbytes()
     assert layer.entries_per_head() == [256, 256] and layer.get_seq_length() == 256
     assert layer.get_mask_sizes(1) == (257, 0)
