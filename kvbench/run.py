@@ -151,14 +151,69 @@ def encode(tokenizer, prompt: str, spec) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
+def prompt_ids(sample, tokenizer, spec) -> list[int]:
+    """The token ids a sample runs with: the builder's own (benchmark truncation) or the model's policy, middle-cut."""
+    if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
+        return list(sample.input_ids)
+    ids = encode(tokenizer, sample.prompt, spec)
+    if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
+        half = spec.max_prompt_tokens // 2
+        ids = ids[:half] + ids[-half:]
+    return ids
+
+
+def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
+               sampling) -> dict:
+    """Generate one sample and score it: the prediction record that goes into predictions.jsonl."""
+    import torch
+
+    from kvbench.generation import generate
+    from kvbench.store import sha256_text
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    device = next(model.parameters()).device
+    gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                   sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions,
+                   seed=cfg.seed + int(sha256_text(sample.id)[:8], 16),  # per sample, order-free
+                   stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
+    scores = dataset.score(sample, gen.text)
+    return {
+        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
+        "prediction": gen.text, "references": sample.answers,
+        "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
+        "new_tokens": len(gen.token_ids), "budget": budget,
+        "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
+        "kept_head_stats": gen.kept_head_stats,
+        "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
+        "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
+        "host_kv_bytes": gen.host_kv_bytes,
+        "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
+        **({"transfers": gen.transfers} if gen.transfers is not None else {}),
+    }
+
+
+def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_name: str, method_name: str,
+                 cfg: DictConfig, spec) -> dict:
+    """scores.json over the records of this run's samples (written atomically); returns it."""
+    from kvbench.store import aggregate, write_json_atomic
+
+    ids_now = {s.id for s in samples}
+    finished = [r for r in records if r["id"] in ids_now]
+    summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+               "model": spec.name, "primary_metric": dataset.primary_metric, **aggregate(finished),
+               **dataset.summarize(finished)}
+    write_json_atomic(run_dir / "scores.json", summary)
+    return summary
+
+
 def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated."""
-    import torch
     from tqdm import tqdm
 
-    from kvbench.generation import Sampling, generate
+    from kvbench.generation import Sampling
     from kvbench.models import AttentionCapture, load
-    from kvbench.store import RunStore, aggregate, sha256_text, write_json_atomic
+    from kvbench.store import RunStore, sha256_text
 
     method, dataset, spec = job or setup(cfg)
     choices = _choices()
@@ -189,50 +244,19 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
                 len(samples), len(samples) - len(todo))
     sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
-    device = next(model.parameters()).device
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
     with AttentionCapture(model, window=window) as capture:
         for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name):
-            if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
-                ids = list(sample.input_ids)
-            else:
-                ids = encode(tokenizer, sample.prompt, spec)
-                if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
-                    half = spec.max_prompt_tokens // 2
-                    ids = ids[:half] + ids[-half:]
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
+            ids = prompt_ids(sample, tokenizer, spec)
             budget = sample_budget(cfg, len(ids))
             if cfg.ratio is not None:
                 try:
                     method.check_budget(budget)
                 except ValueError as e:  # finished samples are already on disk
                     sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
-            gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
-                           sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions,
-                           seed=cfg.seed + int(sha256_text(sample.id)[:8], 16),  # per sample, order-free
-                           stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
-            scores = dataset.score(sample, gen.text)
-            store.append({
-                "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
-                "prediction": gen.text, "references": sample.answers,
-                "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
-                "new_tokens": len(gen.token_ids), "budget": budget,
-                "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
-                "kept_head_stats": gen.kept_head_stats,
-                "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
-                "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
-                "host_kv_bytes": gen.host_kv_bytes,
-                "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
-                **({"transfers": gen.transfers} if gen.transfers is not None else {}),
-            })
+            store.append(run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling))
     store.close()
-    ids_now = {s.id for s in samples}
-    finished = [r for r in store.records if r["id"] in ids_now]
-    summary = {"dataset": choices["dataset"], "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
-               "model": spec.name, "primary_metric": dataset.primary_metric, **aggregate(finished),
-               **dataset.summarize(finished)}
-    write_json_atomic(run_dir / "scores.json", summary)
+    summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))
     store.write_json("manifest.json", info)
