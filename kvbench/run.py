@@ -201,7 +201,8 @@ def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_n
     ids_now = {s.id for s in samples}
     finished = [r for r in records if r["id"] in ids_now]
     summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
-               "model": spec.name, "primary_metric": dataset.primary_metric, **aggregate(finished),
+               "model": spec.name, "primary_metric": dataset.primary_metric,
+               **aggregate(finished, getattr(dataset, "corpus_metrics", None)),
                **dataset.summarize(finished)}
     write_json_atomic(run_dir / "scores.json", summary)
     return summary

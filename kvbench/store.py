@@ -101,8 +101,14 @@ class RunStore:
         return json.loads(path.read_text()) if path.exists() else None
 
 
-def aggregate(records: Iterable[dict]) -> dict:
-    """Means over samples of every metric and of the accounting fields (the body of scores.json)."""
+def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> dict:
+    """Means over samples of every metric and of the accounting fields (the body of scores.json).
+
+    `stats` adds each metric's standard error and n (kvbench.stats.metric_stats), and the dataset's corpus-level
+    metrics (not means over samples) with a seeded bootstrap se; `metrics` stays {metric: mean} for old readers.
+    """
+    from kvbench.stats import metric_stats
+
     records = list(records)
     if not records:
         return {"n": 0, "metrics": {}}
@@ -111,10 +117,13 @@ def aggregate(records: Iterable[dict]) -> dict:
         return sum(r[key] for r in records) / len(records)
 
     metrics = sorted({m for r in records for m in r.get("scores", {})})
+    stats = metric_stats(records, corpus_metrics)
     full = mean("full_kv_bytes")
     return {
         "n": len(records),
-        "metrics": {m: sum(r["scores"][m] for r in records) / len(records) for m in metrics},
+        "metrics": {m: sum(r["scores"][m] for r in records) / len(records) for m in metrics}
+        | {m: s["mean"] for m, s in stats.items() if m not in metrics},
+        "stats": stats,
         "kv_bytes_mean": mean("kv_bytes"),
         "full_kv_bytes_mean": full,
         "kv_ratio": mean("kv_bytes") / full if full else None,

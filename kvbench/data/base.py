@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class Dataset:
 
     version: str = "0"
     primary_metric: str = ""
+    # scores that are not means over samples (name -> kvbench.stats.CorpusMetric, e.g. BUZZ's geometric-mean ROUGE):
+    # scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
+    corpus_metrics: ClassVar[Mapping] = {}
 
     def build(self, tokenizer, max_prompt_tokens: int, chat_template: bool = False) -> list[Sample]:
         """Samples for this tokenizer. `chat_template` is the model config's policy; builders that set

@@ -42,6 +42,7 @@ from kvbench.data.longbench_prompts import (
 )
 from kvbench.metrics.longbench import CODE_SIM_BACKENDS, PAIR_SCORERS, best_over_references
 from kvbench.registry import DATASETS, unknown_choice
+from kvbench.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ def summarize_longbench(records: list[dict], order: list[str] | None = None) -> 
     - `avg`: the KV papers' "Avg.", the plain mean of the task scores present;
     - `categories`: LongBench's leaderboard, per language ("en", "zh"; code counts for both): the mean of each
       category's tasks and `Avg` = the mean of the categories present;
+    - `tasks_se`, `avg_se`, `categories_se`: standard errors on the same x100 scale (`longbench_se`);
     - `e_buckets` / `e_avg` (LongBench-E files only): per task the 0-4k / 4-8k / 8k+ scores of `scorer_e`, and
       their mean over tasks per bucket (the README's curve).
     """
@@ -292,9 +294,33 @@ def summarize_longbench(records: list[dict], order: list[str] | None = None) -> 
             per_cat = {c: v for c, v in per_cat.items() if v is not None}
             categories[lang] = {**per_cat, "Avg": _mean(list(per_cat.values()))}
     out["categories"] = categories
+    out.update(longbench_se(groups, tasks, categories))
     e_stems = [t for t in stems if t != base_task(t)]
     if e_stems:
         out["e_buckets"] = {t: bucket_scores([r["score"] for r in groups[t]], [r["meta"]["length"] for r in groups[t]])
                             for t in e_stems}
         out["e_avg"] = {b: _mean([out["e_buckets"][t][b] for t in e_stems]) for b in E_BUCKETS}
     return out
+
+
+def _se(ses: list[float | None]) -> float | None:
+    """se of the plain mean of independent means (kvbench.stats.combine_se), rounded like the scores' se."""
+    se = combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
+    return None if se is None else round(se, 4)
+
+
+def longbench_se(groups: dict[str, list[dict]], tasks: dict[str, float], categories: dict[str, dict]) -> dict:
+    """Standard errors beside `tasks`, `avg` and `categories`, x100 like them: per task sd / sqrt(n) of its samples'
+    scores; an average of task means gets sqrt(sum_t se_t^2) / T, the se of that mean of samples (kvbench.stats)."""
+    se = {t: mean_se(r["score"] for r in groups[t]).scaled(100).se for t in tasks}
+    cats_se = {}
+    for lang, block in categories.items():
+        members = {c: [t for t in tasks if TASKS[base_task(t)].category == c and TASKS[base_task(t)].lang in
+                       (lang, "code")] for c in block if c != "Avg"}
+        cats_se[lang] = {c: _se([se[t] for t in ts]) for c, ts in members.items()}
+        # Avg = mean over categories of category means: task t weighs 1 / (n_categories * n_tasks_in_its_category)
+        weights = [(se[t], 1 / (len(members) * len(ts))) for ts in members.values() for t in ts]
+        avg = combine_se([s for s, _ in weights], [w for _, w in weights]) if weights else None
+        cats_se[lang]["Avg"] = None if avg is None else round(avg, 4)
+    return {"tasks_se": {t: None if v is None else round(v, 4) for t, v in se.items()},
+            "avg_se": _se(list(se.values())), "categories_se": cats_se}

@@ -225,6 +225,23 @@ def test_summarize_tasks_avg_categories():
                                        "Avg": round((50 + 33.33 + 50) / 3, 2)}
     assert out["categories"]["zh"] == {"Single-Doc. QA": 25.0, "Code": 50.0, "Avg": 37.5}
     assert "e_buckets" not in out
+    # qasper 1 and 0: se = 50 (x100); the single-sample tasks have none, so no average has one
+    assert out["tasks_se"] == {"trec": None, "qasper": 50.0, "lcc": None, "multifieldqa_zh": None}
+    assert out["avg_se"] is None and out["categories_se"]["en"]["Single-Doc. QA"] == 50.0
+
+
+def test_summarize_longbench_se_of_averages_by_hand():
+    records = [rec("qasper", s, i) for i, s in enumerate([1.0, 0.0])] + \
+              [rec("trec", s, i) for i, s in enumerate([1.0, 1.0, 0.0, 0.0])] + \
+              [rec("samsum", s, i) for i, s in enumerate([0.5, 0.3])]
+    out = summarize_longbench(records)
+    # per task se x100: qasper 50, trec sqrt(1/3)/2 = 28.8675, samsum 0.1414/sqrt(2) = 10
+    assert out["tasks_se"] == {"qasper": 50.0, "samsum": 10.0, "trec": 28.8675}
+    trec_var = 10000 / 12                     # (100 * sqrt(1/3) / 2)^2
+    assert out["avg_se"] == pytest.approx((2500 + trec_var + 100) ** 0.5 / 3, abs=1e-4)   # not (50+28.9+10)/3
+    # en categories: Single-Doc. QA = qasper, Few-shot = trec and samsum; Avg = mean of the two category means
+    assert out["categories_se"]["en"]["Few-shot Learning"] == pytest.approx((trec_var + 100) ** 0.5 / 2, abs=1e-4)
+    assert out["categories_se"]["en"]["Avg"] == pytest.approx((2500 / 4 + trec_var / 16 + 100 / 16) ** 0.5, abs=1e-4)
 
 
 def test_summarize_longbench_e_buckets():

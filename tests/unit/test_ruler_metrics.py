@@ -64,10 +64,16 @@ def test_summarize_per_task_per_length_and_average():
     out = ds.summarize(records)["ruler"]
     assert out["code"] == "NVIDIA/RULER@c5341b4" and out["version"] == "2024-12.1" and out["skipped"] == {}
     at4k = out["lengths"]["4096"]
-    assert at4k["tasks"]["niah_single_1"] == {"score": 50.0, "nulls": "1/2", "n": 2, "metric": "string_match_all"}
+    # per-sample scores 1 and 0: sd = sqrt(1/2), se = sd / sqrt(2) = 0.5, x100
+    assert at4k["tasks"]["niah_single_1"] == {"score": 50.0, "nulls": "1/2", "n": 2, "metric": "string_match_all",
+                                              "se": 50.0}
     assert at4k["tasks"]["vt"]["score"] == round((2 / 3 + 1 / 2) / 2 * 100, 2) == 58.33
     assert at4k["tasks"]["qa_2"]["metric"] == "string_match_part" and at4k["tasks"]["qa_2"]["score"] == 50.0
     assert list(at4k["tasks"]) == ["niah_single_1", "vt", "qa_2"]           # RULER's task order
     assert at4k["average"] == round((50 + 58.33 + 50) / 3, 2) and at4k["n_tasks"] == 3
     assert out["lengths"]["8192"]["average"] == 100.0
     assert out["average"] == round((at4k["average"] + 100.0) / 2, 2)
+    # vt: 2/3 and 1/2 -> se = |2/3 - 1/2| / 2 = 1/12; qa_2: 1 and 0 -> 0.5; the average's se = sqrt(sum se^2) / 3
+    assert at4k["tasks"]["vt"]["se"] == round(100 / 12, 4)
+    assert at4k["average_se"] == round(100 * (0.25 + 1 / 144 + 0.25) ** 0.5 / 3, 4)
+    assert out["lengths"]["8192"]["average_se"] is None and out["average_se"] is None   # one sample: no se

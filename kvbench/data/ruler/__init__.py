@@ -33,6 +33,7 @@ from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLA
                                           task_metric, tokens_to_generate)
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.registry import DATASETS, unknown_choice
+from kvbench.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,8 @@ class Ruler(Dataset):
 
     def summarize(self, records: list[dict]) -> dict:
         """RULER's summary: per length, each task's score (upstream's batched metric and rounding) and Nulls
-        (empty predictions / n); the length's average over its tasks; the average over lengths; skipped tasks."""
+        (empty predictions / n); the length's average over its tasks; the average over lengths; skipped tasks.
+        Each score has its standard error beside it (`se`, `average_se`), x100 like the score."""
         groups: dict[int, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         for r in records:
             groups[int(r["meta"]["length"])][r["meta"]["task"]].append(r)
@@ -234,10 +236,28 @@ class Ruler(Dataset):
                 metric = task_metric(task)
                 tasks[task] = {"score": task_score(metric, preds, [r["references"] for r in rs]),
                                "nulls": f"{sum(len(p) == 0 for p in preds)}/{len(preds)}", "n": len(rs),
-                               "metric": metric}
+                               "metric": metric, "se": _se100(mean_se(_SAMPLE_METRIC[metric](p, r["references"])
+                                                                      for p, r in zip(preds, rs)).se)}
             average = round(sum(t["score"] for t in tasks.values()) / len(tasks), 2)
-            per_length[str(length)] = {"tasks": tasks, "average": average, "n_tasks": len(tasks)}
+            per_length[str(length)] = {"tasks": tasks, "average": average, "n_tasks": len(tasks),
+                                       "average_se": _se_of_mean([t["se"] for t in tasks.values()])}
         overall = (round(sum(v["average"] for v in per_length.values()) / len(per_length), 2) if per_length
                    else None)
+        overall_se = _se_of_mean([v["average_se"] for v in per_length.values()]) if per_length else None
         return {"ruler": {"code": self.code, "version": self.version, "model_template": self.model_template,
-                          "lengths": per_length, "average": overall, "skipped": dict(self.skipped)}}
+                          "lengths": per_length, "average": overall, "average_se": overall_se,
+                          "skipped": dict(self.skipped)}}
+
+
+_SAMPLE_METRIC = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
+def _se100(se: float | None) -> float | None:
+    """A per-task se (sd / sqrt(n) of the samples' scores in [0, 1]) on the x100 scale of RULER's scores."""
+    return None if se is None else round(100 * se, 4)
+
+
+def _se_of_mean(ses: list[float | None]) -> float | None:
+    """The se of an average of independent task (or length) means: sqrt(sum se^2) / count (kvbench.stats)."""
+    se = combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
+    return None if se is None else round(se, 4)
