@@ -86,18 +86,21 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     shift = (lambda layer: shift_to_slots(layer, inv_freq)) if inv_freq is not None else None
     if state is not None:
         state.on_evict = shift
+        fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
         for layer_idx, layer in enumerate(cache.layers):
-            state.prefill(layer_idx, layer, capture.column_sums[layer_idx])
+            if layer_idx not in fixed:
+                state.prefill(layer_idx, layer, capture.column_sums[layer_idx])
         capture.reset()
         capture.cache = cache
         if method.evicts_while_decoding:
-            capture.decode_hook = lambda i, query, key, scaling: state.decode(i, cache.layers[i], query, key, scaling)
+            capture.decode_hook = lambda i, query, key, scaling: (
+                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling))
         return None
     n_layers = len(cache.layers)
     prompt_len = cache.layers[0].keys.shape[-2]
     budgets = method.layer_budgets(prompt_len, n_layers, budget)
     for layer_idx, (layer, n_keep) in enumerate(zip(cache.layers, budgets)):
-        if n_keep >= prompt_len:
+        if n_keep >= prompt_len or layer_idx in capture.window_layers:
             continue
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0))
@@ -194,7 +197,7 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     if isinstance(method, DecodingMethod):
         state = method.start(prompt_len, budget, max_new_tokens, seed)
         capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
-    inv_freq = model_inv_freq(model) if positions == "shift" else None
+    inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     t1 = time.perf_counter()

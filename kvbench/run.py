@@ -64,7 +64,7 @@ def setup(cfg: DictConfig):
     from hydra.utils import instantiate
 
     from kvbench import methods  # noqa: F401  (registers the built-in methods)
-    from kvbench.models.loader import ModelSpec
+    from kvbench.models.loader import ModelSpec, check_architecture
 
     def build(node, what):
         try:
@@ -80,6 +80,9 @@ def setup(cfg: DictConfig):
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     if cfg.positions not in ("original", "shift"):
         raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
+    adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
+    if adapter is not None and cfg.positions == "shift":
+        adapter.check_shift()
     if cfg.ratio is not None:
         if not 0 <= cfg.ratio < 1:
             raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")

@@ -2,8 +2,9 @@
 
 Keys are cached after RoPE at their recorded positions p. Rotations compose, R(slot) = R(slot - p) R(p), so
 rotating a cached key by (slot - p) places it at its slot without recomputing it. Afterwards the layer's positions
-are the slots 0..T-1, and the next token goes at position T (the cache length). Uses the model's `inv_freq`; RoPE
-variants with an attention scaling factor other than 1 (YaRN, LongRoPE) are not supported.
+are the slots 0..T-1, and the next token goes at position T (the cache length). Uses the model's `inv_freq` (found
+by its family adapter) and rotates only the rotary dims (partial rotary); RoPE variants with an attention scaling
+factor other than 1 (YaRN, LongRoPE) are not supported.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def shift_to_slots(layer: KVLayer, inv_freq: Tensor) -> None:
-    """Re-rotate `layer`'s keys from their recorded positions to slots 0..T-1 and record the slots."""
+    """Re-rotate `layer`'s keys from their recorded positions to slots 0..T-1 and record the slots. Only the first
+    `2 * len(inv_freq)` dims rotate (partial rotary, GPT-NeoX / Phi); the rest carry no position."""
     if getattr(layer, "is_varlen", False):
         raise NotImplementedError("positions=shift: per-head variable layers are not supported")
     t = layer.keys.shape[-2]
@@ -27,16 +29,15 @@ def shift_to_slots(layer: KVLayer, inv_freq: Tensor) -> None:
     delta = (slots - layer.positions).to(torch.float32)  # [B, H, T], <= 0
     if bool((delta == 0).all()):
         return
-    angles = delta[..., None] * inv_freq.to(layer.keys.device).float()  # [B, H, T, D/2]
+    angles = delta[..., None] * inv_freq.to(layer.keys.device).float()  # [B, H, T, R/2]
     angles = torch.cat([angles, angles], dim=-1)
+    rot = angles.shape[-1]
     keys = layer.keys.float()
-    layer.keys = (keys * angles.cos() + rotate_half(keys) * angles.sin()).to(layer.keys.dtype)
+    head = keys[..., :rot] * angles.cos() + rotate_half(keys[..., :rot]) * angles.sin()
+    layer.keys = torch.cat([head, keys[..., rot:]], dim=-1).to(layer.keys.dtype)
     layer.positions = slots.expand_as(layer.positions).clone()
 
 
-def model_inv_freq(model) -> Tensor:
-    """The rotary inverse frequencies of a Llama-family model (one rotary module shared by all layers)."""
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise ValueError("positions=shift needs a RoPE model with plain rotary embeddings (Llama, Mistral, Qwen2)")
-    return rotary.inv_freq
+def model_inv_freq(model, adapter) -> Tensor:
+    """The rotary inverse frequencies shared by all layers of `model` (its family's adapter says where they are)."""
+    return adapter.inv_freq(model)

@@ -98,6 +98,8 @@ class TailorKV(Method):
         layers = cache.layers
         prompt_len = layers[0].keys.shape[-2]
         for i, layer in enumerate(layers):
+            if i in capture.window_layers:  # a sliding-window layer keeps the model's own window semantics
+                continue
             if i in self.quant_layers:
                 layers[i] = QuantizedLayer.from_layer(layer, self.bits, self.group_size, self.residual)
             elif self.start_size + self.recent_size < prompt_len:  # else the prompt fits: keep it as it is
@@ -105,11 +107,12 @@ class TailorKV(Method):
                                                       budget - self.start_size - self.recent_size, self.channels,
                                                       ledger)
 
-        predictable = {i for i, module in capture.attention_modules.items() if hasattr(module, "q_proj")
-                       and self.channel_query == "predicted"}
-        if self.channel_query == "predicted" and len(predictable) < n_layers:
-            logger.warning("tailorkv: %d attention modules have no q_proj (fused QKV?); their layers pick channels "
-                           "from their own query", n_layers - len(predictable))
+        predictable = {i for i in range(1, n_layers) if capture.can_predict(i) and self.channel_query == "predicted"}
+        unpredictable = [i for i in range(1, n_layers)
+                         if i not in predictable and isinstance(layers[i], OffloadedLayer)]
+        if self.channel_query == "predicted" and unpredictable:
+            logger.warning("tailorkv: layers %s follow a layer with another position encoding; they pick channels "
+                           "from their own query", unpredictable)
 
         def before_attention(layer_idx, hidden, position_embeddings):
             if layer_idx == 0:

@@ -13,6 +13,9 @@ new query over the cache and evict before the next step, and `input_hook(layer_i
 runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
 next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
 
+Attention modules, the family's eager kernel, predicted queries and window layers come from the model family's
+adapter (`kvbench.models.adapters`), never from attribute names; an unsupported family is refused there.
+
 The wrapper also lets a layer hold one KV copy per query head (the paper-era `query_head` layout): the wrapped
 function then sees as many key heads as query heads and is told not to repeat them.
 """
@@ -27,7 +30,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from kvbench.models.adapters import adapter_for
 
 _ids = itertools.count()
 
@@ -51,8 +55,9 @@ class AttentionCapture:
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
-        self.attention_modules = {m.layer_idx: m for m in model.modules()
-                                  if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
+        self.adapter = adapter_for(model)
+        self.attention_modules = self.adapter.attention_modules(model)
+        self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
         self._handles: list = []
 
     def reset(self) -> None:
@@ -68,7 +73,7 @@ class AttentionCapture:
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
         self._original = self.model.config._attn_implementation
-        inner = ALL_ATTENTION_FUNCTIONS.get_interface(self._original, eager_attention_forward)
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(self._original, self.adapter.eager_function())
         AttentionInterface.register(self.name, self._wrap(inner))
         mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(self._original, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         AttentionMaskInterface.register(self.name, mask_fn)
@@ -90,19 +95,22 @@ class AttentionCapture:
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
-            self.input_hook(module.layer_idx, hidden, kwargs["position_embeddings"])
+            self.input_hook(module.layer_idx, hidden, kwargs.get("position_embeddings"))
+
+    def can_predict(self, layer_idx: int) -> bool:
+        """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
+        encoding (Gemma 3's window and global layers rotate with different frequencies)."""
+        types = getattr(self.model.config, "layer_types", None)
+        return layer_idx in self.attention_modules and (not types or types[layer_idx] == types[layer_idx - 1])
 
     @torch.no_grad()
-    def predict_query(self, layer_idx: int, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
-        """Layer `layer_idx`'s query projection and RoPE applied to another layer's input `[B, 1, hidden]`:
-        `[B, H_q, 1, D]`. TailorKV feeds it the previous layer's post-norm input (residual streams change slowly)."""
-        module = self.attention_modules[layer_idx]
-        query = module.q_proj(hidden).view(hidden.shape[0], 1, -1, module.head_dim)
-        if hasattr(module, "q_norm"):  # Qwen3-style per-head norm is part of the projection
-            query = module.q_norm(query)
-        cos, sin = position_embeddings
-        query = query.transpose(1, 2)
-        return apply_rotary_pos_emb(query, query, cos, sin)[0]
+    def predict_query(self, layer_idx: int, hidden: Tensor,
+                      position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Layer `layer_idx`'s query projection (the query slice of a fused QKV weight), per-head norm and position
+        encoding applied to another layer's input `[B, 1, hidden]`: `[B, H_q, 1, D]`. TailorKV feeds it the
+        previous layer's post-norm input (residual streams change slowly)."""
+        query = self.adapter.project_query(self.attention_modules[layer_idx], hidden)
+        return self.adapter.position_query(query, position_embeddings)
 
     # --- the attention function -------------------------------------------------------------------------------
     def _wrap(self, inner: Callable) -> Callable:

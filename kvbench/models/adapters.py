@@ -1,0 +1,193 @@
+"""One small adapter per decoder family: where its attention lives and how its queries and positions are formed.
+
+The capture (`kvbench.models.capture`) and the position tools (`kvbench.cache.rerotate`) ask the adapter instead of
+guessing from attribute names: attention modules are found by the family's own attention class, a layer's query for
+another layer's input (TailorKV's q̂) is the family's query projection (separate, or the query slice of a fused
+QKV weight) followed by its per-head norm and rotary embedding, and `positions=shift` re-rotates only the rotary
+dims. Methods never see an adapter.
+
+Every family here routes attention through transformers' `AttentionInterface`, so the capture's attention function
+sees post-position-encoding queries and keys. A family that is known but not supported carries a `missing` line and
+is rejected, in one line, before weights load (`check_config`); so are encoder-decoder and state-space models and
+any model type without an adapter.
+
+Window layers (Gemma 2/3 `sliding_attention`): a method leaves them as they are; the model's own window mask keeps
+their semantics, and the budget applies to the global layers (documented in the README's architecture table).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What kvbench needs to know about one decoder family (data, no behaviour of its own beyond reading it)."""
+
+    family: str
+    model_types: tuple[str, ...]
+    modeling: str  # transformers module name under transformers.models, e.g. "llama.modeling_llama"
+    attention: str  # the family's attention class in that module
+    query: str = "q_proj"  # the module producing queries (its own projection or a fused QKV projection)
+    query_layout: Literal["own", "leading", "per_head"] = "own"  # fused: queries first, or [q, k, v] per head
+    query_norm: str | None = None  # per-head norm applied to queries before RoPE (Qwen3, Gemma 3)
+    positions: Literal["rope", "learned"] = "rope"  # rope: rotated q/k; learned: added once at the embedding
+    rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
+    rotary_inv_freq: str = "inv_freq"
+    has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
+    sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
+    missing: str | None = None  # set: the family is rejected before weights load, with this reason
+
+    # --- finding attention ------------------------------------------------------------------------------------
+    def attention_class(self) -> type:
+        return getattr(importlib.import_module(f"transformers.models.{self.modeling}"), self.attention)
+
+    def attention_modules(self, model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+        """{layer index: attention module} of this family's attention class (vision towers etc. are skipped)."""
+        cls = self.attention_class()
+        return {m.layer_idx: m for m in model.modules() if isinstance(m, cls)}
+
+    def eager_function(self):
+        """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper."""
+        return getattr(importlib.import_module(f"transformers.models.{self.modeling}"), "eager_attention_forward")
+
+    def window_layers(self, config) -> frozenset[int]:
+        """Layers with their own sliding window (Gemma 2/3): methods leave them to the model's window semantics."""
+        types = getattr(config, "layer_types", None) or []
+        return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+
+    # --- queries and positions --------------------------------------------------------------------------------
+    def project_query(self, module: torch.nn.Module, hidden: Tensor) -> Tensor:
+        """`module`'s queries for `hidden` `[B, q, hidden]`, before position encoding: `[B, H_q, q, D]`.
+        A fused projection is cut to its query rows first, so only the query part is multiplied."""
+        proj = getattr(module, self.query)
+        head_dim = _head_dim(module)
+        n_heads = _n_heads(module, head_dim)
+        weight, bias = proj.weight, getattr(proj, "bias", None)
+        transposed = type(proj).__name__ == "Conv1D"  # GPT-2's [in, out] weight
+        if transposed:
+            weight = weight.t()
+        if self.query_layout == "leading":
+            weight, bias = weight[: n_heads * head_dim], None if bias is None else bias[: n_heads * head_dim]
+        elif self.query_layout == "per_head":
+            rows = weight.view(n_heads, 3 * head_dim, -1)[:, :head_dim].reshape(n_heads * head_dim, -1)
+            bias = None if bias is None else bias.view(n_heads, 3 * head_dim)[:, :head_dim].reshape(-1)
+            weight = rows
+        query = F.linear(hidden, weight, bias).view(*hidden.shape[:2], n_heads, head_dim)
+        if self.query_norm is not None:
+            query = getattr(module, self.query_norm)(query)
+        return query.transpose(1, 2)
+
+    def position_query(self, query: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Apply the family's position encoding to queries `[B, H_q, q, D]` (rotate the first rotary dims)."""
+        if self.positions != "rope":
+            return query
+        cos, sin = (x.unsqueeze(1) for x in position_embeddings)
+        rot = cos.shape[-1]
+        head, tail = query[..., :rot], query[..., rot:]
+        half = rot // 2
+        rotated = torch.cat([-head[..., half:], head[..., :half]], dim=-1)
+        return torch.cat([head * cos + rotated * sin, tail], dim=-1)
+
+    def check_shift(self) -> None:
+        """Raise (one line) if `positions=shift` has no meaning for this family."""
+        if self.positions != "rope":
+            raise ValueError(f"positions=shift: {self.family} has {self.positions} positions, no rotary keys to "
+                             "re-rotate; use positions=original")
+        if self.has_window_layers:
+            raise ValueError(f"positions=shift: {self.family} mixes sliding-window and global layers, whose slots "
+                             "would disagree; use positions=original")
+
+    def inv_freq(self, model: torch.nn.Module) -> Tensor:
+        """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift)."""
+        self.check_shift()
+        rotary = getattr(model.base_model, self.rotary, None)
+        if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+            raise ValueError(f"positions=shift needs plain rotary embeddings; {self.family} has scaled or no RoPE")
+        return getattr(rotary, self.rotary_inv_freq)
+
+
+def _head_dim(module) -> int:
+    return getattr(module, "head_dim", None) or module.head_size
+
+
+def _n_heads(module, head_dim: int) -> int:
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None)
+    return heads or module.embed_dim // head_dim
+
+
+def _interface(family, model_types, modeling, attention, **kw) -> Adapter:
+    return Adapter(family, tuple(model_types), modeling, attention, **kw)
+
+
+ADAPTERS: tuple[Adapter, ...] = (
+    _interface("llama", ["llama"], "llama.modeling_llama", "LlamaAttention"),
+    _interface("mistral", ["mistral"], "mistral.modeling_mistral", "MistralAttention"),
+    _interface("qwen2", ["qwen2"], "qwen2.modeling_qwen2", "Qwen2Attention"),
+    _interface("qwen3", ["qwen3"], "qwen3.modeling_qwen3", "Qwen3Attention", query_norm="q_norm"),
+    _interface("phi3", ["phi3"], "phi3.modeling_phi3", "Phi3Attention", query="qkv_proj", query_layout="leading"),
+    _interface("gpt_neox", ["gpt_neox"], "gpt_neox.modeling_gpt_neox", "GPTNeoXAttention",
+               query="query_key_value", query_layout="per_head"),
+    _interface("gpt2", ["gpt2"], "gpt2.modeling_gpt2", "GPT2Attention", query="c_attn", query_layout="leading",
+               positions="learned"),
+    _interface("gemma3", ["gemma3_text"], "gemma3.modeling_gemma3", "Gemma3Attention", query_norm="q_norm",
+               rotary_inv_freq="full_attention_inv_freq", has_window_layers=True),
+    _interface("gemma2", ["gemma2"], "gemma2.modeling_gemma2", "Gemma2Attention", sdpa=False, has_window_layers=True,
+               missing="attention logit soft-capping is not applied by the scoring and per-head decode paths"),
+    _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", sdpa=False,
+               missing="its attention bypasses transformers' AttentionInterface (interleaved partial rotary); "
+                       "no per-module wrapper yet"),
+    _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention",
+               missing="its attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
+    _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", sdpa=False,
+               missing="ALiBi attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
+)
+BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
+BY_FAMILY = {a.family: a for a in ADAPTERS}
+STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "jamba", "zamba", "zamba2",
+               "bamba", "falcon_h1", "lfm2", "nemotron_h", "granitemoehybrid", "minimax", "qwen3_next")
+
+
+def supported() -> str:
+    return ", ".join(t for a in ADAPTERS if a.missing is None for t in a.model_types)
+
+
+def check_config(model_type: str | None, is_encoder_decoder: bool = False) -> Adapter:
+    """The adapter for `model_type`, or a one-line ValueError naming what is missing (call before weights load)."""
+    if is_encoder_decoder:
+        raise ValueError(f"model: model_type {model_type!r} is an encoder-decoder model; kvbench compresses "
+                         f"decoder-only self-attention caches (supported: {supported()})")
+    if model_type in STATE_SPACE:
+        raise ValueError(f"model: model_type {model_type!r} is a state-space/recurrent model with no per-token KV "
+                         f"cache to compress (supported: {supported()})")
+    adapter = BY_MODEL_TYPE.get(model_type)
+    if adapter is None:
+        raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in "
+                         f"kvbench/models/adapters.py (supported: {supported()})")
+    if adapter.missing:
+        raise ValueError(f"model: {adapter.family} (model_type {model_type!r}) is not supported: {adapter.missing} "
+                         f"(supported: {supported()})")
+    return adapter
+
+
+def adapter_for(model: torch.nn.Module) -> Adapter:
+    """The adapter of a loaded model (its config's model_type)."""
+    config = model.config
+    return check_config(getattr(config, "model_type", None), bool(getattr(config, "is_encoder_decoder", False)))
+
+
+def check_model_dir(path: str | Path) -> Adapter | None:
+    """Read a local checkpoint's config.json (no weights) and check its architecture; None if there is none."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    return check_config(data.get("model_type"), bool(data.get("is_encoder_decoder", False)))

@@ -1,0 +1,50 @@
+"""Tiny random-weight configs of every supported family (no download): for `random:<family>` smoke runs and tests.
+
+Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the family's own quirks stay on at tiny
+scale so tests exercise them: Phi-3 and GPT-NeoX rotate only part of each head (partial rotary), Gemma 3 alternates
+a sliding-window layer (window 32) with a global one, GPT-2 adds learned absolute positions at the embedding.
+"""
+from __future__ import annotations
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positions: int = 4096,
+                bos_token_id: int | None = None, eos_token_id: int | None = None):
+    """A transformers config of `family` at tiny scale."""
+    from transformers import AutoConfig
+
+    ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=True)
+    common = dict(vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=max_positions, **ids)
+    if family == "gpt2":
+        return AutoConfig.for_model("gpt2", vocab_size=vocab_size, n_embd=64, n_head=4, n_layer=layers,
+                                    n_positions=max_positions, **ids)
+    if family == "gpt_neox":  # multi-head, rotary on a quarter of each head (rotary_pct 0.25, like Pythia)
+        return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    rotary_pct=0.25, **common)
+    kwargs = dict(TINY, **common)
+    if family == "phi3":
+        kwargs.update(partial_rotary_factor=0.5)
+    if family == "mistral":
+        kwargs.update(sliding_window=None)
+    if family in ("gemma3", "gemma2"):
+        pattern = ["sliding_attention", "full_attention"] * layers
+        kwargs.update(sliding_window=32, query_pre_attn_scalar=16, layer_types=pattern[:layers])
+    model_type = {"gemma3": "gemma3_text"}.get(family, family)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed: int = 0, dtype=torch.float32,
+                      attn: str = "sdpa", **config):
+    """A tiny random model of `family` in eval mode (eager where the family refuses sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.models.adapters import BY_MODEL_TYPE
+
+    config = tiny_config(family, vocab_size, layers, **config)
+    if not BY_MODEL_TYPE[config.model_type].sdpa:
+        attn = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()

@@ -1,0 +1,211 @@
+"""Every supported decoder family x every registered method, on tiny random models built from each family's
+transformers config (kvbench.models.tiny): one decode step after compression equals attention over the
+*uncompressed* cache masked, per query head, to the kept original positions plus the new token at position N
+(independent of kvbench's cache and capture code); the bytes held are the kept entries times the entry size.
+Window layers (Gemma 3) are left whole and attend through the model's own window, which the reference applies
+itself. Plus: TailorKV's predicted query per family, position shift with partial rotary, one-line rejections."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+import kvbench.methods  # noqa: F401
+from kvbench.cache import KVCache
+from kvbench.cache.offloaded import OffloadedLayer
+from kvbench.generation import generate, prefill
+from kvbench.models import AttentionCapture
+from kvbench.models.adapters import BY_FAMILY, check_config, check_model_dir
+from kvbench.models.loader import RANDOM_FAMILIES
+from kvbench.models.tiny import tiny_random_model
+from kvbench.registry import METHODS
+from kvbench.run import CONFIG_DIR
+from tests.unit.tiny import attention_function, prompt
+
+N, BUDGET, LAYERS = 120, 32, 3
+_models: dict[str, torch.nn.Module] = {}
+
+
+def model_of(family: str):
+    if family not in _models:
+        _models[family] = tiny_random_model(family, layers=LAYERS)
+    return _models[family]
+
+
+def configured(name: str):
+    """The method as its YAML configures it; windows shrunk for tiny budgets, TailorKV without its lossy
+    quantized layers (every layer then attends exact fp32 entries: sinks, recent and its retrieved top-k)."""
+    cfg = OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml")
+    if "window" in cfg and cfg.window is not None:
+        cfg.window = 8
+    if name == "tailorkv":
+        cfg.update(start_size=4, recent_size=8, quant_layers=[])
+    return instantiate(cfg)
+
+
+def attended_positions(layer) -> list[torch.Tensor]:
+    """Original positions each stored head holds of the prompt (dense and per-head variable layers)."""
+    if getattr(layer, "is_varlen", False):
+        flat = layer.flat_positions.split(layer.head_lens.tolist())
+        return [torch.cat([f, layer.positions[0, h]]) for h, f in enumerate(flat)]
+    return list(layer.positions[0])
+
+
+def masked_reference(model, ids, token, kept, n_heads):
+    """Logits of one decode step at position N over a plain full-prompt cache, each query head restricted to
+    `kept[layer][stored head]` (None: every position) and, in a window layer, to the model's window."""
+
+    def masked(module, q, k, v, mask, scaling=None, sliding_window=None, **kw):
+        per_head = kept[module.layer_idx]
+        allowed = torch.zeros(n_heads, k.shape[2], dtype=torch.bool)
+        for hq in range(n_heads):
+            allowed[hq, slice(None) if per_head is None else per_head[hq * len(per_head) // n_heads]] = True
+        allowed[:, -1] = True  # the new token
+        if sliding_window:  # Gemma: a key is visible while q_pos - k_pos < window
+            allowed &= torch.arange(k.shape[2]) > k.shape[2] - 1 - sliding_window
+        k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, :, None, :], scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    with torch.no_grad():
+        reference = DynamicCache()
+        model(ids, past_key_values=reference, use_cache=True)
+    with attention_function(model, masked):
+        return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+
+
+@pytest.mark.parametrize("name", METHODS.names())
+@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+def test_compress_then_decode_equals_masked_dense_recompute(family, name):
+    model, ids = model_of(family), prompt(N)
+    method = configured(name)
+    seen: dict = {}
+
+    def on_logits(t, logits):
+        if t == 0:  # compressed, not yet decoded: what the first decode step will attend
+            layers = capture.cache.layers if capture.cache is not None else None
+            seen["kept"] = [None] * LAYERS if layers is None else [
+                None if isinstance(layer, OffloadedLayer) else attended_positions(layer) for layer in layers]
+            for layer in layers or []:
+                if isinstance(layer, OffloadedLayer):
+                    layer.selections = []
+            seen["layers"] = layers
+        elif t == 1:
+            seen["logits"] = logits.clone()
+
+    with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
+        gen = generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set(), on_logits=on_logits)
+    kept = seen["kept"]
+    for i, layer in enumerate(seen["layers"] or []):
+        if isinstance(layer, OffloadedLayer):  # sinks + recent + what it retrieved at that step
+            static = torch.cat([torch.arange(4), torch.arange(N - 8, N)])
+            kept[i] = [torch.cat([static, top]) for top in layer.selections[0][1][0]]
+    n_heads = model.config.num_attention_heads
+    expected = masked_reference(model, ids, torch.tensor([gen.token_ids[:1]]), kept, n_heads)
+    torch.testing.assert_close(seen["logits"], expected, rtol=1e-4, atol=1e-4)
+
+    window_layers = BY_FAMILY[family].window_layers(model.config)
+    if name == "full":
+        assert gen.kv_bytes == gen.full_kv_bytes
+        return
+    compressed = [i for i in range(LAYERS) if i not in window_layers]
+    for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
+        assert max(len(p) for p in kept[i]) < N
+    for i in window_layers:
+        assert kept[i] is not None and all(len(p) == N for p in kept[i])
+    if not hasattr(method, "attach"):  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
+        head_dim = seen["layers"][0].keys.shape[-1]
+        assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * 2 * head_dim * 4
+
+
+@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+def test_predicted_query_is_the_next_layers_own_query(family):
+    """TailorKV's q̂: the adapter's projection (query slice of a fused QKV, Conv1D, per-head layout, q-norm,
+    partial rotary) of a hidden state equals the query the attention module itself forms from it."""
+    model, ids = model_of(family), prompt(40)
+    with AttentionCapture(model) as capture:
+        seen = {}
+        capture.input_hook = lambda i, hidden, pos: seen.setdefault(i, (hidden, pos))
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(ids, past_key_values=cache, use_cache=True)
+            model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[40]]), use_cache=True)
+        hidden, pos = seen[1]
+        target = 2 if capture.can_predict(2) else 1  # Gemma 3: layer 2 rotates with the window frequencies
+        if target == 1:
+            hidden, pos = seen[1]
+        predicted = capture.predict_query(target, hidden, pos)
+        attn = capture.attention_modules[target]
+    grabbed = {}
+
+    def grab(module, q, k, v, mask, **kw):
+        grabbed["q"] = q
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
+
+    with attention_function(model, grab):
+        attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
+    torch.testing.assert_close(predicted, grabbed["q"])
+
+
+def rope_families():
+    return [f for f in RANDOM_FAMILIES if BY_FAMILY[f].positions == "rope" and not BY_FAMILY[f].has_window_layers]
+
+
+@pytest.mark.parametrize("family", rope_families())
+def test_position_shift_equals_keys_rotated_by_the_models_own_rope(family):
+    """StreamingLLM with positions=shift: the next step equals a plain cache holding the kept entries with keys
+    re-rotated from position p to slot s by the family's own `apply_rotary_pos_emb` (partial rotary included)."""
+    import importlib
+
+    model, ids = model_of(family), prompt(N)
+    method = configured("streamingllm")
+    seen = {}
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set(), positions="shift",
+                       on_logits=lambda t, logits: seen.setdefault(t, logits.clone()))
+    keep = torch.cat([torch.arange(method.n_sink), torch.arange(N - (BUDGET - method.n_sink), N)])
+    apply_rope = importlib.import_module(f"transformers.models.{BY_FAMILY[family].modeling}").apply_rotary_pos_emb
+    rotary = model.base_model.rotary_emb
+    with torch.no_grad():
+        full = DynamicCache()
+        model(ids, past_key_values=full, use_cache=True)
+        shifted = []
+        for layer in full.layers:
+            k, v = layer.keys[:, :, keep], layer.values[:, :, keep]
+            cos, sin = rotary(v, (torch.arange(BUDGET) - keep)[None])  # rotate by slot - p
+            k = apply_rope(k, k, cos, sin)[0]
+            shifted.append((k, v))
+        cache = DynamicCache(ddp_cache_data=shifted)
+        token = torch.tensor([gen.token_ids[:1]])
+        expected = model(token, past_key_values=cache, position_ids=torch.tensor([[BUDGET]])).logits[:, -1]
+    torch.testing.assert_close(seen[1], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in rope_families()])
+def test_position_shift_is_refused_where_it_has_no_meaning(family):
+    with pytest.raises(ValueError, match="positions=shift: .* use positions=original"):
+        BY_FAMILY[family].check_shift()
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder model"),
+    ({"model_type": "mamba"}, "state-space/recurrent model"),
+    ({"model_type": "bert"}, "has no architecture adapter"),
+    ({"model_type": "mpt"}, "mpt .* is not supported: ALiBi"),
+])
+def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
+    with pytest.raises(ValueError, match=message) as err:
+        check_model_dir(tmp_path)
+    assert "\n" not in str(err.value) and "supported: llama" in str(err.value)
+
+
+def test_every_random_family_has_a_supported_adapter():
+    for family in RANDOM_FAMILIES:
+        model_type = model_of(family).config.model_type
+        assert check_config(model_type) is BY_FAMILY[family]
