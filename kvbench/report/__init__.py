@@ -16,6 +16,7 @@ from pathlib import Path
 from kvbench.report.heatmap import has_needle_grid, needle_heatmap, needle_matrix, needle_panels, run_caption
 from kvbench.report.runs import find_run_dirs, load_runs, read_predictions
 from kvbench.report.tables import summary_table, to_latex, to_markdown, write_tables
+from kvbench.stats import mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,14 @@ def write_run_report(run_dir: str | Path) -> None:
     if df.empty:
         lines.append("No complete prediction records yet.")
     else:
-        lines += [to_markdown(summary_table(df)), "Every metric (mean over samples, native scale):", "",
-                  "| metric | mean |", "|:---|---:|"]
+        lines += [to_markdown(summary_table(df), stderr=True),
+                  "Every metric (mean over samples, native scale; se = sd / sqrt(n)):", "",
+                  "| metric | mean | se | n |", "|:---|---:|---:|---:|"]
         metric_cols = sorted(c for c in df.columns if c.startswith("scores."))
-        lines += [f"| {c.removeprefix('scores.')} | {df[c].astype(float).mean():.4f} |" for c in metric_cols]
+        for c in metric_cols:
+            est = mean_se(df[c].astype(float))
+            mean, se = ("–" if v is None else f"{v:.4f}" for v in (est.mean, est.se))
+            lines.append(f"| {c.removeprefix('scores.')} | {mean} | {se} | {est.n} |")
         if has_needle_grid(df):
             needle_heatmap(df, run_dir / "heatmap.png")
             lines += ["", "![needle heatmap](heatmap.png)"]

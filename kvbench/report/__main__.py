@@ -1,27 +1,32 @@
-"""CLI: `python -m kvbench.report PATH... [--out DIR] [--pdf]`.
+"""CLI: `python -m kvbench.report PATH... [--out DIR] [--pdf] [--stderr] [--compare METHOD]`.
 
 Reads every run directory under the given paths and writes table.md, table.tex, table.csv and, when NIAH runs are
 present, needle_panels.png (one file per model and dataset when there are several), then prints the Markdown table.
+`--stderr` shows every score as "mean ± standard error"; `--compare full` adds each cell's paired-bootstrap
+difference to the full cache (or any method) with its 95 % interval and marks those that exclude 0.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import logging
 import re
 import sys
 from pathlib import Path
 
+from kvbench.report.compare import Compare, resolve_method
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.runs import load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
+from kvbench.stats import RESAMPLES, SEED
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
 
 
-def benchmark_reports(df, out: Path) -> list[Path]:
+def benchmark_reports(df, out: Path, **options) -> list[Path]:
     """Benchmark-specific layouts: for each dataset family in the runs (`longbench`, `ruler`, ...), a module
     `kvbench.report.<family>` with `write_reports(df, out) -> list[Path]` adds its paper tables and figures.
     The family is the dataset name up to the first underscore (`longbench_e` -> `longbench`)."""
@@ -31,7 +36,9 @@ def benchmark_reports(df, out: Path) -> list[Path]:
             module = importlib.import_module(f"kvbench.report.{family}")
         except ModuleNotFoundError:
             continue
-        written += module.write_reports(df[df["dataset"].astype(str).str.split("_").str[0] == family], out)
+        accepted = inspect.signature(module.write_reports).parameters  # families without stderr/compare still work
+        written += module.write_reports(df[df["dataset"].astype(str).str.split("_").str[0] == family], out,
+                                        **{k: v for k, v in options.items() if k in accepted})
     return written
 
 
@@ -40,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", help="run directories, or folders searched recursively for them")
     parser.add_argument("--out", default="results/report", help="output folder (default: results/report)")
     parser.add_argument("--pdf", action="store_true", help="also write the figures as PDF")
+    parser.add_argument("--stderr", action="store_true", help='show scores as "mean ± standard error"')
+    parser.add_argument("--compare", metavar="METHOD", help="paired bootstrap of each cell against this method "
+                        "(registry name or table label, e.g. full)")
+    parser.add_argument("--resamples", type=int, default=RESAMPLES, help=f"bootstrap resamples (default {RESAMPLES})")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default {SEED})")
     args = parser.parse_args(argv)
+    if args.resamples < 100:
+        parser.exit(2, f"kvbench: --resamples={args.resamples} is too few for a 95 % interval; use at least 100\n")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     try:
@@ -49,22 +63,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{e}\n")
     if df.empty:
         parser.exit(1, "report: the run directories hold no complete prediction records yet\n")
-    table = summary_table(df)
-    written = write_tables(table, args.out)
+    compare = None
+    if args.compare:
+        try:
+            compare = Compare(resolve_method(args.compare, df["method"].dropna().unique()), args.resamples, args.seed)
+        except ValueError as e:
+            parser.exit(2, f"{e}\n")
+    table = summary_table(df, compare)
+    written = write_tables(table, args.out, stderr=args.stderr)
 
     if has_needle_grid(df):
         niah = df[df[LENGTH].notna()]
         groups = list(niah.groupby(["model", "dataset"], sort=True))
         for (model, dataset), g in groups:
             stem = "needle_panels" if len(groups) == 1 else f"needle_panels_{_slug(model)}_{_slug(dataset)}"
-            fig = needle_panels(g, written[0].parent / f"{stem}.png")
+            fig = needle_panels(g, written[0].parent / f"{stem}.png", stderr=args.stderr)
             written.append(written[0].parent / f"{stem}.png")
             if args.pdf:
                 fig.savefig(written[0].parent / f"{stem}.pdf")
                 written.append(written[0].parent / f"{stem}.pdf")
 
-    written += benchmark_reports(df, Path(args.out))
-    print(to_markdown(table))
+    # a fresh Compare per family, so each table's note lists only its own unpaired samples
+    options = {"stderr": args.stderr,
+               "compare": Compare(compare.reference, args.resamples, args.seed) if compare else None}
+    written += benchmark_reports(df, Path(args.out), **options)
+    print(to_markdown(table, stderr=args.stderr))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

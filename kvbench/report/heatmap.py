@@ -17,6 +17,7 @@ from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
 
 from kvbench.report.tables import method_label, score_scale, sort_runs
+from kvbench.stats import mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +40,19 @@ def needle_matrix(df: pd.DataFrame) -> pd.DataFrame:
     return m.sort_index(axis=0).sort_index(axis=1)
 
 
-def run_caption(df_run: pd.DataFrame) -> str:
-    """The paper's panel caption, e.g. "PyramidKV, KV Size=64, acc 80.5"; acc = 100 x mean score if in [0, 1]."""
+def run_caption(df_run: pd.DataFrame, stderr: bool = False) -> str:
+    """The paper's panel caption, e.g. "PyramidKV, KV Size=64, acc 80.5"; acc = 100 x mean score if in [0, 1].
+    With `stderr`, "acc 80.5 ± 3.2 (n=50)": the standard error over the run's samples."""
     row = df_run.iloc[0]
-    acc = df_run["score"].astype(float).mean() * score_scale(df_run["score"].astype(float))
+    est = mean_se(df_run["score"].astype(float)).scaled(score_scale(df_run["score"].astype(float)))
+    acc = est.mean
     parts = [method_label(row["method"])]
     if row["method"] != "full" and pd.notna(row.get("budget")):
         parts.append(f"KV Size={int(row['budget'])}")
     if pd.notna(row.get("ratio")):
         parts.append(f"ratio={float(row['ratio']):g}")
+    if stderr:
+        return ", ".join(parts) + f", acc {acc:.1f}" + ("" if est.se is None else f" ± {est.se:.1f}") + f" (n={est.n})"
     return ", ".join(parts) + f", acc {acc:.1f}"
 
 
@@ -98,7 +103,7 @@ def needle_heatmap(df_one_run: pd.DataFrame, path: str | Path, title: str | None
                    pretrained_len: int | None = None) -> Figure:
     """Draw one run's NIAH grid to `path` and return the figure.
 
-    The default title is PyramidKV's plus a line with method, budget and acc. With `pretrained_len`, a white dashed
+    The default title is PyramidKV's plus a line with method, budget, acc and its standard error. With `pretrained_len`, a white dashed
     line marks the border before the first context length above it (PyramidKV's pretraining-length marker).
     """
     if df_one_run["run_dir"].nunique() > 1:
@@ -116,7 +121,7 @@ def needle_heatmap(df_one_run: pd.DataFrame, path: str | Path, title: str | None
         if beyond:
             ax.axvline(beyond[0] - 0.5, color="white", linestyle="--", linewidth=4)
     model = df_one_run["model"].iloc[0]
-    ax.set_title(title if title is not None else TITLE.format(model=model) + "\n" + run_caption(df_one_run),
+    ax.set_title(title if title is not None else TITLE.format(model=model) + "\n" + run_caption(df_one_run, stderr=True),
                  fontsize=FONT + 2)
     _save(fig, path)
     return fig
@@ -126,11 +131,11 @@ def _context_size(lengths: pd.Series) -> str:
     return f"{float(lengths.max()) / 1000:g}K"
 
 
-def needle_panels(df: pd.DataFrame, path: str | Path, title: str | None = None) -> Figure:
+def needle_panels(df: pd.DataFrame, path: str | Path, title: str | None = None, stderr: bool = False) -> Figure:
     """Stack one heatmap per run (full first, then by budget, methods in paper order), as in PyramidKV Figs. 4, 9-17.
 
     Each panel is captioned "(a) PyramidKV, KV Size=64, acc 80.5"; the super-title is "{model} - 8K Context Size"
-    when all runs share a model. Runs without NIAH meta are left out.
+    when all runs share a model; `stderr` adds each acc's standard error. Runs without NIAH meta are left out.
     """
     df = df[df[LENGTH].notna() & df[DEPTH].notna()] if has_needle_grid(df) else df.iloc[:0]
     if df.empty:
@@ -144,7 +149,7 @@ def needle_panels(df: pd.DataFrame, path: str | Path, title: str | None = None) 
     for i, (ax, run, matrix) in enumerate(zip(axes, runs, matrices)):
         im = _draw(ax, matrix, vmax, xlabel=i == len(runs) - 1)
         letter = string.ascii_lowercase[i] if i < 26 else str(i + 1)
-        ax.set_title(f"({letter}) {run_caption(df[df['run_dir'] == run])}", fontsize=FONT)
+        ax.set_title(f"({letter}) {run_caption(df[df['run_dir'] == run], stderr)}", fontsize=FONT)
     fig.colorbar(im, ax=list(axes)).set_label("Score", fontsize=FONT)
     models = df["model"].unique()
     default = f"{models[0]} - {_context_size(df[LENGTH])} Context Size" if len(models) == 1 else None

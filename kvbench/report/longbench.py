@@ -23,7 +23,9 @@ from matplotlib.figure import Figure
 
 from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
+from kvbench.report.compare import MARK, Compare, reference_key, select
 from kvbench.report.tables import method_label, sort_runs, tex_escape
+from kvbench.stats import combine_se
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ def kv_size(row: dict) -> str:
 
 
 def table_frame(rows: list[dict]) -> pd.DataFrame:
-    """The wide table: KEYS, one column per task stem (x 100 scores), Avg., then LongBench's category means."""
+    """The wide table: KEYS, one column per task stem (x 100 scores), Avg., then LongBench's category means, then
+    each score's standard error (`se:<task>`, `se:Avg.`, x 100; kvbench.stats)."""
     stems = task_columns({t for r in rows for t in r["tasks"] if base_task(t) == t})
     out = []
     for r in rows:
@@ -77,16 +80,56 @@ def table_frame(rows: list[dict]) -> pd.DataFrame:
         have = [v for v in cells.values() if v is not None]
         avg = round(sum(have) / len(have), 2) if have and len(have) == len(stems) else None
         cats = {f"{lang}:{c}": v for lang, block in r["categories"].items() for c, v in block.items()}
-        out.append({**{k: r[k] for k in KEYS}, **cells, "Avg.": avg, **cats})
+        ses = {f"se:{t}": r.get("tasks_se", {}).get(t) for t in stems}
+        ses["se:Avg."] = (_combined_se([ses[f"se:{t}"] for t in stems]) if avg is not None else None)
+        out.append({**{k: r[k] for k in KEYS}, **cells, "Avg.": avg, **cats, **ses})
     frame = pd.DataFrame(out)
     frame = sort_runs(frame) if len(frame) else frame
     frame.attrs["tasks"] = stems
     return frame.reset_index(drop=True)
 
 
+def _combined_se(ses: list) -> float | None:
+    """se of the plain mean of task scores from the tasks' se's (sqrt(sum se^2) / T, kvbench.stats.combine_se)."""
+    ses = [None if s is None or pd.isna(s) else float(s) for s in ses]
+    return combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
+
+
+def add_differences(frame: pd.DataFrame, df: pd.DataFrame, compare: Compare) -> pd.DataFrame:
+    """Each row's paired-bootstrap difference to the reference method (same model and dataset, same KV size if the
+    reference ran at it) per task and for Avg.: columns `diff:<col>`, `lo:<col>`, `hi:<col>`; attrs["marks"] holds
+    the intervals that exclude 0, attrs["notes"] the legend."""
+    records = df[df[TASK].notna()].copy()
+    records["budget"] = records["budget"].astype("object").where(records["method"] != "full", None)
+    cols = [*frame.attrs["tasks"], "Avg."]
+    candidates = [r.to_dict() for _, r in frame[frame["method"] == compare.reference].iterrows()]
+    extra, marks = [], {}
+    for i, row in frame.iterrows():
+        ref = reference_key(row.to_dict(), candidates, ["budget", "ratio"])
+        cis = {}
+        if ref is not None and row["method"] != compare.reference:
+            cis = compare.cells(select(records, row, KEYS), select(records, ref, KEYS),
+                                f"{method_label(row['method'])} {kv_size(row)}", 100.0, TASK, frame.attrs["tasks"])
+        extra.append({f"{k}:{c}": getattr(cis.get(c), a, None) for c in cols
+                      for k, a in (("diff", "diff"), ("lo", "lo"), ("hi", "hi"))})
+        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+    out = pd.concat([frame, pd.DataFrame(extra, index=frame.index)], axis=1)
+    out.attrs.update(frame.attrs, marks=marks, notes=compare.note())
+    return out
+
+
 # --- rendering ----------------------------------------------------------------------------------------------------
 def _fmt(v) -> str:
     return "–" if v is None or pd.isna(v) else f"{float(v):.2f}"
+
+
+def _cell(frame: pd.DataFrame, i, c: str, stderr: bool) -> str:
+    """A score, "± se" with `stderr`, and the mark when its difference to the compared method is significant."""
+    text = _fmt(frame.at[i, c])
+    se = frame.at[i, f"se:{c}"] if f"se:{c}" in frame else None
+    if stderr and text != "–" and se is not None and not pd.isna(se):
+        text += f" ± {float(se):.2f}"
+    return text
 
 
 def _best(frame: pd.DataFrame, cols: list[str]) -> set[tuple[int, str]]:
@@ -102,14 +145,16 @@ def _best(frame: pd.DataFrame, cols: list[str]) -> set[tuple[int, str]]:
     return best
 
 
-def _cells(frame: pd.DataFrame, bold: str) -> tuple[list[str], list[list[str]]]:
+def _cells(frame: pd.DataFrame, bold: str, stderr: bool = False) -> tuple[list[str], list[list[str]]]:
     cols = [*frame.attrs["tasks"], "Avg."]
     best = _best(frame, cols)
+    marks = frame.attrs.get("marks", {})
     headers = ["KV Size", "Method", *[TASKS[t].label for t in frame.attrs["tasks"]], "Avg."]
     body = []
     for i, row in frame.iterrows():
         cells = [kv_size(row), method_label(row["method"])]
-        cells += [bold.format(_fmt(row[c])) if (i, c) in best else _fmt(row[c]) for c in cols]
+        cells += [(bold.format(_cell(frame, i, c, stderr)) if (i, c) in best else _cell(frame, i, c, stderr))
+                  + (MARK if (i, c) in marks else "") for c in cols]
         body.append(cells)
     return headers, body
 
@@ -126,15 +171,17 @@ def _groups(stems: list[str]) -> list[tuple[str, int]]:
     return out
 
 
-def to_markdown(frame: pd.DataFrame) -> str:
-    headers, body = _cells(frame, "**{}**")
+def to_markdown(frame: pd.DataFrame, stderr: bool = False) -> str:
+    """`stderr` shows "mean ± se"; a compared frame (`add_differences`) marks its cells and ends with the legend."""
+    headers, body = _cells(frame, "**{}**", stderr)
     labels = {c: [TASKS[base_task(t)].label for t in frame.attrs["tasks"] if TASKS[base_task(t)].category == c]
               for c, _ in _groups(frame.attrs["tasks"])}
     groups = " · ".join(f"{c}: {', '.join(names)}" for c, names in labels.items())
     lines = [f"Columns by category: {groups}.", "",
              "| " + " | ".join(headers) + " |", "|:---|:---|" + "---:|" * (len(headers) - 2)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(lines) + "\n"
+    notes = frame.attrs.get("notes", [])
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def category_markdown(frame: pd.DataFrame) -> str:
@@ -154,9 +201,10 @@ def category_markdown(frame: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
-def to_latex(frame: pd.DataFrame, caption: str = "") -> str:
-    """booktabs, a category row spanning its columns above the task labels (needs \\usepackage{booktabs})."""
-    headers, body = _cells(frame, r"\textbf{{{}}}")
+def to_latex(frame: pd.DataFrame, caption: str = "", stderr: bool = False) -> str:
+    """booktabs, a category row spanning its columns above the task labels (needs \\usepackage{booktabs});
+    `stderr` and a compared frame's marks and legend as in `to_markdown`."""
+    headers, body = _cells(frame, r"\textbf{{{}}}", stderr)
     groups = _groups(frame.attrs["tasks"])
     spans, rules, col = [], [], 3
     for cat, n in groups:
@@ -171,11 +219,20 @@ def to_latex(frame: pd.DataFrame, caption: str = "") -> str:
         if previous is not None and cells[0] != previous:
             lines.append(r"\midrule")
         previous = cells[0]
-        lines.append(" & ".join(c if c.startswith(r"\textbf") else tex_escape(c) for c in cells) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+        lines.append(" & ".join(_tex_cell(c) for c in cells) + r" \\")
+    lines.append(r"\bottomrule")
+    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {_tex_cell(n)}}} \\"
+              for n in frame.attrs.get("notes", [])]
+    lines.append(r"\end{tabular}")
     if caption:
         lines.insert(0, f"% {caption}")
     return "\n".join(lines) + "\n"
+
+
+def _tex_cell(text: str) -> str:
+    """Escape a cell, keeping a \\textbf wrapper; ± and the significance mark become math."""
+    body = text if text.startswith(r"\textbf") else tex_escape(text)
+    return body.replace("±", r"$\pm$").replace(MARK, r"$^\dagger$")
 
 
 def e_frame(rows: list[dict]) -> pd.DataFrame:
@@ -221,8 +278,10 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
 
 
-def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
-    """Write the LongBench tables and the score-vs-budget figure for every (model, dataset) in `df`."""
+def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False,
+                  compare: Compare | None = None) -> list[Path]:
+    """Write the LongBench tables and the score-vs-budget figure for every (model, dataset) in `df`; `stderr` and
+    `compare` (a kvbench.report.compare.Compare) add "± se" and the paired-bootstrap marks to the tables."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if TASK not in df or df[TASK].notna().sum() == 0:
@@ -237,8 +296,11 @@ def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
         frame = table_frame(block)
         title = f"{dataset} · {model}"
         if frame.attrs["tasks"]:
-            md += [f"## {title}", "", to_markdown(frame), category_markdown(frame)]
-            tex.append(to_latex(frame, caption=title))
+            if compare is not None:
+                compare.unpaired.clear()    # each block's legend lists its own unpaired samples
+                frame = add_differences(frame, df[(df["model"] == model) & (df["dataset"] == dataset)], compare)
+            md += [f"## {title}", "", to_markdown(frame, stderr), category_markdown(frame)]
+            tex.append(to_latex(frame, caption=title, stderr=stderr))
             csv.append(frame)
             fig = budget_figure(frame, title)
             if fig is not None:

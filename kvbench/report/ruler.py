@@ -21,8 +21,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from kvbench.data.ruler.templates import ALL_TASKS, task_metric
-from kvbench.metrics.ruler import postprocess, task_score
+from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
+from kvbench.report.compare import MARK, Compare, reference_key, select
 from kvbench.report.tables import METHOD_NAMES, method_label, sort_runs, tex_escape
+from kvbench.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ KEYS = ["model", "dataset_version", "method", "budget", "ratio", "length"]
 HEADERS = {"model": "Model", "dataset_version": "Version", "method": "Method", "budget": "KV Size", "ratio": "Ratio",
            "length": "Length"}
 DPI = 150
+SAMPLE_METRIC = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
 
 def has_ruler_records(df: pd.DataFrame) -> bool:
@@ -40,23 +43,69 @@ def has_ruler_records(df: pd.DataFrame) -> bool:
 def task_scores(df: pd.DataFrame) -> pd.DataFrame:
     """Long table: one row per configuration and task with RULER's score, nulls and n. The full cache's budget is
     dropped (it keeps everything) and its duplicate records across budgets are counted once."""
+    df = _records(df)
+    rows = []
+    for key, g in df.groupby([*KEYS, TASK], dropna=False, sort=False):
+        preds = [postprocess(str(p)) for p in g["prediction"]]
+        task = key[-1]
+        refs = [list(r) for r in g["references"]]
+        per_sample = [SAMPLE_METRIC[task_metric(task)](p, r) for p, r in zip(preds, refs)]
+        rows.append({**dict(zip(KEYS, key[:-1])), "task": task,
+                     "score": task_score(task_metric(task), preds, refs),
+                     "nulls": f"{sum(len(p) == 0 for p in preds)}/{len(preds)}", "n": len(preds),
+                     "se": mean_se(per_sample).scaled(100).se})
+    out = pd.DataFrame(rows)
+    out["budget"] = out["budget"].astype("Int64")
+    out["ratio"] = out["ratio"].astype("Float64")
+    return out
+
+
+def _records(df: pd.DataFrame) -> pd.DataFrame:
+    """RULER records keyed like the table: integer length, no budget or ratio for the full cache, each id once."""
     df = df[df[TASK].notna()].copy()
     df["length"] = df[LENGTH].astype(int)
     full = df["method"] == "full"
     df["budget"] = df["budget"].astype("Int64").mask(full)
     df["ratio"] = df["ratio"].astype("Float64").mask(full)
-    df = df.drop_duplicates(subset=[*KEYS, "id"], keep="first")
-    rows = []
-    for key, g in df.groupby([*KEYS, TASK], dropna=False, sort=False):
-        preds = [postprocess(str(p)) for p in g["prediction"]]
-        task = key[-1]
-        rows.append({**dict(zip(KEYS, key[:-1])), "task": task,
-                     "score": task_score(task_metric(task), preds, [list(r) for r in g["references"]]),
-                     "nulls": f"{sum(len(p) == 0 for p in preds)}/{len(preds)}", "n": len(preds)})
-    out = pd.DataFrame(rows)
-    out["budget"] = out["budget"].astype("Int64")
-    out["ratio"] = out["ratio"].astype("Float64")
+    return df.drop_duplicates(subset=[*KEYS, "id"], keep="first")
+
+
+def with_uncertainty(wide: pd.DataFrame, scores: pd.DataFrame, df: pd.DataFrame,
+                     compare: Compare | None = None) -> pd.DataFrame:
+    """`wide` plus each score's standard error (`se:<task>`, `se:Avg.`, x 100; the average's from its tasks'
+    samples, sqrt(sum se^2) / T) and, with `compare`, the paired-bootstrap difference to the reference method
+    (`diff:`, `lo:`, `hi:` columns; attrs["marks"] = intervals excluding 0, attrs["notes"] = the legend)."""
+    tasks = [c for c in wide.columns if c in ALL_TASKS]
+    keys = [k for k in KEYS if k in wide.columns]
+    out = wide.copy()
+    for t in tasks:
+        per_task = scores[scores["task"] == t]
+        out[f"se:{t}"] = [next(iter(select(per_task, r, keys)["se"]), None) for _, r in wide.iterrows()]
+    out["se:Avg."] = [_mean_se([r[f"se:{t}"] for t in tasks if pd.notna(r[t])]) for _, r in out.iterrows()]
+    if compare is None:
+        return out
+    records = _records(df)
+    candidates = [r.to_dict() for _, r in wide[wide["method"] == compare.reference].iterrows()]
+    extra, marks = [], {}
+    for i, row in wide.iterrows():
+        same_row = [c for c in candidates if all(c[k] == row[k] for k in ("model", "length"))]
+        ref = reference_key(row.to_dict(), same_row, ["budget", "ratio"])
+        cis = {}
+        if ref is not None and row["method"] != compare.reference:
+            have = [t for t in tasks if pd.notna(row[t])]
+            label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else row['budget']} @{row['length']}"
+            cis = compare.cells(select(records, row, keys), select(records, ref, keys), label, 100.0, TASK, have)
+        extra.append({f"{k}:{c}": getattr(cis.get(c), k, None) for c in [*tasks, "Avg."]
+                      for k in ("diff", "lo", "hi")})
+        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+    out = pd.concat([out, pd.DataFrame(extra, index=out.index)], axis=1)
+    out.attrs.update(marks=marks, notes=compare.note())
     return out
+
+
+def _mean_se(ses: list) -> float | None:
+    ses = [None if s is None or pd.isna(s) else float(s) for s in ses]
+    return combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
 
 
 def wide_table(scores: pd.DataFrame) -> pd.DataFrame:
@@ -75,9 +124,20 @@ def wide_table(scores: pd.DataFrame) -> pd.DataFrame:
     return wide[[*keep, *tasks, "Avg."]].reset_index(drop=True)
 
 
-def cells(wide: pd.DataFrame, missing: str) -> tuple[list[str], list[list[str]], list[bool]]:
+def cells(wide: pd.DataFrame, missing: str, stderr: bool = False) -> tuple[list[str], list[list[str]], list[bool]]:
     """Headers, cell strings and right-alignment flags: labels as text, KV size and length as integers, scores
-    with 2 decimals (RULER's rounding)."""
+    with 2 decimals (RULER's rounding); "± se" with `stderr`, the mark where `with_uncertainty` found the
+    difference to the compared method significant. The se/diff columns themselves go to the CSV only."""
+    marks = wide.attrs.get("marks", {})
+    shown = [c for c in wide.columns if ":" not in c]
+
+    def fmt_score(i, col: str, v) -> str:
+        text = fmt(col, v)
+        se = wide.at[i, f"se:{col}"] if f"se:{col}" in wide else None
+        if stderr and text != missing and se is not None and pd.notna(se):
+            text += f" ± {float(se):.2f}"
+        return text + (MARK if (i, col) in marks else "")
+
     def fmt(col: str, v) -> str:
         if v is None or v is pd.NA or (isinstance(v, float) and pd.isna(v)):
             return missing
@@ -88,24 +148,29 @@ def cells(wide: pd.DataFrame, missing: str) -> tuple[list[str], list[list[str]],
         if col == "ratio":
             return f"{float(v):g}"
         return f"{v:.2f}" if col not in HEADERS else str(v)
-    headers = [HEADERS.get(c, c) for c in wide.columns]
-    rows = [[fmt(c, v) for c, v in zip(wide.columns, row)] for row in wide.itertuples(index=False)]
-    return headers, rows, [c not in ("model", "dataset_version", "method") for c in wide.columns]
+    headers = [HEADERS.get(c, c) for c in shown]
+    rows = [[fmt(c, row[c]) if c in HEADERS else fmt_score(i, c, row[c]) for c in shown] for i, row in wide.iterrows()]
+    return headers, rows, [c not in ("model", "dataset_version", "method") for c in shown]
 
 
-def to_markdown(wide: pd.DataFrame) -> str:
-    headers, rows, right = cells(wide, "–")
+def to_markdown(wide: pd.DataFrame, stderr: bool = False) -> str:
+    headers, rows, right = cells(wide, "–", stderr)
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+    notes = wide.attrs.get("notes", [])
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows] + ([""] + notes if notes else [])) + "\n"
 
 
-def to_latex(wide: pd.DataFrame) -> str:
+def to_latex(wide: pd.DataFrame, stderr: bool = False) -> str:
     """A booktabs tabular (\\usepackage{booktabs}); task names as RULER spells them."""
-    headers, rows, right = cells(wide, "--")
+    headers, rows, right = cells(wide, "--", stderr)
+    tex = lambda c: tex_escape(c).replace("±", r"$\pm$").replace(MARK, r"$^\dagger$")  # noqa: E731
     lines = [r"\begin{tabular}{" + "".join("r" if r else "l" for r in right) + "}", r"\toprule",
              " & ".join(map(tex_escape, headers)) + r" \\", r"\midrule"]
-    lines += [" & ".join(map(tex_escape, r)) + r" \\" for r in rows]
-    return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
+    lines += [" & ".join(map(tex, r)) + r" \\" for r in rows]
+    lines.append(r"\bottomrule")
+    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex(n)}}} \\"
+              for n in wide.attrs.get("notes", [])]
+    return "\n".join(lines + [r"\end{tabular}"]) + "\n"
 
 
 def skipped_tasks(df: pd.DataFrame) -> dict[str, str]:
@@ -202,19 +267,22 @@ def plot_vs_length(wide: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
-    """The RULER table (md/tex/csv), the long summary CSV and the two figures into `out`; returns the paths."""
+def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False,
+                  compare: Compare | None = None) -> list[Path]:
+    """The RULER table (md/tex/csv), the long summary CSV and the two figures into `out`; returns the paths.
+    The CSV always has the se columns; `stderr` shows "± se" in md/tex, `compare` adds the paired-bootstrap marks."""
     if not has_ruler_records(df):
         return []
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     scores = task_scores(df)
     wide = wide_table(scores)
+    table = with_uncertainty(wide, scores, df, compare)
     note = notes(scores, skipped_tasks(df))
     paths = [out / "ruler_table.md", out / "ruler_table.tex", out / "ruler_table.csv", out / "ruler_summary.csv"]
-    paths[0].write_text(to_markdown(wide) + "\n" + "\n".join(note) + "\n", encoding="utf-8")
-    paths[1].write_text(to_latex(wide) + "".join(f"% {tex_escape(n)}\n" for n in note), encoding="utf-8")
-    wide.to_csv(paths[2], index=False)
+    paths[0].write_text(to_markdown(table, stderr) + "\n" + "\n".join(note) + "\n", encoding="utf-8")
+    paths[1].write_text(to_latex(table, stderr) + "".join(f"% {tex_escape(n)}\n" for n in note), encoding="utf-8")
+    table.to_csv(paths[2], index=False)
     scores.to_csv(paths[3], index=False)
     paths += [p for p in (plot_vs_budget(wide, out / "ruler_vs_budget.png"),
                           plot_vs_length(wide, out / "ruler_vs_length.png")) if p is not None]

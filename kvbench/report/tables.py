@@ -24,6 +24,11 @@ COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("M
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
            "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}")}
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
+# uncertainty columns (kvbench.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as one
+# "Δ vs <reference> [95 % CI]" column (--compare)
+DIFF_COLUMNS = ("diff", "diff_lo", "diff_hi", "diff_se", "diff_excludes_0", "n_paired", "reference", "resamples",
+                "seed")
+HIDDEN = ("se", *DIFF_COLUMNS)
 
 
 def method_label(name: str) -> str:
@@ -48,8 +53,10 @@ def score_scale(scores: pd.Series) -> float:
     return 100.0 if len(s) and s.between(0, 1).all() else 1.0
 
 
-def summary_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, dataset, method, budget[, ratio]) with n, the primary score and cost columns.
+def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
+    """One row per (model, dataset, method, budget[, ratio]) with n, the primary score, its standard error (`se`,
+    sd / sqrt(n) on the score's scale) and cost columns. With `compare` (a kvbench.report.compare.Compare), also each
+    row's paired-bootstrap difference to the reference method (`diff`, `diff_lo`, `diff_hi`, ...).
 
     The score column is named after the primary metric ("Acc." for pyramidkv_recall); when runs with different
     primary metrics are mixed it is named "score" and a "metric" column says which. kv_bytes_frac is the total KV
@@ -63,45 +70,106 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     keys = ["model", "dataset", "method", "budget"] + (["ratio"] if "ratio" in df and df["ratio"].notna().any() else [])
     scale = {m: score_scale(g["score"]) for m, g in df.groupby("primary_metric")}
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
-    out = g.agg(n=("score", "size"), score=("score", "mean"), kv_bytes=("kv_bytes", "sum"),
-                full_kv_bytes=("full_kv_bytes", "sum"), **{c: (c, "mean") for c in MEANS}).reset_index()
+    df["_group"] = g.ngroup()
+    out = g.agg(n=("score", "size"), score=("score", "mean"), se=("score", _se), kv_bytes=("kv_bytes", "sum"),
+                full_kv_bytes=("full_kv_bytes", "sum"), _group=("_group", "first"),
+                **{c: (c, "mean") for c in MEANS}).reset_index()
     out["score"] = out["score"] * out["primary_metric"].map(scale)
+    out["se"] = out["se"] * out["primary_metric"].map(scale)
+    if compare is not None:
+        out = _add_differences(out, df, keys, scale, compare)
     out["kv_bytes_frac"] = out["kv_bytes"] / out["full_kv_bytes"].where(out["full_kv_bytes"] > 0)
     metrics = out["primary_metric"].unique()
     label = METRIC_LABELS.get(metrics[0], metrics[0]) if len(metrics) == 1 else "score"
     out = out.rename(columns={"score": label, "primary_metric": "metric"})
-    cols = [*keys, *(["metric"] if len(metrics) > 1 else []), "n", label, "effective_budget", "kv_bytes_frac",
-            "prefill_s", "decode_tok_s"]
+    cols = [*keys, *(["metric"] if len(metrics) > 1 else []), "n", label, "se", "effective_budget", "kv_bytes_frac",
+            "prefill_s", "decode_tok_s", *(DIFF_COLUMNS if compare is not None else ())]
     out = sort_runs(out)[cols].reset_index(drop=True)
     out.attrs["score_column"] = label
+    if compare is not None:
+        out.attrs["notes"] = compare.note()
     return out
 
 
-def _cells(table: pd.DataFrame, missing: str = "–") -> tuple[list[str], list[list[str]], list[bool]]:
-    """Headers, formatted cells and which columns are numeric (right-aligned), shared by Markdown and LaTeX."""
+def _se(scores: pd.Series) -> float:
+    from kvbench.stats import mean_se
+
+    se = mean_se(scores.astype(float)).se
+    return math.nan if se is None else se
+
+
+def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale: dict, compare) -> pd.DataFrame:
+    """Each row's paired difference to the reference method's row of the same model, dataset and metric (at the
+    same budget if the reference ran at it; kvbench.report.compare.reference_key)."""
+    from kvbench.report.compare import reference_key
+
+    rows = []
+    for _, row in out.iterrows():
+        cands = out[(out["method"] == compare.reference) & (out["model"] == row["model"])
+                    & (out["dataset"] == row["dataset"]) & (out["primary_metric"] == row["primary_metric"])]
+        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in cands.iterrows()], ["budget", "ratio"])
+        ci = None
+        if ref is not None and row["method"] != compare.reference:
+            label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else row['budget']}".strip()
+            ci = compare.cells(df[df["_group"] == row["_group"]], df[df["_group"] == ref["_group"]], label,
+                               scale[row["primary_metric"]])["score"]
+        rows.append({"diff": ci.diff, "diff_lo": ci.lo, "diff_hi": ci.hi, "diff_se": ci.se,
+                     "diff_excludes_0": ci.excludes_zero, "n_paired": ci.n} if ci is not None else {})
+    extra = pd.DataFrame(rows, index=out.index, columns=list(DIFF_COLUMNS[:6]))
+    return out.assign(**extra, reference=compare.reference, resamples=compare.resamples, seed=compare.seed)
+
+
+def _missing(v) -> bool:
+    return v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+
+
+def _cells(table: pd.DataFrame, missing: str = "–",
+           stderr: bool = False) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Headers, formatted cells and which columns are numeric (right-aligned), shared by Markdown and LaTeX.
+    The score shows "mean ± se" with `stderr`; a compared table gets its "Δ vs <reference>" column after it."""
     headers, rows, numeric = [], [[] for _ in range(len(table))], []
+    score_col = table.attrs.get("score_column")
     for col in table.columns:
+        if col in HIDDEN:
+            continue
         header, fmt = COLUMNS.get(col, (col, "{:.2f}"))
         headers.append(header)
         numeric.append(pd.api.types.is_numeric_dtype(table[col]))
-        for row, v in zip(rows, table[col]):
-            if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        for row, (_, r) in zip(rows, table.iterrows()):
+            v = r[col]
+            if _missing(v):
                 row.append(missing)
             elif col == "method":
                 row.append(method_label(v))
             else:
-                row.append(fmt.format(int(v) if fmt == "{:d}" else v))
+                cell = fmt.format(int(v) if fmt == "{:d}" else v)
+                if col == score_col and stderr and "se" in r and not _missing(r["se"]):
+                    cell += " ± " + fmt.format(r["se"])
+                row.append(cell)
+        if col == score_col and "diff" in table:
+            from kvbench.report.compare import Interval, fmt_interval
+
+            ref = method_label(table["reference"].iloc[0]) if len(table) else ""
+            headers.append(f"Δ vs {ref} [95% CI]")
+            numeric.append(True)
+            for row, (_, r) in zip(rows, table.iterrows()):
+                ci = None if _missing(r["diff"]) else Interval(r["diff"], r["diff_lo"], r["diff_hi"], r["diff_se"],
+                                                               int(r["n_paired"]), 0.95, int(r["resamples"]),
+                                                               int(r["seed"]))
+                row.append(missing if ci is None else fmt_interval(ci))
     return headers, rows, numeric
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    """A GitHub-flavoured Markdown table, numbers right-aligned."""
-    headers, rows, numeric = _cells(table)
+def to_markdown(table: pd.DataFrame, stderr: bool = False) -> str:
+    """A GitHub-flavoured Markdown table, numbers right-aligned; `stderr` shows "mean ± se"; a compared table's
+    note (mark, resamples, seed, unpaired samples) follows it."""
+    headers, rows, numeric = _cells(table, stderr=stderr)
     esc = lambda s: s.replace("|", r"\|")  # noqa: E731
     lines = ["| " + " | ".join(map(esc, headers)) + " |",
              "|" + "|".join("---:" if num else ":---" for num in numeric) + "|"]
     lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    notes = table.attrs.get("notes", [])
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 _TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -113,22 +181,28 @@ def tex_escape(text: str) -> str:
     return "".join(_TEX_ESCAPES.get(ch, ch) for ch in text)
 
 
-def to_latex(table: pd.DataFrame) -> str:
-    """A booktabs `tabular` (needs \\usepackage{booktabs}), ready to \\input into a paper."""
-    headers, rows, numeric = _cells(table, missing="--")
+def to_latex(table: pd.DataFrame, stderr: bool = False) -> str:
+    """A booktabs `tabular` (needs \\usepackage{booktabs}), ready to \\input into a paper; `stderr` and a compared
+    table's note as in `to_markdown` (the note as a last row spanning the table)."""
+    headers, rows, numeric = _cells(table, missing="--", stderr=stderr)
+    tex = lambda c: tex_escape(c).replace("±", r"$\pm$").replace("Δ", r"$\Delta$")  # noqa: E731
     lines = [r"\begin{tabular}{" + "".join("r" if num else "l" for num in numeric) + "}", r"\toprule",
-             " & ".join(map(tex_escape, headers)) + r" \\", r"\midrule"]
-    lines += [" & ".join(tex_escape(c) for c in r) + r" \\" for r in rows]
-    lines += [r"\bottomrule", r"\end{tabular}"]
+             " & ".join(map(tex, headers)) + r" \\", r"\midrule"]
+    lines += [" & ".join(tex(c) for c in r) + r" \\" for r in rows]
+    lines.append(r"\bottomrule")
+    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex_escape(n)}}} \\"
+              for n in table.attrs.get("notes", [])]
+    lines.append(r"\end{tabular}")
     return "\n".join(lines) + "\n"
 
 
-def write_tables(table: pd.DataFrame, out_dir: str | Path, stem: str = "table") -> list[Path]:
-    """Write `{stem}.md`, `{stem}.tex` and `{stem}.csv` (full precision, registry names) into out_dir."""
+def write_tables(table: pd.DataFrame, out_dir: str | Path, stem: str = "table", stderr: bool = False) -> list[Path]:
+    """Write `{stem}.md`, `{stem}.tex` and `{stem}.csv` (full precision, registry names, se and difference columns
+    always) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.{ext}" for ext in ("md", "tex", "csv")]
-    paths[0].write_text(to_markdown(table), encoding="utf-8")
-    paths[1].write_text(to_latex(table), encoding="utf-8")
+    paths[0].write_text(to_markdown(table, stderr), encoding="utf-8")
+    paths[1].write_text(to_latex(table, stderr), encoding="utf-8")
     table.to_csv(paths[2], index=False)
     return paths

@@ -92,11 +92,13 @@ def test_no_run_directory_is_a_one_line_error(tmp_path: Path):
 def test_summary_table_matches_hand_computed_means(three_runs: Path):
     t = summary_table(load_runs([three_runs]))
     assert list(t["method"]) == ["full", "pyramidkv", "snapkv"]            # full first, then by budget
-    assert list(t.columns) == ["model", "dataset", "method", "budget", "n", "Acc.", "effective_budget",
+    assert list(t.columns) == ["model", "dataset", "method", "budget", "n", "Acc.", "se", "effective_budget",
                                "kv_bytes_frac", "prefill_s", "decode_tok_s"]
     snap = t[t["method"] == "snapkv"].iloc[0]
     assert snap["n"] == 4 and snap["budget"] == 128
     assert snap["Acc."] == pytest.approx(100 * (1.0 + 0.0 + 1.0 + 0.5) / 4)
+    # squared deviations from .625: .140625 .390625 .140625 .015625 -> sd^2 = .6875 / 3; se = sd / 2, x 100
+    assert snap["se"] == pytest.approx(100 * (0.6875 / 3) ** 0.5 / 2)
     assert snap["effective_budget"] == pytest.approx((60 + 61 + 62 + 63) / 4)
     assert snap["kv_bytes_frac"] == pytest.approx((100 + 200 + 300 + 400) / 4000)
     assert snap["prefill_s"] == pytest.approx((0.5 + 1.0 + 1.5 + 2.0) / 4)
@@ -159,7 +161,9 @@ def test_heatmap_colours_follow_colormap(tmp_path: Path):
     assert np.allclose(_pixel(img, ax, 1, 1, 3, 3), [1, 1, 1], atol=0.02)  # missing cell left blank
     assert ax.get_xlabel() == "Token Limit" and ax.get_ylabel() == "Depth Percent"
     assert ax.get_title().startswith("Pressure Testing smollm2-135m \nFact Retrieval Across Context Lengths")
-    assert ax.get_title().endswith("SnapKV, KV Size=128, acc 50.0")
+    scores = df["score"].to_numpy(dtype=float)
+    se = 100 * scores.std(ddof=1) / len(scores) ** 0.5
+    assert ax.get_title().endswith(f"SnapKV, KV Size=128, acc 50.0 ± {se:.1f} (n={len(scores)})")
     assert fig.axes[1].get_ylabel() == "Score"
 
 

@@ -1,0 +1,113 @@
+"""`--compare METHOD`: each table cell's difference to a reference method, by a paired bootstrap over sample ids.
+
+A gap between two rows of a table is only worth reporting if it is larger than what resampling the same prompts
+would give. Two runs of one benchmark share sample ids, so the fair comparison is paired: per id, method score minus
+reference score; its mean is the cell's difference, and a seeded percentile bootstrap over the ids gives the 95 %
+interval (kvbench.stats.paired_bootstrap). An average over tasks ("Avg.") is bootstrapped within each task, so it
+matches how the average is computed. Ids only one run has are left out and counted in the table's note.
+
+The table modules (tables, longbench, ruler) call `Compare.cells` per row and mark a cell whose interval excludes 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+import pandas as pd
+
+from kvbench.stats import LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap
+from kvbench.report.tables import METHOD_NAMES, method_label
+
+MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
+
+
+def resolve_method(label: str, methods: Iterable[str]) -> str:
+    """The registry name of `label` (registry name or paper spelling, any case) among the runs' methods."""
+    methods = sorted(set(map(str, methods)))
+    for m in methods:
+        if label.lower() in (m.lower(), method_label(m).lower()):
+            return m
+    known = ", ".join(methods)
+    raise ValueError(f"kvbench: report --compare {label!r} is not a method in these runs; choose one of: {known}")
+
+
+def reference_key(row: dict, candidates: list[dict], keys: list[str]) -> dict | None:
+    """The reference configuration a row is compared with: one with the same budget and ratio if the reference ran
+    at it (e.g. `--compare snapkv` at each KV size), else the only one there is (the full cache). None if ambiguous."""
+    same = [c for c in candidates if all(_same(c.get(k), row.get(k)) for k in keys)]
+    if len(same) == 1:
+        return same[0]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _same(a, b) -> bool:
+    a_na, b_na = a is None or pd.isna(a), b is None or pd.isna(b)
+    return a_na and b_na if a_na or b_na else a == b
+
+
+def select(records: pd.DataFrame, row, keys: list[str]) -> pd.DataFrame:
+    """The records of one table row: equal on every key, a missing key (full cache's budget) matching missing."""
+    mask = pd.Series(True, index=records.index)
+    for k in keys:
+        v = row.get(k)
+        mask &= records[k].isna() if v is None or pd.isna(v) else records[k] == v
+    return records[mask]
+
+
+def _by_id(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per sample id (a resumed run may hold an id twice: the last record wins, as in scores.json)."""
+    return records.drop_duplicates("id", keep="last").set_index("id")
+
+
+@dataclass
+class Compare:
+    """One comparison setting: the reference method (registry name), resamples, seed and level; collects the
+    unpaired-sample counts of every row it compared, for the table's note."""
+    reference: str
+    resamples: int = RESAMPLES
+    seed: int = SEED
+    level: float = LEVEL
+    unpaired: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def cells(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, scale: float = 1.0,
+              task: str | None = None, tasks: list[str] | None = None,
+              average: str = "Avg.") -> dict[Hashable, Interval | None]:
+        """Intervals of (method - reference) x scale over the ids both record frames hold (columns id, score and
+        `task`). Without `task`: {"score": interval}. With it: one per task in `tasks` and `average` for the mean
+        over those tasks (stratified by task; None unless both runs have every task)."""
+        m, r = _by_id(method), _by_id(reference)
+        pairing = pair_by_id(m["score"].astype(float).to_dict(), r["score"].astype(float).to_dict())
+        if pairing.only_a or pairing.only_b:
+            self.unpaired.append((label, len(pairing.only_a), len(pairing.only_b)))
+        diffs = pd.Series(pairing.a - pairing.b, index=pairing.ids, dtype=float)
+        if task is None:
+            return {"score": self._interval(diffs.to_numpy(), None, scale)}
+        strata = m.loc[pairing.ids, task] if len(pairing.ids) else pd.Series(dtype=object)
+        out: dict[Hashable, Interval | None] = {t: self._interval(diffs[strata == t].to_numpy(), None, scale)
+                                                for t in tasks or []}
+        keep = strata.isin(tasks or [])
+        out[average] = (self._interval(diffs[keep].to_numpy(), strata[keep].to_numpy(), scale)
+                        if tasks and set(tasks) <= set(strata) else None)
+        return out
+
+    def _interval(self, diffs, strata, scale: float) -> Interval | None:
+        ci = paired_bootstrap(diffs, strata, self.resamples, self.seed, self.level)
+        return None if ci is None else ci.scaled(scale)
+
+    def note(self) -> list[str]:
+        """The lines under a compared table: what the mark means, resamples, seed, and the unpaired samples."""
+        ref = METHOD_NAMES.get(self.reference, self.reference)
+        lines = [f"{MARK} the {self.level:.0%} paired-bootstrap interval of the difference to {ref} excludes 0 "
+                 f"(samples paired by id; {self.resamples} resamples, seed {self.seed})."]
+        if self.unpaired:
+            lines.append("Unpaired samples, excluded: " + "; ".join(
+                f"{label}: {a} without a {ref} record, {b} {ref} records without one of its own"
+                for label, a, b in self.unpaired) + ".")
+        return lines
+
+
+def fmt_interval(ci: Interval | None) -> str:
+    """`-33.33 [-58.33, -8.33]*`: difference, interval, and the mark when the interval excludes 0."""
+    if ci is None:
+        return "–"
+    return f"{ci.diff:+.2f} [{ci.lo:+.2f}, {ci.hi:+.2f}]" + (MARK if ci.excludes_zero else "")
