@@ -42,6 +42,10 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
     scores = json.loads((run_dir / "scores.json").read_text())
     assert scores["n"] == 4 and scores["method"] == "snapkv" and scores["budget"] == 64
     assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(sum(r["score"] for r in recs) / 4)
+    values = [r["score"] for r in recs]                                      # se = sample sd / sqrt(n)
+    sd = (sum((v - sum(values) / 4) ** 2 for v in values) / 3) ** 0.5
+    assert scores["stats"]["pyramidkv_recall"] == {"mean": pytest.approx(sum(values) / 4), "se": pytest.approx(sd / 2),
+                                                   "n": 4, "se_method": "sd/sqrt(n)"}
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["model"] == "tiny-llama" and manifest["dataset_version"] == "1" and manifest["finished_utc"]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "heatmap.png").is_file()
