@@ -32,12 +32,13 @@ def resolve_method(label: str, methods: Iterable[str]) -> str:
 
 
 def reference_key(row: dict, candidates: list[dict], keys: list[str]) -> dict | None:
-    """The reference configuration a row is compared with: one with the same budget and ratio if the reference ran
-    at it (e.g. `--compare snapkv` at each KV size), else the only one there is (the full cache). None if ambiguous."""
+    """The reference configuration a row is compared with: the one at the same budget and ratio (e.g. `--compare
+    snapkv` compares each KV size with SnapKV at that size); the full cache keeps everything, so any full-cache run
+    will do. None when the reference did not run at the row's budget."""
     same = [c for c in candidates if all(_same(c.get(k), row.get(k)) for k in keys)]
-    if len(same) == 1:
+    if same:
         return same[0]
-    return candidates[0] if len(candidates) == 1 else None
+    return candidates[0] if candidates and candidates[0].get("method") == "full" else None
 
 
 def _same(a, b) -> bool:
@@ -74,7 +75,7 @@ class Compare:
               average: str = "Avg.") -> dict[Hashable, Interval | None]:
         """Intervals of (method - reference) x scale over the ids both record frames hold (columns id, score and
         `task`). Without `task`: {"score": interval}. With it: one per task in `tasks` and `average` for the mean
-        over those tasks (stratified by task; None unless both runs have every task)."""
+        over those tasks (stratified by task; None unless the paired samples cover every task)."""
         m, r = _by_id(method), _by_id(reference)
         pairing = pair_by_id(m["score"].astype(float).to_dict(), r["score"].astype(float).to_dict())
         if pairing.only_a or pairing.only_b:
@@ -101,13 +102,12 @@ class Compare:
                  f"(samples paired by id; {self.resamples} resamples, seed {self.seed})."]
         if self.unpaired:
             lines.append("Unpaired samples, excluded: " + "; ".join(
-                f"{label}: {a} without a {ref} record, {b} {ref} records without one of its own"
-                for label, a, b in self.unpaired) + ".")
+                f"{label}: {a} ids only in this run, {b} only in {ref}'s" for label, a, b in self.unpaired) + ".")
         return lines
 
 
 def fmt_interval(ci: Interval | None) -> str:
-    """`-33.33 [-58.33, -8.33]*`: difference, interval, and the mark when the interval excludes 0."""
+    """`-33.33 [-58.33, -8.33]†`: difference, interval, and the mark when the interval excludes 0."""
     if ci is None:
         return "–"
     return f"{ci.diff:+.2f} [{ci.lo:+.2f}, {ci.hi:+.2f}]" + (MARK if ci.excludes_zero else "")

@@ -103,8 +103,9 @@ def needle_heatmap(df_one_run: pd.DataFrame, path: str | Path, title: str | None
                    pretrained_len: int | None = None) -> Figure:
     """Draw one run's NIAH grid to `path` and return the figure.
 
-    The default title is PyramidKV's plus a line with method, budget, acc and its standard error. With `pretrained_len`, a white dashed
-    line marks the border before the first context length above it (PyramidKV's pretraining-length marker).
+    The default title is PyramidKV's plus a line with method, budget, acc and its standard error. With
+    `pretrained_len`, a white dashed line marks the border before the first context length above it (PyramidKV's
+    pretraining-length marker).
     """
     if df_one_run["run_dir"].nunique() > 1:
         raise ValueError(f"needle_heatmap: expects the records of one run, got {df_one_run['run_dir'].nunique()} "
@@ -121,8 +122,8 @@ def needle_heatmap(df_one_run: pd.DataFrame, path: str | Path, title: str | None
         if beyond:
             ax.axvline(beyond[0] - 0.5, color="white", linestyle="--", linewidth=4)
     model = df_one_run["model"].iloc[0]
-    ax.set_title(title if title is not None else TITLE.format(model=model) + "\n" + run_caption(df_one_run, stderr=True),
-                 fontsize=FONT + 2)
+    default = TITLE.format(model=model) + "\n" + run_caption(df_one_run, stderr=True)
+    ax.set_title(title if title is not None else default, fontsize=FONT + 2)
     _save(fig, path)
     return fig
 

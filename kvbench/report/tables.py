@@ -147,7 +147,8 @@ def _cells(table: pd.DataFrame, missing: str = "–",
                     cell += " ± " + fmt.format(r["se"])
                 row.append(cell)
         if col == score_col and "diff" in table:
-            from kvbench.report.compare import Interval, fmt_interval
+            from kvbench.report.compare import fmt_interval
+            from kvbench.stats import Interval
 
             ref = method_label(table["reference"].iloc[0]) if len(table) else ""
             headers.append(f"Δ vs {ref} [95% CI]")

@@ -16,7 +16,7 @@ from kvbench.report import load_runs, summary_table, to_latex, to_markdown
 from kvbench.report import longbench as lb_report
 from kvbench.report import ruler as ruler_report
 from kvbench.report.__main__ import main
-from kvbench.report.compare import Compare
+from kvbench.report.compare import Compare, reference_key
 from kvbench.stats import paired_bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_cli_prints_the_marked_table_with_standard_errors(sweep: Path, tmp_path:
     assert "| 100.00 ± 0.00 | – |" in next(line for line in lines if "| FullKV |" in line)
     assert "95% paired-bootstrap interval of the difference to FullKV excludes 0" in proc.stdout
     assert "2000 resamples, seed 0" in proc.stdout
-    assert "SnapKV 64: 1 without a FullKV record, 1 FullKV records without one of its own" in proc.stdout
+    assert "Unpaired samples, excluded: SnapKV 64: 1 ids only in this run, 1 only in FullKV's." in proc.stdout
     csv = pd.read_csv(tmp_path / "out" / "table.csv")
     assert {"se", "diff", "diff_lo", "diff_hi", "n_paired", "resamples", "seed"} <= set(csv.columns)
     assert csv.loc[csv["method"] == "snapkv", "n_paired"].item() == 19
@@ -140,3 +140,13 @@ def test_ruler_cells_carry_se_and_marks():
     assert f"50.00 ± {snap['se:vt']:.2f}†" in md and "500 resamples" in md
     assert "±" not in ruler_report.to_markdown(ruler_report.with_uncertainty(ruler_report.wide_table(scores),
                                                                              scores, df))
+
+
+def test_reference_row_is_the_same_budget_or_any_full_cache():
+    full = {"method": "full", "budget": 64, "ratio": None}
+    snap64 = {"method": "snapkv", "budget": 64, "ratio": None}
+    snap128 = {"method": "snapkv", "budget": 128, "ratio": None}
+    row = {"method": "pyramidkv", "budget": 128, "ratio": None}
+    assert reference_key(row, [full], ["budget", "ratio"]) is full          # the full cache's budget does not matter
+    assert reference_key(row, [snap64, snap128], ["budget", "ratio"]) is snap128
+    assert reference_key(row, [snap64], ["budget", "ratio"]) is None        # never compare across KV sizes
