@@ -1,0 +1,59 @@
+"""The command line on a saved tiny checkpoint of every supported family (`save_pretrained`, the embedded tokenizer
+beside it): `model=hf model.path=<dir> method=snapkv budget=32 dataset=niah` runs and compresses each one; an
+unsupported architecture is refused in one line from its config.json, before any weights would load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbench.models.adapters import BY_FAMILY
+from kvbench.models.loader import RANDOM_FAMILIES
+from kvbench.models.tiny import tiny_random_model
+from tests.unit.test_cli import kvbench, records, run_dirs
+
+NIAH = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", "dataset.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2_tokenizer):
+    """{family: directory} of tiny random models saved the way a user's checkpoint is."""
+    dirs = {}
+    for family in RANDOM_FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        model = tiny_random_model(family, vocab_size=len(smollm2_tokenizer), layers=2,
+                                  bos_token_id=smollm2_tokenizer.bos_token_id,
+                                  eos_token_id=smollm2_tokenizer.eos_token_id)
+        model.save_pretrained(path)
+        smollm2_tokenizer.save_pretrained(path)
+        dirs[family] = path
+    return dirs
+
+
+def test_snapkv_runs_on_every_family_from_a_local_checkpoint(checkpoints, tmp_path):
+    paths = ",".join(str(checkpoints[f]) for f in RANDOM_FAMILIES)  # one multirun: one process, every family
+    out = kvbench("-m", "model=hf", f"model.path={paths}", "model.name=tiny", "model.dtype=float32",
+                  "model.device=cpu", "method=snapkv", "method.window=8", "budget=32", *NIAH, results=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == len(RANDOM_FAMILIES)
+    by_family = {}
+    for run_dir in dirs:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        family = next(f for f, p in checkpoints.items() if manifest["model_source"] == str(p))
+        by_family[family] = records(run_dir)[0]
+    for family, record in by_family.items():
+        window = BY_FAMILY[family].window_layers(tiny_random_model(family).config)
+        expected = [record["prompt_tokens"] if i in window else 32.0 for i in range(2)]
+        assert record["kept_per_layer"] == expected, family
+        assert record["kv_bytes"] < record["full_kv_bytes"]
+
+
+def test_an_unsupported_architecture_is_refused_before_loading(tmp_path):
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    out = kvbench("model=hf", f"model.path={tmp_path / 't5'}", "method=snapkv", "budget=64", results=tmp_path)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("kvbench: model: model_type 't5' is an encoder-decoder model")
+    assert not list(tmp_path.rglob("predictions.jsonl"))
