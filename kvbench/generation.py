@@ -93,8 +93,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         capture.reset()
         capture.cache = cache
         if method.evicts_while_decoding:
-            capture.decode_hook = lambda i, query, key, scaling: (
-                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling))
+            capture.decode_hook = lambda i, query, key, scaling, bias=None: (
+                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias))
         return None
     n_layers = len(cache.layers)
     prompt_len = cache.layers[0].keys.shape[-2]
@@ -103,7 +103,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         if n_keep >= prompt_len or layer_idx in capture.window_layers:
             continue
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
-                         capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0))
+                         capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
+                         capture.window_bias.get(layer_idx))
         idx = method.select(view, n_keep)
         if isinstance(idx, Tensor):
             layer.keep(idx)

@@ -81,8 +81,10 @@ def setup(cfg: DictConfig):
     if cfg.positions not in ("original", "shift"):
         raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
     adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
-    if adapter is not None and cfg.positions == "shift":
-        adapter.check_shift()
+    if adapter is not None:
+        adapter.check_method(method)
+        if cfg.positions == "shift":
+            adapter.check_shift()
     if cfg.ratio is not None:
         if not 0 <= cfg.ratio < 1:
             raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")

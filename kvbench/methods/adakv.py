@@ -19,7 +19,7 @@ Defaults and switches (seed-adakv.md §6.1):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -62,6 +62,8 @@ def ada_select_kvpress(scores: Tensor, n_keep: int, window: int, alpha: float) -
 @dataclass
 class AdaKV(WindowScorer):
     """Ada-SnapKV: SnapKV's scores, uniform layer budgets, adaptive per-head split."""
+
+    own_storage: ClassVar[bool] = True  # per-head variable layers
 
     alpha: float = 0.2  # safeguard: share of each head's budget it keeps whatever the competition
     allocation: Literal["official", "kvpress"] = "official"

@@ -26,7 +26,8 @@ class Phase(enum.Enum):
 class LayerView:
     """What a method sees of one layer right after prefill.
 
-    keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None.
+    keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None;
+    window_bias: the model's additive position bias of the window rows `[B, H_q, w, n]` (ALiBi), or None.
     """
 
     layer_idx: int
@@ -35,6 +36,7 @@ class LayerView:
     values: Tensor
     window_queries: Tensor | None
     scaling: float
+    window_bias: Tensor | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -47,6 +49,8 @@ class Method:
 
     phase: ClassVar[Phase] = Phase.PREFILL
     needs: ClassVar[frozenset[str]] = frozenset()  # "window_queries": the capture records `self.window` queries
+    own_storage: ClassVar[bool] = False  # True: compressed layers attend through their own dot-product kernel
+    # (per-head variable, quantized, offloaded), which knows no position bias such as ALiBi
 
     @property
     def compresses(self) -> bool:
@@ -70,10 +74,11 @@ class Method:
 
 
 # --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
-def window_attention(window_queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
+def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None) -> Tensor:
     """Softmax attention of the last w queries over all n keys: `[B, H_q, w, n]`, fp32.
 
     The causal mask applies only inside the trailing w x w block (every prefix key precedes every window query).
+    `bias` (`[B, H_q, w, n]`, the model's position bias such as ALiBi) is added to the logits, as the model does.
     Costs w x n per head; the n x n matrix is never built.
     """
     b, h_q, w, d = window_queries.shape
@@ -81,6 +86,8 @@ def window_attention(window_queries: Tensor, keys: Tensor, scaling: float) -> Te
     q = window_queries.reshape(b, h_kv, (h_q // h_kv) * w, d)  # group the query heads of each KV head
     logits = (q @ keys.transpose(-1, -2)).float() * scaling  # [B, H_kv, r*w, n]
     logits = logits.view(b, h_q, w, n)
+    if bias is not None:
+        logits = logits + bias[:, :, -w:].float()
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
     logits[..., n - w:] = logits[..., n - w:].masked_fill(future, float("-inf"))
     return logits.softmax(dim=-1)

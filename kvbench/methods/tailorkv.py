@@ -45,6 +45,7 @@ class TailorKV(Method):
     #                                   own query (an oracle ablation: exact channels, no one-layer-ahead prefetch)
 
     phase: ClassVar[Phase] = Phase.DECODE
+    own_storage: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.channel_query not in ("predicted", "current"):

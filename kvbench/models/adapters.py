@@ -20,11 +20,14 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvbench.models.alibi import mpt_attention_forward
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,13 @@ class Adapter:
     query: str = "q_proj"  # the module producing queries (its own projection or a fused QKV projection)
     query_layout: Literal["own", "leading", "per_head"] = "own"  # fused: queries first, or [q, k, v] per head
     query_norm: str | None = None  # per-head norm applied to queries before RoPE (Qwen3, Gemma 3)
-    positions: Literal["rope", "learned"] = "rope"  # rope: rotated q/k; learned: added once at the embedding
+    positions: Literal["rope", "learned", "alibi"] = "rope"  # rope: rotated q/k; learned: added once at the
+    # embedding; alibi: a per-head bias by distance, from each key's recorded position
     rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
     rotary_inv_freq: str = "inv_freq"
     has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
+    forward: Callable | None = None  # (module, attention function) -> a per-instance forward, for attention
+    # that bypasses transformers' AttentionInterface (MPT); None: the interface already routes it
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
     missing: str | None = None  # set: the family is rejected before weights load, with this reason
 
@@ -55,8 +61,10 @@ class Adapter:
         return {m.layer_idx: m for m in model.modules() if isinstance(m, cls)}
 
     def eager_function(self):
-        """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper."""
-        return getattr(importlib.import_module(f"transformers.models.{self.modeling}"), "eager_attention_forward")
+        """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper;
+        exact sdpa for a family whose forward kvbench replaces (its bias arrives as a float mask)."""
+        module = importlib.import_module(f"transformers.models.{self.modeling}")
+        return getattr(module, "eager_attention_forward", None) or ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def window_layers(self, config) -> frozenset[int]:
         """Layers with their own sliding window (Gemma 2/3): methods leave them to the model's window semantics."""
@@ -98,16 +106,26 @@ class Adapter:
 
     def check_shift(self) -> None:
         """Raise (one line) if `positions=shift` has no meaning for this family."""
-        if self.positions != "rope":
+        if self.positions == "learned":
             raise ValueError(f"positions=shift: {self.family} has {self.positions} positions, no rotary keys to "
                              "re-rotate; use positions=original")
         if self.has_window_layers:
             raise ValueError(f"positions=shift: {self.family} mixes sliding-window and global layers, whose slots "
                              "would disagree; use positions=original")
 
+    def check_method(self, method) -> None:
+        """Raise (one line) if `method` cannot run correctly on this family (a capability, not a method name)."""
+        if self.positions == "alibi" and getattr(method, "own_storage", False):
+            raise ValueError(f"{method.registry_name} is not supported on {self.family}: its per-head/quantized/"
+                             "offloaded layers attend without the ALiBi bias; use snapkv, pyramidkv, streamingllm, "
+                             "h2o, keyformer or buzz")
+
     def inv_freq(self, model: torch.nn.Module) -> Tensor:
-        """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift)."""
+        """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift). ALiBi has no
+        rotary dims: shifting only relabels positions as slots, and the bias follows them."""
         self.check_shift()
+        if self.positions == "alibi":
+            return torch.empty(0)
         rotary = getattr(model.base_model, self.rotary, None)
         if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
             raise ValueError(f"positions=shift needs plain rotary embeddings; {self.family} has scaled or no RoPE")
@@ -120,7 +138,8 @@ def _head_dim(module) -> int:
 
 def _n_heads(module, head_dim: int) -> int:
     config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None) or getattr(
+        module, "n_heads", None)
     return heads or module.embed_dim // head_dim
 
 
@@ -147,8 +166,8 @@ ADAPTERS: tuple[Adapter, ...] = (
                        "no per-module wrapper yet"),
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention",
                missing="its attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
-    _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", sdpa=False,
-               missing="ALiBi attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
+    _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
+               positions="alibi", forward=mpt_attention_forward, sdpa=False),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}

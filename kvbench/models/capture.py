@@ -50,6 +50,7 @@ class AttentionCapture:
         self.chunk = chunk
         self.input_hook = input_hook
         self.window_queries: dict[int, Tensor] = {}
+        self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.column_sums: dict[int, Tensor] = {}
         self.scaling: dict[int, float] = {}
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
@@ -63,6 +64,7 @@ class AttentionCapture:
     def reset(self) -> None:
         """Forget what the previous prompt left behind (call between samples)."""
         self.window_queries.clear()
+        self.window_bias.clear()
         self.column_sums.clear()
         self.scaling.clear()
         self.cache = None
@@ -74,19 +76,26 @@ class AttentionCapture:
     def __enter__(self) -> "AttentionCapture":
         self._original = self.model.config._attn_implementation
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(self._original, self.adapter.eager_function())
-        AttentionInterface.register(self.name, self._wrap(inner))
+        attention = self._wrap(inner)
+        AttentionInterface.register(self.name, attention)
         mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(self._original, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         AttentionMaskInterface.register(self.name, mask_fn)
-        self.model.set_attn_implementation(self.name)
+        if self.adapter.forward is None:  # the interface routes attention: point this model at the wrapper
+            self.model.set_attn_implementation(self.name)
         for module in self.attention_modules.values():
             self._handles.append(module.register_forward_pre_hook(self._before_attention, with_kwargs=True))
+            if self.adapter.forward is not None:  # attention that bypasses the interface: this instance only
+                module.forward = self.adapter.forward(module, attention)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.model.set_attn_implementation(self._original)
+        if self.adapter.forward is None:
+            self.model.set_attn_implementation(self._original)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self.attention_modules.values():
+            module.__dict__.pop("forward", None)  # back to the class' own forward
         AttentionInterface._global_mapping.pop(self.name, None)
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()
@@ -118,19 +127,26 @@ class AttentionCapture:
             layer_idx = module.layer_idx
             q_len = query.shape[2]
             scaling = kwargs.get("scaling") or module.scaling
+            score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
             if q_len > 1:  # prefill: keep only what scoring needs
                 self.scaling[layer_idx] = scaling
                 if self.window:
                     self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
+                    if score_bias is not None:
+                        self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
                 if self.column_score is not None:
-                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling)
+                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias)
             elif self.decode_hook is not None:
                 out = inner(module, query, key, value, attention_mask, **kwargs)
-                self.decode_hook(layer_idx, query, key, scaling)  # may evict: this step already attended
+                bias = {} if score_bias is None else {"bias": score_bias(slice(0, 1))}
+                self.decode_hook(layer_idx, query, key, scaling, **bias)  # may evict: this step already attended
                 return out
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "attend", None) is not None:  # a layer with its own storage (varlen, quantized...)
+                    if score_bias is not None:
+                        raise NotImplementedError("capture: position-biased attention (ALiBi) over a layer with "
+                                                  "its own storage")
                     return layer.attend(query, scaling), None
                 if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
                     attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
@@ -143,8 +159,9 @@ class AttentionCapture:
         return attention
 
     @torch.no_grad()
-    def _column_sums(self, query: Tensor, key: Tensor, scaling: float) -> Tensor:
-        """Sum over the n prompt queries of `column_score(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows."""
+    def _column_sums(self, query: Tensor, key: Tensor, scaling: float, score_bias=None) -> Tensor:
+        """Sum over the n prompt queries of `column_score(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows.
+        `score_bias(rows)` adds the model's position bias (ALiBi) to the logits of those rows."""
         b, h_q, n, d = query.shape
         h_kv = key.shape[1]
         keys = key.float()
@@ -154,6 +171,8 @@ class AttentionCapture:
             c = rows.shape[2]
             grouped = rows.reshape(b, h_kv, (h_q // h_kv) * c, d) if key.shape[1] != h_q else rows
             logits = (grouped @ keys.transpose(-1, -2)).view(b, h_q, c, n) * scaling
+            if score_bias is not None:
+                logits = logits + score_bias(slice(start, start + c))
             future = torch.arange(n, device=query.device)[None, :] > torch.arange(start, start + c,
                                                                                   device=query.device)[:, None]
             total += self.column_score(logits.masked_fill(future, float("-inf"))).sum(dim=2)

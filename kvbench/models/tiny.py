@@ -2,7 +2,8 @@
 
 Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the family's own quirks stay on at tiny
 scale so tests exercise them: Phi-3 and GPT-NeoX rotate only part of each head (partial rotary), Gemma 3 alternates
-a sliding-window layer (window 32) with a global one, GPT-2 adds learned absolute positions at the embedding.
+a sliding-window layer (window 32) with a global one, GPT-2 adds learned absolute positions at the embedding, MPT
+biases scores by ALiBi distance.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family == "gpt2":
         return AutoConfig.for_model("gpt2", vocab_size=vocab_size, n_embd=64, n_head=4, n_layer=layers,
                                     n_positions=max_positions, **ids)
+    if family == "mpt":  # ALiBi, multi-head, no position embedding at all
+        return AutoConfig.for_model("mpt", vocab_size=vocab_size, d_model=64, n_heads=4, n_layers=layers,
+                                    expansion_ratio=2, max_seq_len=max_positions, **ids)
     if family == "gpt_neox":  # multi-head, rotary on a quarter of each head (rotary_pct 0.25, like Pythia)
         return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     rotary_pct=0.25, **common)

@@ -75,8 +75,40 @@ def masked_reference(model, ids, token, kept, n_heads):
     with torch.no_grad():
         reference = DynamicCache()
         model(ids, past_key_values=reference, use_cache=True)
-    with attention_function(model, masked):
-        return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+    if BY_FAMILY[family_of(model)].forward is None:
+        with attention_function(model, masked):
+            return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+    return masked_by_module_mask(model, reference, token, kept, n_heads)
+
+
+def masked_by_module_mask(model, reference, token, kept, n_heads):
+    """For attention that bypasses the interface (MPT): transformers' own attention code (its ALiBi by slot, which
+    on the uncompressed cache is the original distance) with dropped keys masked through its boolean mask."""
+
+    def restrict(module, args, kwargs):
+        per_head = kept[module.layer_idx]
+        dropped = torch.zeros(1, n_heads, 1, N + 1, dtype=torch.bool)
+        if per_head is not None:
+            dropped[...] = True
+            for hq in range(n_heads):
+                dropped[0, hq, 0, per_head[hq * len(per_head) // n_heads]] = False
+            dropped[..., -1] = False
+        kwargs["attention_mask"] = dropped
+        return args, kwargs
+
+    attention = BY_FAMILY[family_of(model)].attention_class()
+    handles = [m.register_forward_pre_hook(restrict, with_kwargs=True) for m in model.modules()
+               if isinstance(m, attention)]
+    try:
+        with torch.no_grad():
+            return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def family_of(model) -> str:
+    return next(f for f, m in _models.items() if m is model)
 
 
 @pytest.mark.parametrize("name", METHODS.names())
@@ -84,6 +116,12 @@ def masked_reference(model, ids, token, kept, n_heads):
 def test_compress_then_decode_equals_masked_dense_recompute(family, name):
     model, ids = model_of(family), prompt(N)
     method = configured(name)
+    adapter = BY_FAMILY[family]
+    if adapter.positions == "alibi" and method.own_storage:  # refused before weights load, in one line
+        with pytest.raises(ValueError, match=f"{name} is not supported on {family}: .* without the ALiBi bias"):
+            adapter.check_method(method)
+        return
+    adapter.check_method(method)
     seen: dict = {}
 
     def on_logits(t, logits):
@@ -100,6 +138,8 @@ def test_compress_then_decode_equals_masked_dense_recompute(family, name):
 
     with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
         gen = generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set(), on_logits=on_logits)
+    for module in capture.attention_modules.values():  # nothing of the capture is left on the model
+        assert "forward" not in module.__dict__ and not module._forward_pre_hooks
     kept = seen["kept"]
     for i, layer in enumerate(seen["layers"] or []):
         if isinstance(layer, OffloadedLayer):  # sinks + recent + what it retrieved at that step
@@ -147,8 +187,12 @@ def test_predicted_query_is_the_next_layers_own_query(family):
         grabbed["q"] = q
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
 
-    with attention_function(model, grab):
-        attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
+    replaced = BY_FAMILY[family].forward
+    if replaced is not None:  # MPT: the query its (kvbench-routed) forward forms; that forward equals
+        replaced(attn, grab)(hidden_states=hidden)  # transformers' MPT in the masked-recompute test
+    else:
+        with attention_function(model, grab):
+            attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
     torch.testing.assert_close(predicted, grabbed["q"])
 
 
@@ -186,7 +230,51 @@ def test_position_shift_equals_keys_rotated_by_the_models_own_rope(family):
     torch.testing.assert_close(seen[1], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in rope_families()])
+def test_alibi_shift_is_alibi_over_slots():
+    """MPT with positions=shift: the next step equals transformers' own MPT over a plain cache that holds only the
+    kept entries (its ALiBi by slot: Keyformer's "New Pos"); positions=original differs from it."""
+    model, ids = model_of("mpt"), prompt(N)
+    method = configured("streamingllm")
+    logits = {}
+    for positions in ("shift", "original"):
+        with AttentionCapture(model) as capture:
+            gen = generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set(), positions=positions,
+                           on_logits=lambda t, out: logits.setdefault((positions, t), out.clone()))
+    keep = torch.cat([torch.arange(method.n_sink), torch.arange(N - (BUDGET - method.n_sink), N)])
+    with torch.no_grad():
+        full = DynamicCache()
+        model(ids, past_key_values=full, use_cache=True)
+        cache = DynamicCache(ddp_cache_data=[(layer.keys[:, :, keep], layer.values[:, :, keep])
+                                             for layer in full.layers])
+        expected = model(torch.tensor([gen.token_ids[:1]]), past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(logits["shift", 1], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits["original", 1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_alibi_bias_uses_each_kept_keys_original_distance():
+    """The bias the MPT forward gives the attention is slope_h x (original key position - query position)."""
+    from kvbench.models.alibi import alibi_slopes
+
+    model, ids = model_of("mpt"), prompt(N)
+    masks = []
+    with AttentionCapture(model) as capture:
+        cache = KVCache()
+        token = prefill(model, ids, cache).argmax(-1, keepdim=True)
+        keep = torch.tensor([0, 5, 17, 60, 99, N - 1])
+        for layer in cache.layers:
+            layer.keep(keep.expand(1, layer.keys.shape[1], -1))
+        first = capture.attention_modules[0]  # layer 0 records the mask its attention function receives
+        first.forward = capture.adapter.forward(
+            first, lambda m, q, k, v, mask, **kw: masks.append(mask) or (q.transpose(1, 2), None))
+        with torch.no_grad():
+            model(token, past_key_values=cache, position_ids=torch.tensor([[N]]))
+    slopes = alibi_slopes(4)
+    distances = torch.cat([keep, torch.tensor([N])]) - N  # the new token sits at N, at distance 0
+    torch.testing.assert_close(masks[0][0, :, 0], slopes[:, None] * distances[None].float())
+
+
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES
+                                    if f not in rope_families() and BY_FAMILY[f].positions != "alibi"])
 def test_position_shift_is_refused_where_it_has_no_meaning(family):
     with pytest.raises(ValueError, match="positions=shift: .* use positions=original"):
         BY_FAMILY[family].check_shift()
@@ -196,7 +284,7 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder model"),
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
-    ({"model_type": "mpt"}, "mpt .* is not supported: ALiBi"),
+    ({"model_type": "gptj"}, "gptj .* is not supported: its attention bypasses"),
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
