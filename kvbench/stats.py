@@ -131,9 +131,9 @@ def bootstrap_se(data: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray]
 class CorpusMetric:
     """A score computed from the whole set of samples, not a mean of per-sample scores.
 
-    `columns` are per-sample metrics (record `scores` keys); `statistic` maps an array [..., n, k] of those columns
-    (k = len(columns)) to [...]. A dataset lists these in `corpus_metrics`; scores.json then carries the value and a
-    bootstrap se (seed and resample count recorded beside it).
+    `columns` are per-sample numbers (record `scores` keys, else top-level record fields such as `nll_sum`);
+    `statistic` maps an array [..., n, k] of those columns (k = len(columns)) to [...]. A dataset lists these in
+    `corpus_metrics`; scores.json then carries the value and a bootstrap se (seed and resample count beside it).
     """
     columns: tuple[str, ...]
     statistic: Callable[[np.ndarray], np.ndarray]
@@ -148,15 +148,22 @@ class CorpusMetric:
 
 
 def geometric_mean_of_means(*columns: str) -> CorpusMetric:
-    """BUZZ's "mean ROUGE": the geometric mean of the run's mean R-1, R-2 and R-L (Table 2)."""
+    """BUZZ's "mean ROUGE": the geometric mean of the run's mean R-1, R-2 and R-L (Table 2); 0 if a mean is 0."""
     def statistic(x: np.ndarray) -> np.ndarray:
-        return np.exp(np.log(x.mean(axis=-2)).mean(axis=-1))
+        with np.errstate(divide="ignore"):  # log(0) = -inf -> exp gives 0, the paper's value for an empty ROUGE
+            return np.exp(np.log(x.mean(axis=-2)).mean(axis=-1))
     return CorpusMetric(tuple(columns), statistic, f"geometric mean of the means of {', '.join(columns)}")
 
 
 def exp_of_mean(column: str) -> CorpusMetric:
     """Perplexity from per-sample mean NLLs: exp of their mean."""
     return CorpusMetric((column,), lambda x: np.exp(x[..., 0].mean(axis=-1)), f"exp of the mean of {column}")
+
+
+def exp_of_ratio(numerator: str, denominator: str) -> CorpusMetric:
+    """Token-weighted perplexity: exp(sum of per-sample NLL sums / sum of per-sample token counts)."""
+    return CorpusMetric((numerator, denominator), lambda x: np.exp(x[..., 0].sum(axis=-1) / x[..., 1].sum(axis=-1)),
+                        f"exp of sum {numerator} / sum {denominator}")
 
 
 def metric_stats(records: Sequence[dict], corpus: Mapping[str, CorpusMetric] | None = None,
@@ -172,11 +179,17 @@ def metric_stats(records: Sequence[dict], corpus: Mapping[str, CorpusMetric] | N
         est = mean_se(r["scores"][m] for r in records if m in (r.get("scores") or {}))
         out[m] = {**est.to_dict(), "se_method": "sd/sqrt(n)"}
     for name, cm in (corpus or {}).items():
-        rows = [[r["scores"][c] for c in cm.columns] for r in records
-                if all(c in (r.get("scores") or {}) for c in cm.columns)]
+        values = [[_field(r, c) for c in cm.columns] for r in records]
+        rows = [v for v in values if None not in v]
         if rows:
             out[name] = {**cm.estimate(np.asarray(rows, dtype=float), resamples, seed), "of": cm.description}
     return out
+
+
+def _field(record: dict, name: str) -> float | None:
+    """A per-sample number: the record's `scores[name]`, else its top-level `name` (e.g. nll_sum, n_tokens)."""
+    value = (record.get("scores") or {}).get(name, record.get(name))
+    return None if value is None else float(value)
 
 
 # --- paired comparison ------------------------------------------------------------------------------------------

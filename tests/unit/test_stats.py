@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from kvbench.stats import (bootstrap_se, exp_of_mean, geometric_mean_of_means, mean_se, metric_stats, pair_by_id,
-                           paired_bootstrap, stratified_mean_se)
+from kvbench.stats import (bootstrap_se, exp_of_mean, exp_of_ratio, geometric_mean_of_means, mean_se, metric_stats,
+                           pair_by_id, paired_bootstrap, stratified_mean_se)
 from kvbench.store import aggregate
 
 
@@ -105,3 +105,14 @@ def test_geometric_mean_rouge_in_scores_stats():
     assert 0 < stats["mean_rouge"]["se"] < 0.05
     again = metric_stats(records, {"mean_rouge": geometric_mean_of_means("m", "rouge")}, resamples=400, seed=5)
     assert again == stats
+
+
+def test_token_weighted_perplexity_from_record_fields():
+    """exp(sum NLL / sum tokens) over records carrying nll_sum and n_tokens at the top level (no `scores`)."""
+    records = [{"id": "w0", "nll_sum": 20.0, "n_tokens": 10}, {"id": "w1", "nll_sum": 90.0, "n_tokens": 30},
+               {"id": "w2", "nll_sum": 33.0, "n_tokens": 11}]
+    stats = metric_stats(records, {"ppl": exp_of_ratio("nll_sum", "n_tokens")}, resamples=300)
+    assert stats["ppl"]["mean"] == pytest.approx(math.exp(143 / 51)) and stats["ppl"]["n"] == 3
+    assert stats["ppl"]["se"] > 0 and stats["ppl"]["se_method"] == "bootstrap"
+    zero = metric_stats([_rec(0, 0.0, 0.3), _rec(1, 0.0, 0.5)], {"g": geometric_mean_of_means("m", "rouge")})
+    assert zero["g"]["mean"] == 0.0 and zero["g"]["se"] == 0.0       # a zero mean gives 0, as BUZZ's mean_rouge
