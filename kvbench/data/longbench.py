@@ -266,6 +266,18 @@ def bucket_scores(scores: list[float], lengths: list[int]) -> dict[str, float | 
     return {b: round(100 * float(np.mean(v)), 2) if v else None for b, v in buckets.items()}
 
 
+def bucket_se(scores: list[float], lengths: list[int]) -> dict[str, float | None]:
+    """The standard error (x100, sd / sqrt(n)) beside each of `bucket_scores`' buckets; None for fewer than 2."""
+    buckets: dict[str, list[float]] = {b: [] for b in E_BUCKETS}
+    for s, length in zip(scores, lengths):
+        buckets[length_bucket(length)].append(s)
+    out: dict[str, float | None] = {}
+    for b, values in buckets.items():
+        se = mean_se(values).scaled(100).se
+        out[b] = None if se is None else round(se, 4)
+    return out
+
+
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return round(sum(values) / len(values), 2) if values else None
@@ -278,7 +290,8 @@ def summarize_longbench(records: list[dict], order: list[str] | None = None) -> 
     - `avg`: the KV papers' "Avg.", the plain mean of the task scores present;
     - `categories`: LongBench's leaderboard, per language ("en", "zh"; code counts for both): the mean of each
       category's tasks and `Avg` = the mean of the categories present;
-    - `tasks_se`, `avg_se`, `categories_se`: standard errors on the same x100 scale (`longbench_se`);
+    - `tasks_se`, `avg_se`, `categories_se` (and `e_buckets_se`, `e_avg_se`): standard errors on the same x100
+      scale (`longbench_se`, `bucket_se`);
     - `e_buckets` / `e_avg` (LongBench-E files only): per task the 0-4k / 4-8k / 8k+ scores of `scorer_e`, and
       their mean over tasks per bucket (the README's curve).
     """
@@ -300,6 +313,10 @@ def summarize_longbench(records: list[dict], order: list[str] | None = None) -> 
         out["e_buckets"] = {t: bucket_scores([r["score"] for r in groups[t]], [r["meta"]["length"] for r in groups[t]])
                             for t in e_stems}
         out["e_avg"] = {b: _mean([out["e_buckets"][t][b] for t in e_stems]) for b in E_BUCKETS}
+        out["e_buckets_se"] = {t: bucket_se([r["score"] for r in groups[t]], [r["meta"]["length"] for r in groups[t]])
+                               for t in e_stems}
+        out["e_avg_se"] = {b: _se([out["e_buckets_se"][t][b] for t in e_stems if out["e_buckets"][t][b] is not None])
+                           for b in E_BUCKETS}
     return out
 
 

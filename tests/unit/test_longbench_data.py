@@ -251,6 +251,11 @@ def test_summarize_longbench_e_buckets():
     assert out["e_buckets"] == {"qasper_e": {"0-4k": 100.0, "4-8k": 50.0, "8k+": 0.0},
                                 "trec_e": {"0-4k": 100.0, "4-8k": 0.0, "8k+": None}}
     assert out["e_avg"] == {"0-4k": 100.0, "4-8k": 25.0, "8k+": 0.0}
+    # one sample per (task, bucket) except nowhere: no se anywhere; with two in a bucket, sd / sqrt(2)
+    assert out["e_buckets_se"]["qasper_e"] == {"0-4k": None, "4-8k": None, "8k+": None}
+    two = summarize_longbench([rec("trec_e", 1.0, 0, 100), rec("trec_e", 0.0, 1, 200)])
+    assert two["e_buckets_se"]["trec_e"]["0-4k"] == 50.0 and two["e_avg_se"]["0-4k"] == 50.0
+    assert two["e_avg_se"]["8k+"] is None
 
 
 def test_dataset_summarize_records_the_protocol():
