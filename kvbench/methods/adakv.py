@@ -14,6 +14,10 @@ Defaults and switches (seed-adakv.md §6.1):
 - `allocation="kvpress"` is kvpress's AdaKVPress rule instead: each head's top int(alpha * n_keep) entries (window
   first, as its padded window scores win) are protected, then the layer's H * n_keep entries are a global top-k.
 - Budgets are computed per sample (the official code froze Ada-Pyramid's layer budgets from the first sample).
+- Ada-Pyramid's layer budgets follow the official `AdaptiveSnapKVCluster` (`ada_pyramid_budgets`): PyramidKV's
+  integer schedule *without* its uniform regime for B <= n < 2(B - w): the bottom layer is clamped to n - w and the
+  pyramid kept (n=1500, B=1024, w=32: layers 1500 -> 570 entries, mean 1035). A layer keeps everything only when
+  its own selected budget exceeds n - w. `exact=True` gives PyramidKV's budget-matched schedule instead.
 - No compression when the prompt is not longer than the budget.
 """
 from __future__ import annotations
@@ -28,6 +32,22 @@ from kvbench.methods.base import LayerView
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.methods.snapkv import WindowScorer
 from kvbench.registry import METHODS
+
+
+def ada_pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, beta: int) -> list[int]:
+    """Entries kept per head in each layer (window included), bottom first, as FFY0/AdaKV's `AdaptiveSnapKVCluster`
+    (`pyram_mode`) computes them: integer step, the clamp when the bottom layer would exceed n - w, and no regime
+    switch. Values above the prompt length mean "keep the layer whole" (compress skips those layers)."""
+    if n_layers == 1:  # the official step divides by n_layers - 1; one layer has nothing to spread
+        return [budget]
+    c = budget - window
+    k_min = c // beta
+    k_max = 2 * c - k_min
+    if k_max >= prompt_len - window:
+        k_max = prompt_len - window
+        k_min = 2 * c - k_max
+    step = (k_max - k_min) // (n_layers - 1)  # floor division, also when negative (n < B), as Python's ints do
+    return [k_max - layer * step + window for layer in range(n_layers)]
 
 
 def ada_head_budgets(scores: Tensor, n_select: int, alpha: float) -> Tensor:
@@ -88,11 +108,13 @@ class AdaKV(WindowScorer):
 @METHODS.register("ada_pyramidkv")
 @dataclass
 class AdaPyramidKV(AdaKV):
-    """Ada-Pyramid: PyramidKV's per-layer budgets (integer schedule, beta 20; window 32 as in the Ada-KV code),
-    then the adaptive per-head split inside each layer."""
+    """Ada-Pyramid: the official code's pyramid of layer budgets (`ada_pyramid_budgets`: integer step, beta 20,
+    window 32, no uniform regime), then the adaptive per-head split inside each layer."""
 
     beta: int = 20
     exact: bool = False  # True: budget-matched layer schedule (see PyramidKV)
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
-        return pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta, self.exact)
+        if self.exact:
+            return pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta, exact=True)
+        return ada_pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta)
