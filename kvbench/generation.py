@@ -89,7 +89,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
         for layer_idx, layer in enumerate(cache.layers):
             if layer_idx not in fixed:
-                state.prefill(layer_idx, layer, capture.column_sums[layer_idx])
+                state.prefill(layer_idx, layer, capture.column_sums.get(layer_idx))
         capture.reset()
         capture.cache = cache
         if method.evicts_while_decoding:
@@ -197,7 +197,9 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     state = None
     if isinstance(method, DecodingMethod):
         state = method.start(prompt_len, budget, max_new_tokens, seed)
-        capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
+        if "column_scores" in method.needs:
+            capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
+            capture.column_block = method.causal_block(state.budget)
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)

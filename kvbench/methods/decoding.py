@@ -35,8 +35,10 @@ class EvictionState:
     step: int = 0  # decode forwards so far (counted at layer 0)
     on_evict: object = None  # callable(layer) after an eviction (position shift), or None
 
-    def prefill(self, layer_idx: int, layer: KVLayer, column_sums: Tensor) -> None:
-        scores = reduce_groups(column_sums, layer.keys.shape[1], self.method.gqa_reduce)
+    def prefill(self, layer_idx: int, layer: KVLayer, column_sums: Tensor | None) -> None:
+        if column_sums is None:  # a position-only policy (local window, rolling StreamingLLM): no scores needed
+            column_sums = layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32)
+        scores = self.method.prefill_scores(column_sums, layer.keys.shape[1])
         self.scores[layer_idx] = scores
         self.extra[layer_idx] = {}
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=True))
@@ -82,6 +84,16 @@ class DecodingMethod(Method):
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
         """Masked fp32 logits `[B, H_q, rows, n]` -> the per-row score that accumulates (softmax: H2O, BUZZ)."""
         return logits.softmax(dim=-1)
+
+    def causal_block(self, budget: int) -> int | None:
+        """None: the prefill scores use the causal mask. w: only the trailing w x w block is masked, as
+        KVCache-Factory's H2O scored (earlier prompt rows then also attend to later keys)."""
+        return None
+
+    def prefill_scores(self, column_sums: Tensor, n_kv_heads: int) -> Tensor:
+        """Column sums `[B, H_q, n]` -> the scores selection starts from: `[B, H_kv, n]` (query heads of a group
+        combined by `gqa_reduce`), or `[B, H_q, n]` for a method that selects per query head."""
+        return reduce_groups(column_sums, n_kv_heads, self.gqa_reduce)
 
     def start(self, prompt_len: int, budget: int, max_new_tokens: int, seed: int) -> EvictionState:
         return EvictionState(self, budget, prompt_len, max_new_tokens, torch.Generator().manual_seed(seed))

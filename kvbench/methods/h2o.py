@@ -7,11 +7,20 @@ prefill and after every decode step, each layer and KV head keeps the last `rece
 (budget - recent) of the others; the entry leaving the recent window competes with the heavy hitters. The cache never
 holds more than `budget` entries per head after a step.
 
-Defaults and switches:
+Variants (`variant`):
+- `decode` (default): the above, H2O's own algorithm.
+- `kvcache_factory`: the "H2O" rows of the PyramidKV and Ada-KV tables, as Zefan-Cai/KVCache-Factory
+  `H2OKVCluster.update_kv` (@ffac160) computes them: one selection after prefill, no decode-time eviction. Scores are
+  the softmax attention of ALL prompt queries over all n keys with only the trailing `recent_size` x `recent_size`
+  block causally masked (earlier queries also see later keys: the code's mask), summed over the queries, restricted
+  to the non-window keys, no pooling; top (budget - w) plus the last w. `granularity="query_head"` selects per
+  query head on KV repeated to the query heads (the code's layout; H_q heads cached); `kv_head` reduces the scores
+  over each KV group first (`gqa_reduce`). Window `recent_size`: 8 on LongBench, 32 on NIAH (PyramidKV's scripts).
+  No compression when the prompt is not longer than the budget.
+- `prefill_only`: one selection after prefill by full-causal column sums averaged over each KV group, then the
+  cache grows (KVCache-Factory's 2026 HEAD scoring with kvbench's GQA reduction).
 - `recent_ratio=0.5`: H2O's own default splits the budget equally (hh_size = recent_size); Keyformer's tables used
   0.3. `recent_size` sets it in entries instead.
-- `variant="prefill_only"` is KVCache-Factory's "H2O" (what the PyramidKV/Ada-KV tables call H2O): one selection
-  after prefill by full-causal column sums, window `recent_size` (8 on LongBench, 32 on NIAH), then the cache grows.
 - GQA: probabilities are averaged over the query heads of each KV group (`gqa_reduce`); H2O itself is MHA-only.
 """
 from __future__ import annotations
@@ -24,19 +33,26 @@ from torch import Tensor
 from kvbench.methods.decoding import DecodingMethod, EvictionState, heavy_recent_keep
 from kvbench.registry import METHODS
 
+VARIANTS = ("decode", "prefill_only", "kvcache_factory")
+
 
 @METHODS.register("h2o")
 @dataclass
 class H2O(DecodingMethod):
     recent_ratio: float = 0.5  # share of the budget kept for the most recent entries
     recent_size: int | None = None  # absolute recent window (overrides recent_ratio)
-    variant: Literal["decode", "prefill_only"] = "decode"
+    variant: Literal["decode", "prefill_only", "kvcache_factory"] = "decode"
+    granularity: Literal["kv_head", "query_head"] = "kv_head"  # query_head: kvcache_factory only
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:
             raise ValueError(f"h2o: recent_ratio={self.recent_ratio} must be in [0, 1)")
-        if self.variant not in ("decode", "prefill_only"):
-            raise ValueError(f"h2o: variant={self.variant!r} is not one of decode, prefill_only")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"h2o: variant={self.variant!r} is not one of {', '.join(VARIANTS)}")
+        if self.granularity not in ("kv_head", "query_head"):
+            raise ValueError(f"h2o: granularity={self.granularity!r} is not one of kv_head, query_head")
+        if self.granularity == "query_head" and self.variant != "kvcache_factory":
+            raise ValueError("h2o: granularity=query_head needs variant=kvcache_factory (a one-shot selection)")
 
     @property
     def evicts_while_decoding(self) -> bool:
@@ -50,6 +66,14 @@ class H2O(DecodingMethod):
         if self.recent(budget) >= budget:
             raise ValueError(f"h2o: recent_size={self.recent(budget)} must be < budget={budget}; "
                              "lower method.recent_size or raise budget.")
+
+    def causal_block(self, budget: int) -> int | None:
+        return self.recent(budget) if self.variant == "kvcache_factory" else None
+
+    def prefill_scores(self, column_sums: Tensor, n_kv_heads: int) -> Tensor:
+        if self.granularity == "query_head":
+            return column_sums  # one selection per query head; the cache then holds H_q heads
+        return super().prefill_scores(column_sums, n_kv_heads)
 
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
         return heavy_recent_keep(scores, state.budget, self.recent(state.budget))

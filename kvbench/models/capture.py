@@ -47,6 +47,7 @@ class AttentionCapture:
         self.window = window
         self.decode_hook = decode_hook
         self.column_score = column_score  # masked fp32 logits [B, H_q, c, n] -> row scores (e.g. softmax)
+        self.column_block: int | None = None  # w: mask only the trailing w x w block (KVCache-Factory's H2O)
         self.chunk = chunk
         self.input_hook = input_hook
         self.window_queries: dict[int, Tensor] = {}
@@ -70,6 +71,7 @@ class AttentionCapture:
         self.cache = None
         self.decode_hook = None  # per-sample hooks are set again by the next sample's `generate`
         self.column_score = None
+        self.column_block = None
         self.input_hook = None
 
     # --- context manager --------------------------------------------------------------------------------------
@@ -173,7 +175,9 @@ class AttentionCapture:
             logits = (grouped @ keys.transpose(-1, -2)).view(b, h_q, c, n) * scaling
             if score_bias is not None:
                 logits = logits + score_bias(slice(start, start + c))
-            future = torch.arange(n, device=query.device)[None, :] > torch.arange(start, start + c,
-                                                                                  device=query.device)[:, None]
+            rows_at = torch.arange(start, start + c, device=query.device)[:, None]
+            future = torch.arange(n, device=query.device)[None, :] > rows_at
+            if self.column_block is not None:  # earlier rows see every key, future ones included
+                future = future & (rows_at >= n - self.column_block)
             total += self.column_score(logits.masked_fill(future, float("-inf"))).sum(dim=2)
         return total
