@@ -200,6 +200,7 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
         if "column_scores" in method.needs:
             capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
             capture.column_block = method.causal_block(state.budget)
+    capture.logit_scale = getattr(method, "logit_scale", None)  # BUZZ log n: a temperature on every layer
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
@@ -212,6 +213,7 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
                                    sampling, on_logits, positions, stop_token_ids, min_new_tokens)
     capture.reset()
+    capture.logit_scale = None
     t3 = time.perf_counter()
     return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
                       {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,

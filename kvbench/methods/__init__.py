@@ -3,7 +3,9 @@
 Add a method: write `kvbench/methods/<name>.py` with a dataclass registered by `@METHODS.register("<name>")`,
 import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass fields).
 """
-from kvbench.methods import adakv, buzz, full, h2o, keyformer, pyramidkv, snapkv, streamingllm, tailorkv  # noqa: F401
+from kvbench.methods import (  # noqa: F401
+    adakv, buzz, full, h2o, keyformer, pyramidkv, snapkv, streamingllm, tailorkv, window,
+)
 from kvbench.methods.base import LayerView, Method, Phase
 
 __all__ = ["LayerView", "Method", "Phase"]

@@ -12,6 +12,10 @@ Theorem 3.1's optimum, so the cache never holds more than `budget` entries after
 paper's runs (code defaults: window 160, T 400).
 `prefill_mode="loop"` (default) follows Remark 2: after prefill's local-max pass, the middle is interval-thinned
 until it fits T; `single_pass` is the code, which leaves the thinning to the first decode steps.
+`logn=True` is the paper's "BUZZ (with log n)" rows (Sec. 3.5; a commented-out line of the code): every layer's
+and head's attention logits are multiplied by log_512 of the current key count (cache + new tokens; n for every
+prefill row) before the mask and softmax, so BUZZ's accumulated scores change with them. Below 512 keys it flattens
+attention (0.63 at 50 keys); at 512 it is the identity.
 Positions: the official experiments re-rotate keys to their cache slots ("pos-shift") for every method; that is
 the run-level `positions=shift` option, shared by all methods (default: original positions).
 """
@@ -31,6 +35,11 @@ from kvbench.registry import METHODS
 def theorem_ratio(stride: int) -> float:
     """T / w at the post-eviction fixed point a* = w (Theorem 3.1)."""
     return (stride**2 + 1) / (stride + 1) if stride % 2 else stride - 1
+
+
+def logn_scale(n_keys: int) -> float:
+    """log_512(n_keys): 1 at the pre-training length 512 that the paper normalises to, 0 for a single key."""
+    return math.log(n_keys) / math.log(512)
 
 
 def buzz_keep(scores: Tensor, n_sink: int, window: int, m_old: int, stride: int) -> tuple[Tensor, int]:
@@ -58,13 +67,18 @@ class BUZZ(DecodingMethod):
     window: int | None = None  # recent window w; None = from the budget (Theorem 3.1)
     threshold: int | None = None  # T, the middle's capacity; None = budget - n_sink - window
     prefill_mode: Literal["loop", "single_pass"] = "loop"
-
+    logn: bool = False  # attention temperature log_512(n_keys) on every layer (the "with log n" rows)
 
     def __post_init__(self):
         if self.stride < 2 or self.n_sink < 0:
             raise ValueError(f"buzz: stride={self.stride} must be >= 2 and n_sink={self.n_sink} >= 0")
         if self.prefill_mode not in ("loop", "single_pass"):
             raise ValueError(f"buzz: prefill_mode={self.prefill_mode!r} is not one of loop, single_pass")
+
+    @property
+    def logit_scale(self):
+        """n_keys -> factor on the model's attention logits, or None (the capture applies it to every layer)."""
+        return logn_scale if self.logn else None
 
     def sizes(self, budget: int) -> tuple[int, int]:
         """(window, threshold) for a budget."""

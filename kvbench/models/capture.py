@@ -48,6 +48,7 @@ class AttentionCapture:
         self.decode_hook = decode_hook
         self.column_score = column_score  # masked fp32 logits [B, H_q, c, n] -> row scores (e.g. softmax)
         self.column_block: int | None = None  # w: mask only the trailing w x w block (KVCache-Factory's H2O)
+        self.logit_scale: Callable[[int], float] | None = None  # n_keys -> factor on every logit (BUZZ log n)
         self.chunk = chunk
         self.input_hook = input_hook
         self.window_queries: dict[int, Tensor] = {}
@@ -130,6 +131,8 @@ class AttentionCapture:
             q_len = query.shape[2]
             scaling = kwargs.get("scaling") or module.scaling
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
+            if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
+                scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             if q_len > 1:  # prefill: keep only what scoring needs
                 self.scaling[layer_idx] = scaling
                 if self.window:

@@ -103,3 +103,114 @@ def test_h2o_kvcache_factory_differs_from_the_causal_scores():
 def test_h2o_query_head_needs_the_factory_variant():
     with pytest.raises(ValueError, match="kvcache_factory"):
         METHODS["h2o"](granularity="query_head")
+
+
+# --- local window and rolling StreamingLLM: what the cache holds after prefill and after every step -------------
+def positions_each_step(model, method, ids, budget, steps, positions="original"):
+    """Original positions per layer and head after the prefill eviction and after each decode step."""
+    history = []
+    with AttentionCapture(model) as capture:
+        def snap(t, logits):
+            history.append([layer.positions[0].tolist() for layer in capture.cache.layers])
+
+        generate(model, None, method, capture, ids, budget, steps, eos_ids=set(), on_logits=snap,
+                 positions=positions)
+    return history
+
+
+@pytest.mark.parametrize("positions", ["original", "shift"])
+@pytest.mark.parametrize("name,sinks", [("local", 0), ("streamingllm_rolling", 4)])
+def test_rolling_windows_hold_sinks_and_the_last_entries_after_every_step(name, sinks, positions):
+    n, budget, steps = 50, 16, 25
+    model, ids = tiny_model("qwen2", layers=2), prompt(n)
+    history = positions_each_step(model, METHODS[name](), ids, budget, steps, positions)
+    assert len(history) == steps
+    for t, layers in enumerate(history):  # before step t's token is appended: n + t tokens seen so far
+        seen = n + t
+        expected = list(range(sinks)) + list(range(seen - (budget - sinks), seen))
+        if positions == "shift":  # kept entries sit at their cache slots; the token order is the same
+            expected = list(range(budget))
+        for heads in layers:
+            assert all(row == expected for row in heads), (t, heads[0])
+
+
+def test_rolling_windows_compute_no_prefill_scores():
+    model, ids = tiny_model("llama", layers=2), prompt(40)
+    calls = []
+    with AttentionCapture(model) as capture:
+        inner = capture._column_sums
+        capture._column_sums = lambda *a: calls.append(1) or inner(*a)
+        generate(model, None, METHODS["local"](), capture, ids, 8, 2, eos_ids=set())
+        assert not calls
+        generate(model, None, METHODS["h2o"](), capture, ids, 8, 2, eos_ids=set())
+        assert len(calls) == 2  # the spy works: H2O scores both layers
+
+
+# --- BUZZ with log n ------------------------------------------------------------------------------------------------
+def scaled_reference(model, tokens, n_prompt):
+    """Logits of each step from a DynamicCache run whose attention is written out here: logits of every layer and
+    head times log_512(number of keys), causal mask, float64 softmax."""
+    from transformers import DynamicCache
+
+    def attention(module, q, k, v, mask, scaling=None, **kw):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+        n_keys, q_len = k.shape[2], q.shape[2]
+        logits = (q.double() @ k.transpose(-1, -2)) * scaling * (math.log(n_keys) / math.log(512))
+        rows = torch.arange(n_keys - q_len, n_keys)[:, None]
+        logits = logits.masked_fill(torch.arange(n_keys)[None, :] > rows, float("-inf"))
+        return (logits.softmax(-1) @ v).transpose(1, 2).to(q.dtype), None
+
+    out, cache = [], DynamicCache()
+    with attention_function(model, attention):
+        logits = model(tokens[:, :n_prompt], past_key_values=cache).logits[:, -1]
+        out.append(logits)
+        for t in range(n_prompt, tokens.shape[1]):
+            out.append(model(tokens[:, t: t + 1], past_key_values=cache,
+                             position_ids=torch.tensor([[t]])).logits[:, -1])
+    return out
+
+
+@pytest.mark.parametrize("n", [40, 512])
+def test_buzz_logn_scales_every_logit_by_log512_of_the_key_count(n):
+    model, ids = tiny_model("llama", layers=2), prompt(n)
+    seen = []
+    method = METHODS["buzz"](logn=True)
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, method, capture, ids, 10_000, 4, eos_ids=set(),  # no eviction: the scale alone
+                       on_logits=lambda t, logits: seen.append(logits))
+    tokens = torch.cat([ids, torch.tensor([gen.token_ids[:-1]])], dim=1)
+    for ours, ref in zip(seen, scaled_reference(model, tokens, n)):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    with AttentionCapture(model) as capture:
+        plain = generate(model, None, METHODS["buzz"](), capture, ids, 10_000, 1, eos_ids=set(),
+                         on_logits=lambda t, logits: seen.append(logits))
+    same = torch.allclose(seen[-1], seen[0], atol=1e-4)
+    assert same == (n == 512)  # at 512 keys the factor is exactly 1
+    assert plain.token_ids
+
+
+def test_buzz_logn_changes_the_selection_scores():
+    """The logits BUZZ turns into its accumulated scores are the scaled ones: log_512(n) times the plain ones."""
+    from dataclasses import dataclass
+
+    from kvbench.methods.buzz import BUZZ, logn_scale
+
+    assert logn_scale(512) == 1.0 and logn_scale(1) == 0.0 and abs(logn_scale(50) - 0.62710) < 1e-5
+
+    @dataclass
+    class Recording(BUZZ):
+        def row_score(self, logits, state, decoding):
+            seen.append(logits.clone())
+            return super().row_score(logits, state, decoding)
+
+    model, ids, n = tiny_model("llama", layers=2), prompt(60), 60
+    runs = {}
+    for logn in (False, True):
+        seen = []
+        with AttentionCapture(model) as capture:
+            generate(model, None, Recording(logn=logn), capture, ids, 24, 1, eos_ids=set())
+        runs[logn] = seen  # the prefill column-score chunks, one per layer
+    plain, scaled = runs[False][0], runs[True][0]  # layer 0 (later layers' inputs differ once attention changed)
+    finite = torch.isfinite(plain)
+    torch.testing.assert_close(scaled[finite], plain[finite] * logn_scale(n), rtol=1e-5, atol=1e-6)
