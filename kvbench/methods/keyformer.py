@@ -10,13 +10,17 @@ Selection rules:
 - `paper` (default): the token leaving the recent window competes with the key tokens on accumulated score (§3.4).
 - `code_frozen`: the released code's off-by-one: the boundary token is dropped unscored (at prefill, position
   n - w - 1; at each step, the entry that just left the window), so the key set chosen at prefill never changes.
-  Use it to rebuild the paper's tables.
-Budget: `budget` entries, or `budget_fraction` of the prompt length (the paper's "% of prompt"; the code measured it
-on prompts left-padded to 1920 tokens, which this does not emulate). Noise is seeded per sample (run `seed`).
+  Use it to rebuild the paper's tables. On a prompt that fits the budget (no prefill eviction; the code's padding
+  to 1920 made this case impossible there) the key set is chosen by score at the layer's first eviction, the entry
+  leaving the window competing (the paper rule, once), and frozen from then on.
+Budget: `budget` entries, or `budget_fraction` of the prompt length (the paper's "% of prompt"). `padded_length=1920`
+takes the fraction of 1920 instead, the base of the released runs (every prompt left-padded to 1920 tokens:
+k = int(1920 * fraction), e.g. 1152 at 60 %, whatever the article's length). Noise is seeded per sample (run `seed`).
 Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +39,7 @@ class Keyformer(DecodingMethod):
     tau_end: float = 2.0
     selection: Literal["paper", "code_frozen"] = "paper"
     budget_fraction: float | None = None  # k = int(prompt_len * fraction) instead of `budget`
+    padded_length: int | None = None  # with budget_fraction: k = int(padded_length * fraction) (released runs: 1920)
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:
@@ -45,6 +50,8 @@ class Keyformer(DecodingMethod):
             raise ValueError("keyformer: tau_init and tau_end must be > 0")
         if self.budget_fraction is not None and not 0 < self.budget_fraction <= 1:
             raise ValueError(f"keyformer: budget_fraction={self.budget_fraction} must be in (0, 1]")
+        if self.padded_length is not None and (self.budget_fraction is None or self.padded_length < 1):
+            raise ValueError(f"keyformer: padded_length={self.padded_length} needs budget_fraction and must be >= 1")
 
 
     def check_budget(self, budget: int | None) -> None:
@@ -53,7 +60,8 @@ class Keyformer(DecodingMethod):
 
     def start(self, prompt_len: int, budget: int, max_new_tokens: int, seed: int) -> EvictionState:
         if self.budget_fraction is not None:
-            budget = max(1, int(prompt_len * self.budget_fraction))
+            base = self.padded_length if self.padded_length is not None else prompt_len
+            budget = max(1, math.floor(base * self.budget_fraction + 1e-9))  # int(n * pct / 100) of the code
         return super().start(prompt_len, budget, max_new_tokens, seed)
 
     def tau(self, state: EvictionState, decoding: bool) -> float:
@@ -74,8 +82,12 @@ class Keyformer(DecodingMethod):
         if n <= k:
             return None
         b, h, _ = scores.shape
+        chosen = state.extra[layer_idx].get("key_set_chosen", False)
+        state.extra[layer_idx]["key_set_chosen"] = True
         if prefill:  # key tokens from [0, n - w - 1): the boundary entry n - w - 1 is never scored
             keys = scores[..., : n - w - 1].topk(k - w, dim=-1).indices.sort(dim=-1).values
+        elif not chosen:  # the prompt fit the budget: choose the key set by score once, boundary entry competing
+            return heavy_recent_keep(scores, k, w)
         else:  # drop the entry that just left the window; everything older is the frozen key set
             keys = torch.arange(n - w - 1, device=scores.device).expand(b, h, n - w - 1)
         recent = torch.arange(n - w, n, device=scores.device).expand(b, h, w)

@@ -214,3 +214,27 @@ def test_buzz_logn_changes_the_selection_scores():
     plain, scaled = runs[False][0], runs[True][0]  # layer 0 (later layers' inputs differ once attention changed)
     finite = torch.isfinite(plain)
     torch.testing.assert_close(scaled[finite], plain[finite] * logn_scale(n), rtol=1e-5, atol=1e-6)
+
+
+# --- Keyformer: the released runs' budget base, and code_frozen on prompts that fit the budget -------------------
+@pytest.mark.parametrize("fraction,expected", [(0.6, 1152), (0.7, 1344), (0.2, 384), (0.9, 1728)])
+def test_keyformer_padded_budget_base(fraction, expected):
+    """k = int(1920 * pct / 100) as the released code computes it, whatever the real prompt length."""
+    method = METHODS["keyformer"](budget_fraction=fraction, padded_length=1920)
+    for prompt_len in (300, 1920, 5000):
+        state = method.start(prompt_len, None, 128, 0)
+        assert state.budget == expected == 1920 * round(fraction * 100) // 100
+        assert int(state.budget * method.recent_ratio) == int(expected * 30 / 100)  # w as the code's `recent`
+
+
+def test_keyformer_code_frozen_chooses_by_score_when_the_prompt_fits():
+    method = METHODS["keyformer"](selection="code_frozen", recent_ratio=0.3)
+    state = method.start(8, 10, 20, 0)  # k = 10, w = 3; an 8-token prompt fits: no prefill eviction
+    state.extra[0] = {}
+    assert method.evict(state, 0, torch.rand(1, 1, 8), prefill=True) is None
+    # first time over budget (11 entries): the lowest-scored of entries 0..7 goes, not the boundary entry 7
+    scores = torch.tensor([[[5.0, 4.0, 0.1, 6.0, 7.0, 3.0, 2.0, 1.0, 9.0, 9.0, 9.0]]])
+    assert method.evict(state, 0, scores, prefill=False)[0, 0].tolist() == [0, 1, 3, 4, 5, 6, 7, 8, 9, 10]
+    # from then on the set is frozen: the entry leaving the window (index 7) goes whatever its score
+    scores = torch.tensor([[[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 99.0, 1.0, 1.0, 1.0]]])
+    assert method.evict(state, 0, scores, prefill=False)[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]
