@@ -237,6 +237,7 @@ def test_buzz_budget_mapping_follows_theorem_3_1():
 def keyformer_keep(selection, scores, prefill):
     method = METHODS["keyformer"](selection=selection, recent_ratio=0.34)  # k=6 -> w=2, 4 key tokens
     state = method.start(10, 6, 10, seed=0)
+    state.extra[0] = {"key_set_chosen": True}  # decode steps here follow a prefill that chose the key set
     idx = method.evict(state, 0, torch.tensor([[scores]]), prefill=prefill)
     return idx[0, 0].tolist()
 
