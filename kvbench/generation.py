@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
-from kvbench.cache.rerotate import model_inv_freq, shift_to_slots
+from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import LayerView, Method
 from kvbench.methods.decoding import DecodingMethod, EvictionState
@@ -77,15 +77,13 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed.
 
     Accumulated-attention methods (`state` given) evict from their prefill scores here and are hooked into every
-    decode step. With `inv_freq` (positions=shift), kept keys are re-rotated to their slots after each eviction.
+    decode step. With `inv_freq` (positions=shift), every layer then hands attention its keys at cache slots.
     Storage methods (TailorKV) rebuild the layers themselves and return the ledger of bytes they move."""
     if not method.compresses:
         return None
     if hasattr(method, "attach"):
         return method.attach(cache, capture, budget)
-    shift = (lambda layer: shift_to_slots(layer, inv_freq)) if inv_freq is not None else None
     if state is not None:
-        state.on_evict = shift
         fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
         for layer_idx, layer in enumerate(cache.layers):
             if layer_idx not in fixed:
@@ -95,6 +93,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         if method.evicts_while_decoding:
             capture.decode_hook = lambda i, query, key, scaling, bias=None: (
                 None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias))
+        enable_shift(cache, inv_freq)
         return None
     n_layers = len(cache.layers)
     prompt_len = cache.layers[0].keys.shape[-2]
@@ -110,11 +109,20 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             layer.keep(idx)
         else:  # one index tensor per head, of different lengths: store flattened (Ada-KV)
             cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
-        if shift is not None:
-            shift(cache.layers[layer_idx])
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
+    enable_shift(cache, inv_freq)
     return None
+
+
+def enable_shift(cache: KVCache, inv_freq: Tensor | None) -> None:
+    """positions=shift: from now on each layer's attention sees its keys at consecutive cache slots."""
+    if inv_freq is None:
+        return
+    for layer in cache.layers:
+        if getattr(layer, "is_varlen", False):
+            raise ValueError("positions=shift: per-head variable layers (Ada-KV) are not supported")
+        layer.shift_inv_freq = inv_freq
 
 
 def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
@@ -163,7 +171,7 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
                 return tokens, text[:cut], n_forward
         if t + 1 == max_new_tokens:
             break
-        if positions == "shift":  # the new token sits right after the kept entries (layer 0's length)
+        if positions == "shift":  # computed at layer 0's length; every layer places its keys before it by slot
             slot = cache.layers[0].keys.shape[-2]
             for layer in cache.layers:
                 layer.next_position = slot
@@ -183,8 +191,8 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
              min_new_tokens: int = 0) -> Generation:
     """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
 
-    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (keys
-    re-rotated to their cache slots after each eviction, StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
+    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
+    sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
     randomness of a method (Keyformer's Gumbel noise)."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")

@@ -10,12 +10,16 @@ Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and
 wrapper in `kvbench.models.capture` calls a layer's own `attend(query, scaling)` at decode when it has one (varlen,
 quantized and offloaded layers), instead of testing types. Decode-time eviction calls
 `keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
+Under pos-shift (`shift_inv_freq` set) the stored keys stay as computed and `update` returns them rotated to their
+cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
+
+from kvbench.cache.rerotate import shifted_keys, slot_targets
 
 
 class KVLayer(DynamicLayer):
@@ -30,6 +34,7 @@ class KVLayer(DynamicLayer):
         self.seen_tokens = 0  # logical length: every token ever appended, kept or not
         self.repeat = 1  # >1 once the layer holds one copy per query head
         self.next_position: int | None = None  # set for position shift: where the next appended token sits
+        self.shift_inv_freq: Tensor | None = None  # set for position shift: attention sees keys at cache slots
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append new entries `[B, H_kv, q_len, D]` and return the whole layer (what attention reads)."""
@@ -50,7 +55,14 @@ class KVLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.positions = torch.cat([self.positions, pos], dim=-1)
         self.seen_tokens += q_len
+        if self.shift_inv_freq is not None:  # pos-shift: rotated from the stored originals, never rewritten
+            return shifted_keys(self.keys, self.positions, self.shift_inv_freq), self.values
         return self.keys, self.values
+
+    def attention_positions(self) -> Tensor:
+        """Positions as attention sees the keys `[B, H, T]`: the recorded ones, or their slots under pos-shift
+        (ALiBi reads these for its bias)."""
+        return slot_targets(self.positions) if self.shift_inv_freq is not None else self.positions
 
     def keep(self, idx: Tensor) -> None:
         """Keep only entries `idx` `[B, H_sel, k]` (indices into the current entries); free the rest.

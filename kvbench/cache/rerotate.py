@@ -1,17 +1,23 @@
-"""Position shift ("pos-shift", StreamingLLM/BUZZ): re-rotate cached keys so kept entries sit at consecutive slots.
+"""Position shift ("pos-shift", StreamingLLM/BUZZ): attention sees the kept keys at consecutive cache slots.
 
-Keys are cached after RoPE at their recorded positions p. Rotations compose, R(slot) = R(slot - p) R(p), so
-rotating a cached key by (slot - p) places it at its slot without recomputing it. Afterwards the layer's positions
-are the slots 0..T-1, and the next token goes at position T (the cache length). Uses the model's `inv_freq` (found
-by its family adapter) and rotates only the rotary dims (partial rotary); RoPE variants with an attention scaling
-factor other than 1 (YaRN, LongRoPE) are not supported.
+Keys are cached after RoPE at the position their token was computed at, and the cache never rewrites them: under
+pos-shift a layer hands attention its keys rotated from those stored originals by the total position change, in
+fp32, cast once (`shifted_keys`). Rotations compose, R(target) = R(target - p) R(p), so one exact rotation from the
+original replaces a chain of per-eviction re-rotations whose roundings compound (500 one-slot shifts in bf16: 21 %
+relative key error chained, about one bf16 rounding this way).
+
+Targets: the newest entry (the current token) keeps the position it was computed at, P, and the other entries sit at
+consecutive slots before it: entry i of T goes to P - (T - 1 - i). With one P for every layer (position_ids are
+shared by the whole forward), each layer's query is thus at its own cache length relative to its keys, which is
+what RoPE attention depends on, also when layers keep different numbers of entries (PyramidKV). Uses the model's
+`inv_freq` (found by its family adapter) and rotates only the rotary dims (partial rotary; none for ALiBi, whose
+bias reads the same targets through `KVLayer.attention_positions`); RoPE variants with an attention scaling factor
+other than 1 (YaRN, LongRoPE) are not supported.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from kvbench.cache.kv_cache import KVLayer
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -19,23 +25,33 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def shift_to_slots(layer: KVLayer, inv_freq: Tensor) -> None:
-    """Re-rotate `layer`'s keys from their recorded positions to slots 0..T-1 and record the slots. Only the first
-    `2 * len(inv_freq)` dims rotate (partial rotary, GPT-NeoX / Phi); the rest carry no position."""
-    if getattr(layer, "is_varlen", False):
-        raise NotImplementedError("positions=shift: per-head variable layers are not supported")
-    t = layer.keys.shape[-2]
-    slots = torch.arange(t, device=layer.keys.device)
-    delta = (slots - layer.positions).to(torch.float32)  # [B, H, T], <= 0
-    if bool((delta == 0).all()):
-        return
-    angles = delta[..., None] * inv_freq.to(layer.keys.device).float()  # [B, H, T, R/2]
+def rotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
+    """`keys` `[B, H, T, D]` rotated by `delta` `[B, H, T]` positions (HF rotate-half layout), fp32, cast once.
+    Only the first `2 * len(inv_freq)` dims rotate (partial rotary, GPT-NeoX / Phi); the rest carry no position."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot == 0:
+        return keys
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)  # [B, H, T, R/2]
     angles = torch.cat([angles, angles], dim=-1)
-    rot = angles.shape[-1]
-    keys = layer.keys.float()
-    head = keys[..., :rot] * angles.cos() + rotate_half(keys[..., :rot]) * angles.sin()
-    layer.keys = torch.cat([head, keys[..., rot:]], dim=-1).to(layer.keys.dtype)
-    layer.positions = slots.expand_as(layer.positions).clone()
+    k = keys.float()
+    head = k[..., :rot] * angles.cos() + rotate_half(k[..., :rot]) * angles.sin()
+    return torch.cat([head, k[..., rot:]], dim=-1).to(keys.dtype)
+
+
+def slot_targets(positions: Tensor) -> Tensor:
+    """Where pos-shift places each entry `[B, H, T]`: entry i of T at P - (T - 1 - i), P = the newest entry's
+    position (the current query's)."""
+    t = positions.shape[-1]
+    return torch.arange(t, device=positions.device) + (positions[..., -1:] - (t - 1))
+
+
+def shifted_keys(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """The stored keys as pos-shift attention sees them (at `slot_targets`); `positions` `[B, H, T]` are the
+    positions the stored keys were rotated at."""
+    delta = slot_targets(positions) - positions
+    if not bool(delta.any()):
+        return keys
+    return rotate(keys, delta, inv_freq)
 
 
 def model_inv_freq(model, adapter) -> Tensor:

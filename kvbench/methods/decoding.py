@@ -33,7 +33,6 @@ class EvictionState:
     scores: dict[int, Tensor] = field(default_factory=dict)
     extra: dict[int, dict] = field(default_factory=dict)  # per-layer method state (e.g. BUZZ's old-sample count)
     step: int = 0  # decode forwards so far (counted at layer 0)
-    on_evict: object = None  # callable(layer) after an eviction (position shift), or None
 
     def prefill(self, layer_idx: int, layer: KVLayer, column_sums: Tensor | None) -> None:
         if column_sums is None:  # a position-only policy (local window, rolling StreamingLLM): no scores needed
@@ -64,8 +63,6 @@ class EvictionState:
             return
         layer.keep(idx)
         self.scores[layer_idx] = self.scores[layer_idx].gather(-1, idx)
-        if self.on_evict is not None:
-            self.on_evict(layer)
 
 
 @dataclass

@@ -4,8 +4,8 @@ transformers' `MptAttention` computes its scores itself (no `AttentionInterface`
 `slope_h * (slot_k - last_slot)`. After eviction slots are no longer positions, so the capture replaces `forward` on
 each MPT attention instance (never on the class) with `mpt_attention_forward`, which forms q/k/v exactly as MPT does
 and biases each kept key by its ORIGINAL distance, `slope_h * (pos_k - pos_q)`, read from the cache layer's
-`positions` (Keyformer's "Org Pos"). With `positions=shift` the layer's positions are its slots, so the same code
-gives ALiBi over slots ("New Pos"). Softmax ignores a per-row constant, so on an uncompressed cache this equals
+`positions` (Keyformer's "Org Pos"). With `positions=shift` the layer reports its slots instead
+(`KVLayer.attention_positions`), so the same code gives ALiBi over slots ("New Pos"). Softmax ignores a per-row constant, so on an uncompressed cache this equals
 transformers' MPT exactly. The bias goes to the attention function as an additive float mask, and to the capture's
 scoring as `score_bias(rows)` so that methods score the attention the model really pays.
 """
@@ -33,7 +33,7 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
 def key_positions(past_key_values, layer_idx: int, n_keys: int, n_heads: int, device) -> Tensor:
     """The recorded position of every cached key `[B, H, k]` (a plain cache: slot = position)."""
     layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
-    positions = getattr(layer, "positions", None)
+    positions = layer.attention_positions() if hasattr(layer, "attention_positions") else None  # slots: shift
     if positions is not None and positions.shape[-1] == n_keys:
         return positions.expand(-1, n_heads, -1) if positions.shape[1] == 1 else positions
     return torch.arange(n_keys, device=device).expand(1, n_heads, n_keys)
