@@ -29,25 +29,9 @@ import torch
 from torch import Tensor
 
 from kvbench.methods.base import LayerView
-from kvbench.methods.pyramidkv import pyramid_budgets
+from kvbench.methods.pyramidkv import ada_pyramid_budgets, pyramid_budgets
 from kvbench.methods.snapkv import WindowScorer
 from kvbench.registry import METHODS
-
-
-def ada_pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, beta: int) -> list[int]:
-    """Entries kept per head in each layer (window included), bottom first, as FFY0/AdaKV's `AdaptiveSnapKVCluster`
-    (`pyram_mode`) computes them: integer step, the clamp when the bottom layer would exceed n - w, and no regime
-    switch. Values above the prompt length mean "keep the layer whole" (compress skips those layers)."""
-    if n_layers == 1:  # the official step divides by n_layers - 1; one layer has nothing to spread
-        return [budget]
-    c = budget - window
-    k_min = c // beta
-    k_max = 2 * c - k_min
-    if k_max >= prompt_len - window:
-        k_max = prompt_len - window
-        k_min = 2 * c - k_max
-    step = (k_max - k_min) // (n_layers - 1)  # floor division, also when negative (n < B), as Python's ints do
-    return [k_max - layer * step + window for layer in range(n_layers)]
 
 
 def ada_head_budgets(scores: Tensor, n_select: int, alpha: float) -> Tensor:

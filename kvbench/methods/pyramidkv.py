@@ -7,11 +7,14 @@ integer schedule (`pyramid_budgets`), with these quirks and switches:
   `exact=True` distributes exactly L * (B - window) selected entries (floors of the exact linear values, the
   remainder given one each to the bottom layers). The effective budget is recorded either way.
 - Regimes: no compression when n < B; uniform SnapKV when B <= n < 2(B - window); the pyramid otherwise.
+- `schedule="adakv"`: the schedule of FFY0/AdaKV's code (its "Pyramid" rows): the same integer step, but the bottom
+  layer is clamped to n - w and the pyramid kept where PyramidKV goes uniform (`ada_pyramid_budgets`).
 - `granularity="query_head"` is the paper-era layout (KV repeated per query head before selection); see SnapKV.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvbench.methods.snapkv import WindowScorer
 from kvbench.registry import METHODS
@@ -40,17 +43,38 @@ def pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, be
     return [min(k, n - window) + window for k in selected]
 
 
+def ada_pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, beta: int) -> list[int]:
+    """Entries kept per head in each layer (window included), bottom first, as FFY0/AdaKV's `AdaptiveSnapKVCluster`
+    (and its `SnapKVCluster`, the "Pyramid" rows of Ada-KV's tables) compute them: integer step, the clamp when the bottom layer would exceed n - w, and no regime
+    switch. Values above the prompt length mean "keep the layer whole" (compress skips those layers)."""
+    if n_layers == 1:  # the official step divides by n_layers - 1; one layer has nothing to spread
+        return [budget]
+    c = budget - window
+    k_min = c // beta
+    k_max = 2 * c - k_min
+    if k_max >= prompt_len - window:
+        k_max = prompt_len - window
+        k_min = 2 * c - k_max
+    step = (k_max - k_min) // (n_layers - 1)  # floor division, also when negative (n < B), as Python's ints do
+    return [k_max - layer * step + window for layer in range(n_layers)]
+
+
 @METHODS.register("pyramidkv")
 @dataclass
 class PyramidKV(WindowScorer):
     window: int = 8
     beta: int = 20  # top layer gets (B - window) / beta selected entries
     exact: bool = False  # True: budget-matched schedule (mean kept == B exactly)
+    schedule: Literal["pyramidkv", "adakv"] = "pyramidkv"  # adakv: FFY0/AdaKV's schedule (no uniform regime)
 
     def __post_init__(self):
         super().__post_init__()
         if self.beta < 1:
             raise ValueError(f"pyramidkv: beta={self.beta} must be >= 1")
+        if self.schedule not in ("pyramidkv", "adakv"):
+            raise ValueError(f"pyramidkv: schedule={self.schedule!r} is not one of pyramidkv, adakv")
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        if self.schedule == "adakv" and not self.exact:
+            return ada_pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta)
         return pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta, self.exact)

@@ -53,7 +53,7 @@ GRID = [(n, b, w, layers) for n in (100, 300, 700, 1100, 1500, 1900, 2100, 5000)
 
 @pytest.mark.parametrize("n,budget,window,layers", GRID)
 def test_ada_pyramid_budgets_equal_the_official_formula(n, budget, window, layers):
-    from kvbench.methods.adakv import ada_pyramid_budgets
+    from kvbench.methods.pyramidkv import ada_pyramid_budgets
 
     kept = ada_pyramid_budgets(n, layers, budget, window, beta=20)
     for layer, k in enumerate(kept):
@@ -65,7 +65,7 @@ def test_ada_pyramid_budgets_equal_the_official_formula(n, budget, window, layer
 
 
 def test_ada_pyramid_keeps_the_pyramid_where_pyramidkv_goes_uniform():
-    from kvbench.methods.adakv import ada_pyramid_budgets
+    from kvbench.methods.pyramidkv import ada_pyramid_budgets
 
     kept = ada_pyramid_budgets(1500, 32, 1024, 32, 20)  # the issue's example: B <= n < 2(B - w)
     assert kept[0] == 1500 and kept[-1] == 570 and sum(kept) / 32 == 1035
@@ -91,3 +91,16 @@ def test_ada_pyramid_cache_holds_the_official_layer_budgets(alpha):
         selected = official_ada_pyramid(n, 4, budget, window, 20, layer)
         expected = n if selected is None else selected + window
         assert abs(sum(per_head) - len(per_head) * expected) <= len(per_head), (layer, per_head)
+
+
+def test_pyramidkv_adakv_schedule_is_the_official_ada_schedule():
+    """Ada-KV's "Pyramid" rows come from its own code (SnapKVCluster, pyram_mode): the same clamp, no regime switch."""
+    import kvbench.methods  # noqa: F401
+    from kvbench.registry import METHODS
+
+    method = METHODS["pyramidkv"](window=32, schedule="adakv")
+    for n in (300, 1100, 1500, 5000):
+        expected = [(official_ada_pyramid(n, 32, 1024, 32, 20, layer) or n) + (32 if official_ada_pyramid(
+            n, 32, 1024, 32, 20, layer) is not None else 0) for layer in range(32)]
+        got = method.layer_budgets(n, 32, 1024)
+        assert [min(g, n) for g in got] == [min(e, n) for e in expected]
