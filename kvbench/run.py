@@ -51,7 +51,7 @@ def check_group_overrides(argv: list[str]) -> None:
 
     for arg in argv:
         key, _, value = arg.lstrip("+~").partition("=")
-        if key in GROUPS and value:
+        if key in (*GROUPS, "paper") and value:
             choices = group_choices(key)
             for name in value.split(","):
                 if name not in choices:
@@ -238,6 +238,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
     if prepared is not None:
         info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
+    if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
+        info["paper"] = OmegaConf.to_container(cfg.paper_settings, resolve=True)
     if old is not None:
         if old.get("data_sha256") != data_sha:
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
@@ -304,5 +306,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = [a[1:] if a.startswith("+paper=") else a for a in sys.argv]  # paper is a default group (null)
     check_group_overrides(sys.argv[1:])
     main()

@@ -1,9 +1,12 @@
-"""CLI: `python -m kvbench.report PATH... [--out DIR] [--pdf] [--stderr] [--compare METHOD]`.
+"""CLI: `python -m kvbench.report PATH... [--out DIR] [--pdf] [--stderr] [--compare METHOD] [--paper NAME] [--html FILE]`.
 
 Reads every run directory under the given paths and writes table.md, table.tex, table.csv and, when NIAH runs are
 present, needle_panels.png (one file per model and dataset when there are several), then prints the Markdown table.
 `--stderr` shows every score as "mean ± standard error"; `--compare full` adds each cell's paired-bootstrap
 difference to the full cache (or any method) with its 95 % interval and marks those that exclude 0.
+`--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints that paper's headline table instead, rebuilt next to
+the published numbers (kvbench.report.paper); `--html report.html` also writes one self-contained page with every
+table and figure written.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from pathlib import Path
 
 from kvbench.report.compare import Compare, resolve_method
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
+from kvbench.report.html import write_html
+from kvbench.report.paper import paper_names, write_paper_report
+from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
 from kvbench.stats import RESAMPLES, SEED
@@ -52,15 +58,27 @@ def main(argv: list[str] | None = None) -> int:
                         "(registry name or table label, e.g. full)")
     parser.add_argument("--resamples", type=int, default=RESAMPLES, help=f"bootstrap resamples (default {RESAMPLES})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default {SEED})")
+    parser.add_argument("--paper", help=f"a paper's headline table next to its published numbers: "
+                                        f"{', '.join(paper_names())}")
+    parser.add_argument("--model", help="with --paper: the model whose runs fill the table (default: the paper's "
+                                        "model if present, else the model with the most records)")
+    parser.add_argument("--html", help="also write one self-contained HTML page with every table and figure")
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.exit(2, f"kvbench: --resamples={args.resamples} is too few for a 95 % interval; use at least 100\n")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.paper is not None and args.paper not in paper_names():
+        parser.exit(2, f"kvbench: unknown paper {args.paper!r}; choose one of {', '.join(paper_names())}\n")
 
     try:
         df = load_runs(args.paths)
     except (FileNotFoundError, ValueError) as e:
-        parser.exit(2, f"{e}\n")
+        if args.paper is None:
+            parser.exit(2, f"{e}\n")
+        logging.getLogger("kvbench.report").warning("%s; every cell will say why it is missing", e)
+        df = None
+    if args.paper is not None:
+        return paper_main(df, args)
     if df.empty:
         parser.exit(1, "report: the run directories hold no complete prediction records yet\n")
     compare = None
@@ -87,7 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     options = {"stderr": args.stderr,
                "compare": Compare(compare.reference, args.resamples, args.seed) if compare else None}
     written += benchmark_reports(df, Path(args.out), **options)
+    if args.html:
+        written.append(write_html(args.html, written, title=f"kvbench report: {', '.join(args.paths)}"))
     print(to_markdown(table, stderr=args.stderr))
+    print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def paper_main(df, args) -> int:
+    """`--paper`: the paper's layout (Markdown printed; LaTeX, CSV and the budget figure written)."""
+    import pandas as pd
+
+    if df is None or df.empty:
+        df = pd.DataFrame(columns=["model", "dataset", "method", "budget", "ratio", "run_dir", "id", "score"])
+    table, written = write_paper_report(df, args.paper, args.out, args.model, args.pdf)
+    if args.html:
+        written.append(write_html(args.html, written, title=f"kvbench: {table.spec['table']}"))
+    print(paper_markdown(table))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

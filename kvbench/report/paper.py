@@ -1,0 +1,305 @@
+"""A seed paper's headline table rebuilt from run directories, next to its published numbers.
+
+    python -m kvbench.report results --paper pyramidkv      # after make reproduce-pyramidkv (or -smoke)
+
+The published numbers ship with the package (`kvbench/report/published/<paper>.json`: the table named, its row and
+column order and names, each row's kvbench run (method, budget, ...) and its transcribed values). Every cell shows
+`rebuilt / published (difference)`; a cell without a rebuilt value says why: not run, dataset not present, model not
+available, not implemented in kvbench, or not in the run's records. Rebuilt values come from the records only:
+LongBench tasks as eval.py scores them (100 x mean, 2 decimals), other metrics as 100 x mean, BUZZ's "mean ROUGE"
+as the geometric mean of R-1/R-2/R-L. When the runs hold another model than the paper's (the smoke forms run the
+embedded model), that model's values are shown and the header says so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from matplotlib.figure import Figure
+
+from kvbench.report.tables import tex_escape
+
+logger = logging.getLogger(__name__)
+
+PUBLISHED = Path(__file__).resolve().parent / "published"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TASK = "meta.task"
+
+
+def paper_names() -> list[str]:
+    return sorted(p.stem for p in PUBLISHED.glob("*.json"))
+
+
+def load_published(name: str) -> dict:
+    """The paper's table spec and published values; a one-line error naming the valid papers otherwise."""
+    path = PUBLISHED / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"report: unknown paper {name!r}; choose one of {', '.join(paper_names())}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@dataclass
+class Cell:
+    published: float | None
+    rebuilt: float | None = None
+    note: str = ""  # why rebuilt is missing
+
+    @property
+    def diff(self) -> float | None:
+        return None if self.rebuilt is None or self.published is None else self.rebuilt - self.published
+
+
+@dataclass
+class PaperTable:
+    spec: dict
+    model: str | None  # the model the rebuilt values come from
+    rows: list[dict] = field(default_factory=list)  # {"group", "label", "cells": {column key: Cell}}
+
+    @property
+    def columns(self) -> list[dict]:
+        return self.spec["columns"]
+
+
+# --- which runs belong to a cell ------------------------------------------------------------------------------------
+def run_configs(df: pd.DataFrame) -> dict[str, dict]:
+    """Each run directory's resolved config.yaml (flattened with dots), read once."""
+    out = {}
+    for run_dir in df["run_dir"].unique():
+        path = Path(run_dir) / "config.yaml"
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        out[run_dir] = pd.json_normalize(cfg or {}, sep=".").iloc[0].to_dict() if cfg else {}
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(b, float) or isinstance(a, float):
+        try:
+            return math.isclose(float(a), float(b), abs_tol=1e-9)
+        except (TypeError, ValueError):
+            return False
+    return a == b or str(a) == str(b)
+
+
+def matching_records(df: pd.DataFrame, configs: dict, match: dict) -> pd.DataFrame:
+    """Records of the runs whose manifest (method, budget, ratio) and resolved config (any dotted key, e.g.
+    `positions`, `method.logn`) equal `match`. A full-cache row matches whatever budget its run had."""
+    keep = []
+    for run_dir, g in df.groupby("run_dir", sort=False):
+        row, cfg = g.iloc[0], configs.get(run_dir, {})
+        ok = True
+        for key, want in match.items():
+            if key == "budget" and row["method"] == "full":
+                continue
+            have = row[key] if key in ("method", "budget", "ratio") else cfg.get(key, _defaults.get(key))
+            if have is None or (isinstance(have, float) and math.isnan(have)) or not _same(have, want):
+                ok = False
+                break
+        if ok:
+            keep.append(g)
+    return pd.concat(keep) if keep else df.iloc[0:0]
+
+
+_defaults = {"positions": "original", "method.logn": False}  # config keys older runs may lack
+
+
+def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float | None, str]:
+    """The rebuilt value of one cell from its records, or (None, why)."""
+    kind = spec["kind"]
+    if kind == "longbench_task":
+        rec = records[records[TASK] == column["key"]] if TASK in records else records.iloc[0:0]
+        if rec.empty:
+            return None, "task not in the run"
+        return round(100 * rec["score"].astype(float).mean(), 2), ""
+    scale = spec.get("scale", 1)
+    metrics = spec["metrics"] if kind == "geomean" else [column["metric"]]
+    means = []
+    for m in metrics:
+        col = f"scores.{m}"
+        if col not in records or records[col].dropna().empty:
+            return None, f"metric {m} not in the records"
+        means.append(scale * records[col].astype(float).mean())
+    if kind == "geomean":
+        return (math.prod(means) ** (1 / len(means)) if all(v > 0 for v in means) else 0.0), ""
+    return means[0], ""
+
+
+def missing_reason(spec: dict, row: dict, any_runs: bool) -> str:
+    """Why a row has no run: not implemented > dataset not present > model not available > not run."""
+    if row.get("implemented") is False:
+        return row.get("note", "not implemented in kvbench")
+    dataset = spec["dataset"]
+    if any_runs:  # the table's dataset and a model ran here: this row's run is what is missing
+        return "not run"
+    if not (CONFIGS / "dataset" / f"{dataset}.yaml").is_file():
+        return f"dataset not present (no configs/dataset/{dataset}.yaml yet)"
+    if dataset.startswith("longbench") and not Path("data/longbench").is_dir():
+        return "dataset not present (data/longbench: python scripts/download_longbench.py)"
+    if not (CONFIGS / "model" / f"{spec['model_config']}.yaml").is_file():
+        return f"model not available (no configs/model/{spec['model_config']}.yaml)"
+    return "not run"
+
+
+def choose_model(df: pd.DataFrame, spec: dict, model: str | None) -> str | None:
+    """The paper's model when the runs have it, else the model with the most records (e.g. a smoke run's)."""
+    if model is not None or df.empty:
+        return model
+    models = df["model"].value_counts()
+    return spec["model"] if spec["model"] in models.index else str(models.index[0])
+
+
+def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None) -> PaperTable:
+    """Published values of `name`'s table with the rebuilt ones from `df` (load_runs' records) in each cell."""
+    spec = load_published(name)
+    if not df.empty and "dataset" in df:
+        family = spec["dataset"].split("_")[0]
+        df = df[df["dataset"].astype(str).str.split("_").str[0] == family]
+    model = choose_model(df, spec, model)
+    df = df[df["model"] == model] if model is not None and not df.empty else df
+    configs = run_configs(df) if not df.empty else {}
+    table = PaperTable(spec, model if not df.empty else None)
+    for row in spec["rows"]:
+        cells = {}
+        base = matching_records(df, configs, row["match"]) if "match" in row and not df.empty else None
+        for col in spec["columns"]:
+            cell = Cell(row["values"].get(col["key"]))
+            if col.get("mean_of_columns"):
+                cells[col["key"]] = cell
+                continue
+            records = base
+            if records is not None and "match" in col:
+                records = matching_records(records, configs, col["match"])
+            if records is None or records.empty:
+                cell.note = missing_reason(spec, row, not df.empty)
+            else:
+                cell.rebuilt, cell.note = cell_value(records, spec["cell"], col)
+            cells[col["key"]] = cell
+        for col in spec["columns"]:  # Avg.: the plain mean of the row's other columns, when all are rebuilt
+            if col.get("mean_of_columns"):
+                parts = [cells[c["key"]] for c in spec["columns"] if not c.get("mean_of_columns")]
+                if all(p.rebuilt is not None for p in parts):
+                    cells[col["key"]].rebuilt = round(sum(p.rebuilt for p in parts) / len(parts), 2)
+                else:
+                    missing = [p.note for p in parts if p.rebuilt is None]
+                    cells[col["key"]].note = missing[0] if len(set(missing)) == 1 else "needs every column"
+        table.rows.append({"group": row.get("group", ""), "label": row["label"], "cells": cells})
+    return table
+
+
+# --- rendering ------------------------------------------------------------------------------------------------------
+def _num(v: float | None, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def cell_text(cell: Cell) -> str:
+    """`rebuilt / published (difference)`; a missing rebuilt value gives its reason instead of a difference."""
+    if cell.rebuilt is None:
+        return f"– / {_num(cell.published)} ({cell.note})" if cell.note else f"– / {_num(cell.published)}"
+    return f"{_num(cell.rebuilt)} / {_num(cell.published)} ({cell.diff:+.2f})" if cell.diff is not None \
+        else f"{_num(cell.rebuilt)} / –"
+
+
+def header(table: PaperTable) -> list[str]:
+    spec = table.spec
+    lines = [f"{spec['title']}", f"{spec['table']} — rebuilt / published (difference)", f"Published: {spec['source']}"]
+    if table.model is None:
+        lines.append("No matching runs: every rebuilt cell is missing (reasons in the cells).")
+    elif table.model != spec["model"]:
+        lines.append(f"Rebuilt on {table.model}, not the paper's {spec['model']}: the differences compare models.")
+    return lines
+
+
+def to_markdown(table: PaperTable) -> str:
+    cols = table.columns
+    lines = [f"**{line}**" if i == 0 else line for i, line in enumerate(header(table))] + [""]
+    lines.append("| | Method | " + " | ".join(c["label"] for c in cols) + " |")
+    lines.append("|:---|:---|" + "|".join("---:" for _ in cols) + "|")
+    for row in table.rows:
+        cells = " | ".join(cell_text(row["cells"][c["key"]]) for c in cols)
+        lines.append(f"| {row['group']} | {row['label']} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(table: PaperTable) -> str:
+    cols = table.columns
+    lines = [r"\begin{tabular}{ll" + "r" * len(cols) + "}", r"\toprule",
+             " & Method & " + " & ".join(tex_escape(c["label"]) for c in cols) + r" \\", r"\midrule"]
+    for row in table.rows:
+        cells = [f"{_num(row['cells'][c['key']].rebuilt)} / {_num(row['cells'][c['key']].published)}" for c in cols]
+        lines.append(" & ".join([tex_escape(row["group"]), tex_escape(row["label"]), *cells]) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_frame(table: PaperTable) -> pd.DataFrame:
+    """Long format: one line per cell (row, column, rebuilt, published, difference, note), full precision."""
+    return pd.DataFrame([{"paper": table.spec["paper"], "group": row["group"], "method": row["label"],
+                          "column": c["label"], "rebuilt": cell.rebuilt, "published": cell.published,
+                          "difference": cell.diff, "note": cell.note, "rebuilt_model": table.model}
+                         for row in table.rows for c in table.columns
+                         for cell in [row["cells"][c["key"]]]])
+
+
+def budget_figure(table: PaperTable) -> Figure | None:
+    """Score vs budget per method, published dashed and rebuilt solid: the Avg. column against each row's budget
+    (PyramidKV Fig. 3 / Ada-KV style), or, for tables whose columns are budgets (BUZZ), each row across them."""
+    spec = table.spec
+    series: dict[str, dict[str, list]] = {}
+    avg = next((c for c in spec["columns"] if c.get("mean_of_columns")), None)
+    for row, raw in zip(table.rows, spec["rows"]):
+        budget = raw.get("match", {}).get("budget")
+        if avg is not None and budget is not None:
+            s = series.setdefault(row["label"], {"x": [], "pub": [], "reb": []})
+            cell = row["cells"][avg["key"]]
+            s["x"].append(budget), s["pub"].append(cell.published), s["reb"].append(cell.rebuilt)
+        elif avg is None and all("match" in c for c in spec["columns"]):
+            s = series.setdefault(row["label"], {"x": [], "pub": [], "reb": []})
+            for c in spec["columns"]:
+                cell = row["cells"][c["key"]]
+                s["x"].append(float(c["key"])), s["pub"].append(cell.published), s["reb"].append(cell.rebuilt)
+    if not series:
+        return None
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    ax = fig.add_subplot()
+    for i, (label, s) in enumerate(series.items()):
+        colour = f"C{i % 10}"
+        ax.plot(s["x"], s["pub"], "--o", color=colour, alpha=0.6, label=f"{label} (published)")
+        pts = [(x, y) for x, y in zip(s["x"], s["reb"]) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), "-s", color=colour, label=f"{label} (rebuilt)")
+    budgets = any("budget" in r.get("match", {}) for r in spec["rows"])
+    ax.set_xlabel("KV size (entries per head)" if budgets else "cache budget (% of the prompt)")
+    if budgets:
+        ax.set_xscale("log", base=2)
+    ax.set_ylabel(avg["label"] if avg else "score")
+    ax.set_title(spec["table"], fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def write_paper_report(df: pd.DataFrame, name: str, out_dir: str | Path, model: str | None = None,
+                       pdf: bool = False) -> tuple[PaperTable, list[Path]]:
+    """paper_<name>.md/.tex/.csv (+ paper_<name>_budget.png) in out_dir; returns the table and the files."""
+    table = build_paper_table(df, name, model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"paper_{name}"
+    written = [stem.with_suffix(".md"), stem.with_suffix(".tex"), stem.with_suffix(".csv")]
+    written[0].write_text(to_markdown(table), encoding="utf-8")
+    written[1].write_text(to_latex(table), encoding="utf-8")
+    to_frame(table).to_csv(written[2], index=False)
+    fig = budget_figure(table)
+    if fig is not None:
+        png = out / f"paper_{name}_budget.png"
+        fig.savefig(png)
+        written.append(png)
+        if pdf:
+            fig.savefig(png.with_suffix(".pdf"))
+            written.append(png.with_suffix(".pdf"))
+    return table, written

@@ -1,0 +1,117 @@
+"""`python -m kvbench.report --paper`: each paper's layout, rebuilt values recomputed by hand from hand-written
+records, published values from the shipped data file, differences, and the reason every missing cell gives."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvbench.report import load_runs
+from kvbench.report.paper import CONFIGS, build_paper_table, load_published, paper_names, to_markdown
+from tests.unit.test_report import make_run, record
+
+REPO = Path(__file__).resolve().parents[2]
+PAPERS = ["adakv", "buzz", "keyformer", "pyramidkv", "tailorkv"]
+
+
+def longbench_run(root, method, budget, scores_by_task, model="llama-3-8b-instruct", config=None):
+    recs = [record(i, s, meta={"task": task, "length": 100, "index": i}, scores={"longbench": s})
+            for i, (task, s) in enumerate((t, s) for t, ss in scores_by_task.items() for s in ss)]
+    run = make_run(root, method, budget, recs, dataset="longbench", model=model, primary="longbench")
+    (run / "config.yaml").write_text(json.dumps(config or {"positions": "original", "method": {}}))
+    return run
+
+
+def test_every_seed_paper_ships_its_published_table():
+    assert paper_names() == PAPERS
+    for name in PAPERS:
+        spec = load_published(name)
+        assert spec["table"] and spec["source"] and spec["rows"]
+        keys = [c["key"] for c in spec["columns"]]
+        for row in spec["rows"]:
+            assert set(row["values"]) == set(keys), (name, row["label"])
+    t11 = load_published("pyramidkv")  # spot checks against the paper's printed cells
+    fkv = next(r for r in t11["rows"] if r["label"] == "FKV")
+    assert fkv["values"]["narrativeqa"] == 25.70 and fkv["values"]["avg"] == 41.46
+    assert [r["label"] for r in t11["rows"][:5]] == ["FKV", "SKV", "H2O", "SLM", "PyramidKV (Ours)"]
+    ada = load_published("adakv")
+    assert next(r for r in ada["rows"] if r["match"] == {"method": "adakv", "budget": 128})["values"]["avg"] == 36.71
+
+
+def test_pyramidkv_cells_rebuilt_published_difference_and_reasons(tmp_path):
+    spec = load_published("pyramidkv")
+    tasks = [c["key"] for c in spec["columns"] if c["key"] != "avg"]
+    every = {t: [0.5, 0.25] for t in tasks}
+    longbench_run(tmp_path, "snapkv", 64, every)
+    longbench_run(tmp_path, "h2o", 64, {"qasper": [1.0, 0.0, 0.5]})
+    table = build_paper_table(load_runs([tmp_path]), "pyramidkv")
+    assert table.model == "llama-3-8b-instruct"
+    rows = {(r["group"], r["label"]): r["cells"] for r in table.rows}
+    skv = rows[("KV Size = 64", "SKV")]
+    assert skv["narrativeqa"].rebuilt == 37.5 and skv["narrativeqa"].published == 19.86
+    assert math.isclose(skv["narrativeqa"].diff, 37.5 - 19.86)
+    assert skv["avg"].rebuilt == 37.5  # all 16 tasks present: the plain mean
+    h2o = rows[("KV Size = 64", "H2O")]
+    assert h2o["qasper"].rebuilt == 50.0 and h2o["narrativeqa"].note == "task not in the run"
+    assert h2o["avg"].rebuilt is None
+    assert rows[("KV Size = 96", "SKV")]["qasper"].note in ("not run", "dataset not present (data/longbench: "
+                                                            "python scripts/download_longbench.py)")
+    text = to_markdown(table)
+    assert "37.50 / 19.86 (+17.64)" in text and "– / 20.80 (task not in the run)" in text and "50.00 / 11.34 (+38.66)" in text
+
+
+def test_other_models_runs_are_used_and_said_so(tmp_path):
+    longbench_run(tmp_path, "pyramidkv", 64, {"hotpotqa": [1.0]}, model="smollm2-135m-instruct")
+    table = build_paper_table(load_runs([tmp_path]), "pyramidkv")
+    assert table.model == "smollm2-135m-instruct" and "not the paper's" in to_markdown(table)
+    cell = next(r for r in table.rows if r["label"].startswith("PyramidKV") and "64" in r["group"])["cells"]
+    assert cell["hotpotqa"].rebuilt == 100.0
+
+
+def test_buzz_geometric_mean_matches_on_ratio_positions_and_logn(tmp_path):
+    def run(method, ratio, logn, r1, r2, rl):
+        recs = [record(0, r1, scores={"rouge-1": r1, "rouge-2": r2, "rouge-l": rl})]
+        d = make_run(tmp_path, method, None, recs, dataset="xsum", model="llama-2-7b-chat", primary="rouge-1",
+                     tail="")
+        manifest = json.loads((d / "manifest.json").read_text())
+        manifest["ratio"] = ratio
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        (d / "config.yaml").write_text(json.dumps({"positions": "shift", "method": {"logn": logn}}))
+        d.rename(d.with_name(f"r{ratio}-{method}-{logn}"))
+
+    run("buzz", 0.6, False, 0.20, 0.05, 0.18)
+    run("buzz", 0.6, True, 0.30, 0.06, 0.20)
+    table = build_paper_table(load_runs([tmp_path]), "buzz")
+    rows = {r["label"]: r["cells"] for r in table.rows}
+    assert math.isclose(rows["BUZZ"]["40"].rebuilt, (20 * 5 * 18) ** (1 / 3))
+    assert math.isclose(rows["BUZZ (with logn)"]["40"].rebuilt, (30 * 6 * 20) ** (1 / 3))
+    assert rows["BUZZ"]["40"].published == 12.3 and rows["BUZZ"]["60"].note == "not run"
+
+
+def test_missing_cells_say_why_without_runs(tmp_path):
+    table = build_paper_table(pd.DataFrame(columns=["model", "dataset", "method", "run_dir"]), "keyformer")
+    rows = {r["label"]: r["cells"] for r in table.rows}
+    assert rows["Keyformer (Org Pos) [Shared]"]["rouge1"].note.startswith("shared score function")
+    expected = ("not run" if (CONFIGS / "dataset" / "cnn_dailymail.yaml").is_file()
+                else "dataset not present (no configs/dataset/cnn_dailymail.yaml yet)")
+    assert rows["Window"]["rouge2"].note == expected
+    tailor = build_paper_table(pd.DataFrame(columns=["model", "dataset", "method", "run_dir"]), "tailorkv")
+    assert {r["label"]: r["cells"] for r in tailor.rows}["Quest"]["lcc"].note == "not implemented in kvbench"
+
+
+def test_cli_prints_the_layout_and_writes_files(tmp_path):
+    longbench_run(tmp_path / "results", "snapkv", 64, {"hotpotqa": [1.0]})
+    out = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "results"), "--paper", "pyramidkv",
+                          "--out", str(tmp_path / "report")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Table 11" in out.stdout and "| KV Size = 64 | SKV |" in out.stdout
+    assert {p.name for p in (tmp_path / "report").iterdir()} >= {"paper_pyramidkv.md", "paper_pyramidkv.tex",
+                                                                 "paper_pyramidkv.csv", "paper_pyramidkv_budget.png"}
+    bad = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), "--paper", "pyramid"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("kvbench: unknown paper 'pyramid'")
