@@ -6,7 +6,8 @@
 Markdown tables (`*.md`, the layouts people read) become HTML tables sortable by a click on a column header
 (numeric when the cells start with a number); PNG figures are embedded as base64 data URIs. A small inline
 script sorts and, once the page has loaded, records on <body> how many tables and decoded images it holds
-(`data-tables`, `data-images-loaded`), which the headless-browser test reads.
+(`data-tables`, `data-images-loaded`); opened as `report.html#sortcheck` it also sorts the first table by its last
+column and records the resulting order (`data-sorted-column`). The headless-browser test reads these.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ document.querySelectorAll('table.sortable th').forEach(function(th){th.addEventL
 window.addEventListener('load',function(){var imgs=document.images,ok=0;
  for(var k=0;k<imgs.length;k++){if(imgs[k].complete&&imgs[k].naturalWidth>0){ok++;}}
  document.body.dataset.imagesLoaded=ok;document.body.dataset.tables=document.querySelectorAll('table.sortable').length;
+ if(location.hash==='#sortcheck'){var th=document.querySelector('table.sortable th:last-child');sortBy(th);
+  var v=Array.prototype.map.call(th.closest('table').tBodies[0].rows,function(r){return cellKey(r.cells[r.cells.length-1]);});
+  document.body.dataset.sortedColumn=JSON.stringify(v);}
  document.body.dataset.ready='1';});
 """
 
