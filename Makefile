@@ -7,6 +7,8 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
+.PHONY: reproduce-pyramidkv reproduce-adakv reproduce-tailorkv reproduce-keyformer reproduce-buzz reproduce-smoke \
+	reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke
 .PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
@@ -90,6 +92,51 @@ tailorkv-ruler: setup  ## TailorKV Table 16 (GPU): RULER 64k/128k, budget 1024 (
 
 tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedded model (per-layer scores + split)
 	$(PYTHON) -m kvbench.methods.tailorkv_layers
+
+# --- paper presets (configs/paper/): sweep, the runs the sweep cannot express, then the paper's table -------------
+# Extra runs per paper (the rows whose settings differ by more than the method choice).
+EXTRA_pyramidkv := "method=full"
+EXTRA_adakv     := "method=full"
+EXTRA_tailorkv  := "method=full" "method=tailorkv method.bits=2"
+EXTRA_keyformer := "method=full" "method=keyformer positions=shift"
+EXTRA_buzz      := "-m method=buzz method.logn=true"
+# The smoke forms sweep one budget, so FullKV sits in their sweep (one process fewer each, for CI's time).
+EXTRA_pyramidkv_smoke :=
+EXTRA_adakv_smoke     :=
+EXTRA_tailorkv_smoke  := "method=tailorkv method.bits=2"
+EXTRA_keyformer_smoke := "method=keyformer positions=shift"
+EXTRA_buzz_smoke      := $(EXTRA_buzz)
+SMOKE_DIR ?= results/smoke
+
+# $(1) = paper, $(2) = preset (paper or paper_smoke; EXTRA_$(2) its extra runs), $(3) = results folder
+define reproduce
+	$(PYTHON) -m kvbench.run -m paper=$(2) results_dir=$(3)
+	for extra in $(EXTRA_$(2)); do $(PYTHON) -m kvbench.run $$extra paper=$(2) results_dir=$(3) || exit 1; done
+	$(PYTHON) -m kvbench.report $(3) --paper $(1) --out $(3)/report/$(1) --html $(3)/report/$(1)/$(1).html
+endef
+
+reproduce-pyramidkv: setup  ## PyramidKV Table 11 (GPU; Llama-3-8B-Instruct; LongBench data) next to the paper
+	$(call reproduce,pyramidkv,pyramidkv,results)
+reproduce-adakv: setup  ## Ada-KV Table 1 (GPU; Mistral-7B-Instruct-v0.2; LongBench data) next to the paper
+	$(call reproduce,adakv,adakv,results)
+reproduce-tailorkv: setup  ## TailorKV Table 14 (GPU; Llama-3.1-8B-Instruct; LongBench data) next to the paper
+	$(call reproduce,tailorkv,tailorkv,results)
+reproduce-keyformer: setup  ## Keyformer Table 3 (GPU; MPT-7B; cnn_dailymail) next to the paper
+	$(call reproduce,keyformer,keyformer,results)
+reproduce-buzz: setup  ## BUZZ Table 2 (GPU; Llama-2-7b-chat; xsum) next to the paper
+	$(call reproduce,buzz,buzz,results)
+
+reproduce-pyramidkv-smoke: setup  ## smoke form of reproduce-pyramidkv on the embedded model (CPU, seconds)
+	$(call reproduce,pyramidkv,pyramidkv_smoke,$(SMOKE_DIR)/pyramidkv)
+reproduce-adakv-smoke: setup  ## smoke form of reproduce-adakv on the embedded model
+	$(call reproduce,adakv,adakv_smoke,$(SMOKE_DIR)/adakv)
+reproduce-tailorkv-smoke: setup  ## smoke form of reproduce-tailorkv on the embedded model
+	$(call reproduce,tailorkv,tailorkv_smoke,$(SMOKE_DIR)/tailorkv)
+reproduce-keyformer-smoke: setup  ## smoke form of reproduce-keyformer on the embedded model
+	$(call reproduce,keyformer,keyformer_smoke,$(SMOKE_DIR)/keyformer)
+reproduce-buzz-smoke: setup  ## smoke form of reproduce-buzz on the embedded model
+	$(call reproduce,buzz,buzz_smoke,$(SMOKE_DIR)/buzz)
+reproduce-smoke: reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke  ## all five smoke forms
 
 clean:  ## remove the venv and caches (not results/)
 	rm -rf $(VENV) .pytest_cache

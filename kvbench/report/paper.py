@@ -59,6 +59,7 @@ class PaperTable:
     spec: dict
     model: str | None  # the model the rebuilt values come from
     rows: list[dict] = field(default_factory=list)  # {"group", "label", "cells": {column key: Cell}}
+    other_datasets: list[str] = field(default_factory=list)  # runs found, but none on the paper's dataset
 
     @property
     def columns(self) -> list[dict]:
@@ -155,13 +156,16 @@ def choose_model(df: pd.DataFrame, spec: dict, model: str | None) -> str | None:
 def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None) -> PaperTable:
     """Published values of `name`'s table with the rebuilt ones from `df` (load_runs' records) in each cell."""
     spec = load_published(name)
+    other_datasets: list[str] = []
     if not df.empty and "dataset" in df:
         family = spec["dataset"].split("_")[0]
-        df = df[df["dataset"].astype(str).str.split("_").str[0] == family]
+        same = df["dataset"].astype(str).str.split("_").str[0] == family
+        other_datasets = sorted(df.loc[~same, "dataset"].astype(str).unique()) if not same.any() else []
+        df = df[same]
     model = choose_model(df, spec, model)
     df = df[df["model"] == model] if model is not None and not df.empty else df
     configs = run_configs(df) if not df.empty else {}
-    table = PaperTable(spec, model if not df.empty else None)
+    table = PaperTable(spec, model if not df.empty else None, other_datasets=other_datasets)
     for row in spec["rows"]:
         cells = {}
         base = matching_records(df, configs, row["match"]) if "match" in row and not df.empty else None
@@ -206,7 +210,10 @@ def cell_text(cell: Cell) -> str:
 def header(table: PaperTable) -> list[str]:
     spec = table.spec
     lines = [f"{spec['title']}", f"{spec['table']} — rebuilt / published (difference)", f"Published: {spec['source']}"]
-    if table.model is None:
+    if table.other_datasets:
+        lines.append(f"The runs are on {', '.join(table.other_datasets)}, not the paper's {spec['dataset']}: "
+                     "nothing to put in its cells (e.g. a smoke form run before that dataset existed).")
+    elif table.model is None:
         lines.append("No matching runs: every rebuilt cell is missing (reasons in the cells).")
     elif table.model != spec["model"]:
         lines.append(f"Rebuilt on {table.model}, not the paper's {spec['model']}: the differences compare models.")

@@ -1,0 +1,59 @@
+"""Every paper preset's smoke form through its real make target (sweep, the extra runs, the paper report), on the
+embedded model: the runs exist with the paper's settings and its `paper` manifest block, and the report prints the
+paper's layout with rebuilt cells where the smoke runs could fill them. CI runs this, so the presets cannot rot."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+# paper -> (methods that must have a run, the rows the smoke runs fill: (row label, column label))
+EXPECTED = {
+    "pyramidkv": ({"full", "snapkv", "h2o", "streamingllm", "pyramidkv"},
+                  [("FKV", "HotpotQA"), ("SKV", "HotpotQA"), ("H2O", "HotpotQA"), ("PyramidKV (Ours)", "HotpotQA")]),
+    "adakv": ({"full", "h2o", "streamingllm", "snapkv", "pyramidkv", "adakv", "ada_pyramidkv"},
+              [("Full Cache", "HotpotQA"), ("Ada-SnapKV", "HotpotQA"), ("Ada-Pyramid", "HotpotQA")]),
+    "tailorkv": ({"full", "streamingllm", "snapkv", "tailorkv-1", "tailorkv-2"},
+                 [("Llama-3.1-8B", "HQA"), ("TailorKV-1", "HQA"), ("TailorKV-2", "HQA"), ("SnapKV", "HQA")]),
+    "keyformer": ({"full", "local", "h2o", "streamingllm_rolling", "keyformer"}, []),
+    "buzz": ({"buzz", "h2o", "streamingllm_rolling", "local"}, []),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("paper", sorted(EXPECTED))
+def test_smoke_form_runs_through_make(paper, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    out = subprocess.run(["make", "--no-print-directory", "-o", "setup", f"reproduce-{paper}-smoke",
+                          f"PYTHON={sys.executable}", f"SMOKE_DIR={tmp_path}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    methods, cells = EXPECTED[paper]
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / paper).rglob("manifest.json")]
+    assert {m["method"] for m in manifests} >= methods
+    for m in manifests:
+        assert m["paper"]["name"] == paper and m["paper"]["choices"] and m["n_samples"] >= 1
+    for pred in (tmp_path / paper).rglob("predictions.jsonl"):
+        assert pred.read_text().strip()
+    assert f"**" in out.stdout and "rebuilt / published" in out.stdout  # the paper's layout, printed
+    report = tmp_path / paper / "report" / paper
+    assert (report / f"{paper}.html").is_file() and (report / f"paper_{paper}.md").is_file()
+    rows = list(csv.DictReader((report / f"paper_{paper}.csv").open()))
+    for label, column in cells:
+        cell = [r for r in rows if r["method"] == label and r["column"] == column and r["rebuilt"]]
+        assert cell, (label, column)
+    if paper == "pyramidkv":  # the paper-era settings reached the runs
+        cfg = yaml.safe_load(next((tmp_path / paper).rglob("h2o/*/config.yaml")).read_text())
+        assert cfg["method"]["variant"] == "kvcache_factory" and cfg["method"]["granularity"] == "query_head"
+    if paper == "buzz":
+        cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("buzz/*/config.yaml")]
+        assert {c["method"]["logn"] for c in cfgs} == {False, True} and {c["positions"] for c in cfgs} == {"shift"}
