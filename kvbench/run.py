@@ -262,6 +262,12 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                     method.check_budget(budget)
                 except ValueError as e:  # finished samples are already on disk
                     sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
+            if getattr(dataset, "kind", None) == "perplexity":  # teacher forcing, not generation
+                from kvbench.perplexity import perplexity_record
+
+                store.append(perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
+                                               cfg.seed + int(sha256_text(sample.id)[:8], 16)))
+                continue
             store.append(run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling))
     store.close()
     summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)

@@ -1,0 +1,182 @@
+"""Perplexity under a compressed cache: BUZZ's token-by-token stream and ordinary chunked windows.
+
+Perplexity is teacher forcing, not generation: each position's logits are scored against the next true token, and
+that token (not a sampled one) is fed next. The cache, the capture and the methods are the generation path's own:
+`generation.prefill` and `generation.compress`, then one token per forward, so decode-time methods (H2O, Keyformer,
+BUZZ, any `DecodingMethod`) score and evict after every step through the same `EvictionState` / capture
+`decode_hook` as in generation.
+
+- `stream` (BUZZ `eval_long_ppl.py`): the rows of one record are fed one token at a time, the cache and the method's
+  state are never reset between rows, and each row's tokens predict only their successor inside the row (its last
+  token is not fed, its first is not predicted from the previous row). The first token of the stream is a 1-token
+  prefill (its column sums are the row score of a single key, 1 for softmax and Gumbel-softmax alike). Methods that
+  select only once after prefill (SnapKV, PyramidKV, Ada-KV, TailorKV) have nothing to select in a 1-token prefill:
+  in a stream their cache grows like the full cache (`evicts_in_stream: false` in the record; use `chunked`).
+- `chunked`: a window's first `context` tokens are prefilled and compressed by the method (any method), then the
+  window's remaining tokens are teacher-forced one at a time; their NLL is the window's.
+Positions follow the run's `positions`: original (the t-th fed token sits at t) or shift (at the cache's length,
+the pos-shift of BUZZ's and StreamingLLM's code). PPL = exp(total NLL / total predicted tokens), over a run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.cache import KVCache
+from kvbench.cache.rerotate import model_inv_freq
+from kvbench.generation import compress, prefill
+from kvbench.methods.decoding import DecodingMethod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NLL:
+    """Summed negative log-likelihood (nats) over `n_tokens` predicted tokens, plus the run's accounting."""
+
+    nll_sum: float
+    n_tokens: int
+    kv_bytes: int          # held at the end
+    full_kv_bytes: int     # a full cache of every fed token
+    kept_per_layer: list[float]
+    evicts: bool
+    prefill_s: float
+    step_s: float
+    n_steps: int
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.n_tokens) if self.n_tokens else float("nan")
+
+
+def _setup(model, method, capture, budget, n_steps: int, seed: int, prompt_len: int):
+    """What `generation.generate` sets up before prefill: a fresh cache and, for decode-time methods, their state."""
+    capture.reset()
+    state = None
+    if isinstance(method, DecodingMethod):
+        state = method.start(prompt_len, budget, n_steps, seed)
+        capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
+    return KVCache(), state
+
+
+def _position(cache: KVCache, fed: int, positions: str) -> int:
+    """Where the next fed token sits: its index in the stream, or (shift) right after the kept entries."""
+    if positions != "shift":
+        return fed
+    slot = cache.layers[0].keys.shape[-2]
+    for layer in cache.layers:
+        layer.next_position = slot
+    return slot
+
+
+def _nll(logits: torch.Tensor, label: int) -> float:
+    return F.cross_entropy(logits.float(), torch.tensor([label], device=logits.device)).item()
+
+
+@torch.no_grad()
+def teacher_force(model, cache: KVCache, logits: torch.Tensor, feeds: list[tuple[int, int | None]], fed: int,
+                  positions: str) -> tuple[float, int]:
+    """Feed `(token, label)` pairs one per forward after `logits` (the last position's); returns (NLL sum, count).
+
+    Before each pair, `logits` predicts `token` only when the previous pair's label said so; so a pair's label is
+    scored against the logits its own token produces."""
+    device = logits.device
+    total, count = 0.0, 0
+    for token, label in feeds:
+        pos = _position(cache, fed, positions)
+        logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                       position_ids=torch.tensor([[pos]], device=device), use_cache=True).logits[:, -1]
+        fed += 1
+        if label is not None:
+            total += _nll(logits, label)
+            count += 1
+    return total, count
+
+
+@torch.no_grad()
+def stream_nll(model, method, capture, rows: list[list[int]], budget, positions: str = "original",
+               seed: int = 0) -> NLL:
+    """BUZZ's streaming NLL over `rows` (token ids per row, special tokens included); see the module docstring."""
+    feeds = [(row[i], row[i + 1]) for row in rows for i in range(len(row) - 1)]
+    if not feeds:
+        raise ValueError("wikitext_ppl: a stream with no token pair to score (all rows shorter than 2 tokens)")
+    device = next(model.parameters()).device
+    cache, state = _setup(model, method, capture, budget, len(feeds), seed, prompt_len=1)
+    t0 = time.perf_counter()
+    first, label = feeds[0]
+    logits = prefill(model, torch.tensor([[first]], device=device), cache)
+    token_bytes = cache.nbytes()  # one token, every layer, before any eviction
+    total, count = _nll(logits, label), 1
+    evicts = state is not None and method.evicts_while_decoding
+    if evicts:  # the 1-token prefill's column sums: the row score of a single key
+        h_q = model.config.num_attention_heads
+        one = method.row_score(torch.zeros(1, h_q, 1, 1, device=device), state, decoding=False).sum(dim=2)
+        capture.column_sums.update({i: one for i in range(len(cache.layers))})
+        compress(method, cache, capture, budget, state, model_inv_freq(model) if positions == "shift" else None)
+    else:
+        capture.reset()
+    t1 = time.perf_counter()
+    more, n = teacher_force(model, cache, logits, feeds[1:], 1, positions)
+    t2 = time.perf_counter()
+    capture.reset()
+    return NLL(total + more, count + n, cache.nbytes(), token_bytes * len(feeds),
+               cache.entries_per_layer(), evicts, t1 - t0, t2 - t1, len(feeds) - 1)
+
+
+@torch.no_grad()
+def window_nll(model, method, capture, tokens: list[int], context: int, budget, positions: str = "original",
+               seed: int = 0) -> NLL:
+    """Chunked NLL of one window: prefill `tokens[:context]`, compress, teacher-force the rest."""
+    if not 1 <= context < len(tokens):
+        raise ValueError(f"wikitext_ppl: window of {len(tokens)} tokens with context={context}: need "
+                         "1 <= context < window")
+    device = next(model.parameters()).device
+    feeds = [(tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None) for i in range(context, len(tokens))]
+    cache, state = _setup(model, method, capture, budget, len(feeds), seed, prompt_len=context)
+    inv_freq = model_inv_freq(model) if positions == "shift" else None
+    t0 = time.perf_counter()
+    logits = prefill(model, torch.tensor([tokens[:context]], device=device), cache)
+    token_bytes = cache.nbytes() // context
+    compress(method, cache, capture, budget, state, inv_freq)
+    t1 = time.perf_counter()
+    total, count = _nll(logits, tokens[context]), 1
+    more, n = teacher_force(model, cache, logits, feeds[:-1], context, positions)  # the last token is not fed
+    t2 = time.perf_counter()
+    capture.reset()
+    return NLL(total + more, count + n, cache.nbytes(), token_bytes * (len(tokens) - 1),
+               cache.entries_per_layer(), True, t1 - t0, t2 - t1, len(feeds) - 1)
+
+
+def perplexity_record(model, method, capture, dataset, sample, budget, positions: str, seed: int) -> dict:
+    """The predictions.jsonl record of one stream or window (kvbench.run calls this for perplexity datasets)."""
+    from kvbench.store import sha256_text
+
+    if dataset.mode == "stream":
+        out = stream_nll(model, method, capture, dataset.rows_of(sample), budget, positions, seed)
+    else:
+        out = window_nll(model, method, capture, list(sample.input_ids), sample.meta["context"], budget, positions,
+                         seed)
+    kept = out.kept_per_layer
+    return {
+        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(sample.input_ids),
+        "prediction": "", "references": [], "score": out.ppl,
+        "scores": {dataset.primary_metric: out.ppl, "nll_mean": out.nll_sum / out.n_tokens},
+        "meta": sample.meta, "nll_sum": out.nll_sum, "n_tokens": out.n_tokens, "evicts_in_stream": out.evicts,
+        "new_tokens": 0, "budget": budget, "kept_per_layer": kept, "effective_budget": sum(kept) / len(kept),
+        "kv_bytes": out.kv_bytes, "full_kv_bytes": out.full_kv_bytes, "prefill_s": out.prefill_s,
+        "decode_s": out.step_s, "decode_tok_s": out.n_steps / out.step_s if out.step_s > 0 else 0.0,
+        "peak_mem_bytes": _peak_mem_bytes(),
+    }
+
+
+def _peak_mem_bytes() -> int:
+    import resource
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; process-lifetime peak
