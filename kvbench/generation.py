@@ -31,6 +31,14 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    num_beams: int = 1  # > 1: beam search over the compressed cache (kvbench.beam), greedy scores only
+    length_penalty: float = 1.0  # beam search: finished score = sum log p / generated_len ** length_penalty
+    early_stopping: bool = False  # beam search: stop once num_beams hypotheses are finished (Keyformer: true)
+
+    def __post_init__(self):
+        if self.num_beams < 1 or (self.num_beams > 1 and self.do_sample):
+            raise ValueError(f"generation: num_beams={self.num_beams} must be >= 1, and beam search is greedy "
+                             "(do_sample=false)")
 
 
 @dataclass

@@ -178,10 +178,17 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     device = next(model.parameters()).device
-    gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
-                   sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions,
-                   seed=cfg.seed + int(sha256_text(sample.id)[:8], 16),  # per sample, order-free
-                   stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
+    seed = cfg.seed + int(sha256_text(sample.id)[:8], 16)  # per sample, order-free
+    if sampling.num_beams > 1:  # beam search: no stop strings/tokens beyond EOS (Keyformer's setting)
+        from kvbench.beam import beam_generate
+
+        gen = beam_generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                            sample.max_new_tokens, sampling.num_beams, length_penalty=sampling.length_penalty,
+                            early_stopping=sampling.early_stopping, positions=cfg.positions, seed=seed)
+    else:
+        gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                       sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
+                       stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
     scores = dataset.score(sample, gen.text)
     return {
         "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),

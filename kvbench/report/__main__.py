@@ -32,6 +32,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
 
 
+# dataset families whose tables live in one shared module (cnn_dailymail -> "cnn", lost_in_the_middle -> "lost")
+SEED_FAMILIES = {"cnn": "seed_tasks", "xsum": "seed_tasks", "lost": "seed_tasks", "wikitext": "seed_tasks",
+                 "infinitebench": "seed_tasks"}
+
+
 def benchmark_reports(df, out: Path, **options) -> list[Path]:
     """Benchmark-specific layouts: for each dataset family in the runs (`longbench`, `ruler`, ...), a module
     `kvbench.report.<family>` with `write_reports(df, out) -> list[Path]` adds its paper tables and figures.
@@ -39,7 +44,7 @@ def benchmark_reports(df, out: Path, **options) -> list[Path]:
     written: list[Path] = []
     for family in sorted({str(d).split("_")[0] for d in df["dataset"].dropna().unique()}):
         try:
-            module = importlib.import_module(f"kvbench.report.{family}")
+            module = importlib.import_module(f"kvbench.report.{SEED_FAMILIES.get(family, family)}")
         except ModuleNotFoundError:
             continue
         accepted = inspect.signature(module.write_reports).parameters  # families without stderr/compare still work

@@ -22,7 +22,9 @@ METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in 
 COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("Method", "{}"),
            "budget": ("KV Size", "{:d}"), "ratio": ("Ratio", "{:.2f}"), "metric": ("Metric", "{}"),
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
-           "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}")}
+           "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}"),
+           "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
+           "tokens": ("Tokens", "{:d}"), "PPL": ("PPL", "{:.3f}")}  # the last row: seed-task tables
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
 # uncertainty columns (kvbench.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as one
 # "Δ vs <reference> [95 % CI]" column (--compare)

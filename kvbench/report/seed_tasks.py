@@ -1,0 +1,96 @@
+"""Tables for the seed papers' other evaluations, one per dataset, rebuilt from prediction records only.
+
+    python -m kvbench.report results/ --out results/report   # dispatches here for the five datasets below
+
+- `cnn_dailymail`, `xsum`: per (model, protocol, method, KV size): Keyformer's ROUGE-1/2/L/Lsum (rouge_score,
+  stemmed, mean of per-sample F x 100), BUZZ's R-1/R-2/R-L (pltrdy `rouge`, x 100) and their geometric "Mean"
+  (BUZZ Table 2), and Self-BLEU x 100 where scored.
+- `lost_in_the_middle`: best_subspan_em x 100 per gold position and their average (BUZZ Fig. 6).
+- `wikitext_ppl`: PPL = exp(total NLL / total tokens) per (mode, method, KV size) (BUZZ Table 3).
+- `infinitebench`: one column per task (its own metric x 100) and "Avg." = the mean of the task columns
+  (TailorKV Table 15).
+Each table is written as `<dataset>_table.{md,csv}` and printed.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.metrics.summarization import mean_rouge
+from kvbench.report.tables import sort_runs, to_markdown
+
+DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")
+KEYS = ["model", "method", "budget"]
+
+
+def _col(df: pd.DataFrame, name: str) -> pd.Series:
+    return df[name] if name in df else pd.Series([None] * len(df), index=df.index)
+
+
+def summarization_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    df = df.assign(protocol=_col(df, "meta.protocol"))
+    for key, g in df.groupby([*KEYS, "protocol"], dropna=False, sort=False):
+        row = dict(zip([*KEYS, "protocol"], key), n=len(g))
+        for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
+            row[f"KF {k}"] = round(100 * g[f"scores.{k}"].astype(float).mean(), 4)
+        buzz = [100 * g[f"scores.buzz_{k}"].astype(float).mean() for k in ("rouge1", "rouge2", "rougeL")]
+        row.update({"BUZZ R-1": buzz[0], "BUZZ R-2": buzz[1], "BUZZ R-L": buzz[2], "BUZZ Mean": mean_rouge(*buzz)})
+        if "scores.self_bleu" in g and g["scores.self_bleu"].notna().all():
+            row["Self-BLEU"] = 100 * g["scores.self_bleu"].astype(float).mean()
+        rows.append(row)
+    return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+def qa_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for key, g in df.groupby(KEYS, dropna=False, sort=False):
+        row = dict(zip(KEYS, key), n=len(g))
+        per = g.groupby("meta.gold_position")["scores.best_subspan_em"].mean() * 100
+        row.update({f"gold@{int(p)}": v for p, v in per.items()})
+        row["Avg."] = per.mean()
+        rows.append(row)
+    return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+def perplexity_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    df = df.assign(mode=_col(df, "meta.task"))
+    for key, g in df.groupby([*KEYS, "mode"], dropna=False, sort=False):
+        nll, n = g["nll_sum"].sum(), g["n_tokens"].sum()
+        rows.append({**dict(zip([*KEYS, "mode"], key)), "records": len(g), "tokens": int(n),
+                     "PPL": math.exp(nll / n) if n else math.nan,
+                     "kv_bytes_frac": g["kv_bytes"].sum() / g["full_kv_bytes"].sum()})
+    return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+def task_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for key, g in df.groupby(KEYS, dropna=False, sort=False):
+        row = dict(zip(KEYS, key), n=len(g))
+        per = g.groupby("meta.task", sort=False)["score"].mean() * 100
+        row.update(per.to_dict())
+        row["Avg."] = per.mean()
+        rows.append(row)
+    return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+BUILDERS = {"cnn_dailymail": summarization_table, "xsum": summarization_table, "lost_in_the_middle": qa_table,
+            "wikitext_ppl": perplexity_table, "infinitebench": task_table}
+
+
+def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
+    """`<dataset>_table.md/.csv` for every seed-task dataset in `df` (one block per model); prints each table."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for dataset in sorted(d for d in df["dataset"].dropna().unique() if d in BUILDERS):
+        table = BUILDERS[dataset](df[df["dataset"] == dataset])
+        md = f"## {dataset}\n\n" + to_markdown(table)
+        (out / f"{dataset}_table.md").write_text(md, encoding="utf-8")
+        table.to_csv(out / f"{dataset}_table.csv", index=False)
+        written += [out / f"{dataset}_table.md", out / f"{dataset}_table.csv"]
+        print(md)
+    return written
