@@ -22,10 +22,12 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Mapping
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl
 from kvbench.registry import DATASETS
+from kvbench.stats import exp_of_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class WikitextPPL(Dataset):
     context: int = 512                  # chunked: prefilled (and compressed) tokens per window
     primary_metric: str = ""
     kind: str = "perplexity"            # tells kvbench.run to teacher-force instead of generating
+    # the run's token-weighted PPL in scores.json metrics/stats, with a bootstrap se over records
+    corpus_metrics: ClassVar[Mapping] = {"ppl": exp_of_ratio("nll_sum", "n_tokens")}
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
