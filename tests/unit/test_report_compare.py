@@ -54,8 +54,8 @@ def sweep(tmp_path: Path) -> Path:
 def test_cli_prints_the_marked_table_with_standard_errors(sweep: Path, tmp_path: Path):
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(sweep), "--out", str(tmp_path / "out"),
-                           "--compare", "full", "--stderr"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+                           "--compare", "full", "--stderr", "--html", str(tmp_path / "out" / "report.html")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "Δ vs FullKV [95% CI]" in lines[0]
@@ -76,6 +76,8 @@ def test_cli_prints_the_marked_table_with_standard_errors(sweep: Path, tmp_path:
     csv = pd.read_csv(tmp_path / "out" / "table.csv")
     assert {"se", "diff", "diff_lo", "diff_hi", "n_paired", "resamples", "seed"} <= set(csv.columns)
     assert csv.loc[csv["method"] == "snapkv", "n_paired"].item() == 19
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")        # the HTML page shows the same
+    assert f"<td>{ci.diff:+.2f} [{ci.lo:+.2f}, {ci.hi:+.2f}]†</td>" in page and "2000 resamples, seed 0" in page
 
 
 def test_pairing_ignores_record_order_and_tables_without_flags_are_unchanged(sweep: Path, tmp_path: Path):
