@@ -116,3 +116,26 @@ def test_token_weighted_perplexity_from_record_fields():
     assert stats["ppl"]["se"] > 0 and stats["ppl"]["se_method"] == "bootstrap"
     zero = metric_stats([_rec(0, 0.0, 0.3), _rec(1, 0.0, 0.5)], {"g": geometric_mean_of_means("m", "rouge")})
     assert zero["g"]["mean"] == 0.0 and zero["g"]["se"] == 0.0       # a zero mean gives 0, as BUZZ's mean_rouge
+
+
+def test_seed_datasets_corpus_metrics_agree_with_their_own_summaries():
+    """The bootstrap-backed corpus metrics that summarization and wikitext_ppl declare give the same value as the
+    numbers their summarize() reports (BUZZ's mean ROUGE x100; token-weighted PPL)."""
+    from pathlib import Path
+
+    from kvbench.data.base import Sample
+    from kvbench.data.summarization import CnnDailymail
+    from kvbench.data.wikitext import WikitextPPL
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    ds = CnnDailymail(root=str(fixtures / "cnn_dailymail"))
+    s = Sample("a", "p", ["The cat sat on the mat ."], 10)
+    records = [{"id": str(i), "scores": ds.score(s, p)}
+               for i, p in enumerate(("The cat sat on the mat.", "A dog sat.", "The mat was red."))]
+    stats = metric_stats(records, ds.corpus_metrics, resamples=200)
+    assert 100 * stats["buzz_mean_rouge"]["mean"] == pytest.approx(
+        ds.summarize(records)["summarization"]["buzz_rouge"]["mean_rouge"])
+    ppl = WikitextPPL(root=str(fixtures / "wikitext_ppl"), mode="chunked", window=32, context=20)
+    windows = [{"id": "w0", "nll_sum": 2.0, "n_tokens": 4}, {"id": "w1", "nll_sum": 4.0, "n_tokens": 2}]
+    assert metric_stats(windows, ppl.corpus_metrics, resamples=200)["ppl"]["mean"] == pytest.approx(
+        ppl.summarize(windows)["perplexity"]["ppl"])
