@@ -9,7 +9,10 @@
 - `wikitext_ppl`: PPL = exp(total NLL / total tokens) per (mode, method, KV size) (BUZZ Table 3).
 - `infinitebench`: one column per task (its own metric x 100) and "Avg." = the mean of the task columns
   (TailorKV Table 15).
-Each table is written as `<dataset>_table.{md,csv}` and printed.
+Each table is written as `<dataset>_table.{md,csv}` and printed. Every score has its standard error beside it
+(`se:<column>`, same scale; in the CSV always, in the Markdown as "mean ± se" with `--stderr`): sd / sqrt(n) for
+means over samples, the se of the average of group means for "Avg." (kvbench.stats.stratified_mean_se), and a
+seeded bootstrap over records for BUZZ's geometric Mean and for PPL, which are not means over samples.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import pandas as pd
 
 from kvbench.metrics.summarization import mean_rouge
 from kvbench.report.tables import sort_runs, to_markdown
+from kvbench.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 
 DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")
 KEYS = ["model", "method", "budget"]
@@ -36,10 +40,16 @@ def summarization_table(df: pd.DataFrame) -> pd.DataFrame:
         row = dict(zip([*KEYS, "protocol"], key), n=len(g))
         for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
             row[f"KF {k}"] = round(100 * g[f"scores.{k}"].astype(float).mean(), 4)
-        buzz = [100 * g[f"scores.buzz_{k}"].astype(float).mean() for k in ("rouge1", "rouge2", "rougeL")]
+            row[f"se:KF {k}"] = _se100(g[f"scores.{k}"])
+        buzz_cols = [f"scores.buzz_{k}" for k in ("rouge1", "rouge2", "rougeL")]
+        buzz = [100 * g[c].astype(float).mean() for c in buzz_cols]
         row.update({"BUZZ R-1": buzz[0], "BUZZ R-2": buzz[1], "BUZZ R-L": buzz[2], "BUZZ Mean": mean_rouge(*buzz)})
+        row.update({f"se:BUZZ {name}": _se100(g[c]) for name, c in zip(("R-1", "R-2", "R-L"), buzz_cols)})
+        geo = geometric_mean_of_means(*buzz_cols).estimate(g[buzz_cols].to_numpy(dtype=float))["se"]
+        row["se:BUZZ Mean"] = None if geo is None else 100 * geo
         if "scores.self_bleu" in g and g["scores.self_bleu"].notna().all():
             row["Self-BLEU"] = 100 * g["scores.self_bleu"].astype(float).mean()
+            row["se:Self-BLEU"] = _se100(g["scores.self_bleu"])
         rows.append(row)
     return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
 
@@ -48,9 +58,12 @@ def qa_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for key, g in df.groupby(KEYS, dropna=False, sort=False):
         row = dict(zip(KEYS, key), n=len(g))
-        per = g.groupby("meta.gold_position")["scores.best_subspan_em"].mean() * 100
+        groups = g.groupby("meta.gold_position")["scores.best_subspan_em"]
+        per = groups.mean() * 100
         row.update({f"gold@{int(p)}": v for p, v in per.items()})
         row["Avg."] = per.mean()
+        row.update({f"se:gold@{int(p)}": _se100(v) for p, v in groups})
+        row["se:Avg."] = _avg_se100(g["scores.best_subspan_em"], g["meta.gold_position"])
         rows.append(row)
     return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
 
@@ -60,9 +73,10 @@ def perplexity_table(df: pd.DataFrame) -> pd.DataFrame:
     df = df.assign(mode=_col(df, "meta.task"))
     for key, g in df.groupby([*KEYS, "mode"], dropna=False, sort=False):
         nll, n = g["nll_sum"].sum(), g["n_tokens"].sum()
+        ppl_se = exp_of_ratio("nll_sum", "n_tokens").estimate(g[["nll_sum", "n_tokens"]].to_numpy(dtype=float))["se"]
         rows.append({**dict(zip([*KEYS, "mode"], key)), "records": len(g), "tokens": int(n),
                      "PPL": math.exp(nll / n) if n else math.nan,
-                     "kv_bytes_frac": g["kv_bytes"].sum() / g["full_kv_bytes"].sum()})
+                     "kv_bytes_frac": g["kv_bytes"].sum() / g["full_kv_bytes"].sum(), "se:PPL": ppl_se})
     return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
 
 
@@ -73,22 +87,43 @@ def task_table(df: pd.DataFrame) -> pd.DataFrame:
         per = g.groupby("meta.task", sort=False)["score"].mean() * 100
         row.update(per.to_dict())
         row["Avg."] = per.mean()
+        row.update({f"se:{t}": _se100(v) for t, v in g.groupby("meta.task", sort=False)["score"]})
+        row["se:Avg."] = _avg_se100(g["score"], g["meta.task"])
         rows.append(row)
     return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+def _se100(values: pd.Series) -> float | None:
+    """sd / sqrt(n) x 100 of per-sample scores in [0, 1]."""
+    se = mean_se(values.astype(float)).se
+    return None if se is None else 100 * se
+
+
+def _avg_se100(values: pd.Series, groups: pd.Series) -> float | None:
+    """The se (x 100) of the plain mean of group means ("Avg."), from the samples of every group."""
+    se = stratified_mean_se(values.astype(float), groups).se
+    return None if se is None else 100 * se
+
+
+def _ordered(table: pd.DataFrame) -> pd.DataFrame:
+    """Move the se columns to the end, so the CSV reads like the Markdown with its uncertainty after it."""
+    se = [c for c in table.columns if str(c).startswith("se:")]
+    return table[[c for c in table.columns if c not in se] + se]
 
 
 BUILDERS = {"cnn_dailymail": summarization_table, "xsum": summarization_table, "lost_in_the_middle": qa_table,
             "wikitext_ppl": perplexity_table, "infinitebench": task_table}
 
 
-def write_reports(df: pd.DataFrame, out: str | Path) -> list[Path]:
-    """`<dataset>_table.md/.csv` for every seed-task dataset in `df` (one block per model); prints each table."""
+def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False) -> list[Path]:
+    """`<dataset>_table.md/.csv` for every seed-task dataset in `df` (one block per model); prints each table.
+    The CSV always has the se columns; `stderr` shows "mean ± se" in the Markdown."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for dataset in sorted(d for d in df["dataset"].dropna().unique() if d in BUILDERS):
-        table = BUILDERS[dataset](df[df["dataset"] == dataset])
-        md = f"## {dataset}\n\n" + to_markdown(table)
+        table = _ordered(BUILDERS[dataset](df[df["dataset"] == dataset]))
+        md = f"## {dataset}\n\n" + to_markdown(table, stderr)
         (out / f"{dataset}_table.md").write_text(md, encoding="utf-8")
         table.to_csv(out / f"{dataset}_table.csv", index=False)
         written += [out / f"{dataset}_table.md", out / f"{dataset}_table.csv"]

@@ -128,11 +128,12 @@ def _missing(v) -> bool:
 def _cells(table: pd.DataFrame, missing: str = "–",
            stderr: bool = False) -> tuple[list[str], list[list[str]], list[bool]]:
     """Headers, formatted cells and which columns are numeric (right-aligned), shared by Markdown and LaTeX.
-    The score shows "mean ± se" with `stderr`; a compared table gets its "Δ vs <reference>" column after it."""
+    With `stderr` the score shows "mean ± se", as does any column X that has an "se:X" column beside it; a compared
+    table gets its "Δ vs <reference>" column after the score."""
     headers, rows, numeric = [], [[] for _ in range(len(table))], []
     score_col = table.attrs.get("score_column")
     for col in table.columns:
-        if col in HIDDEN:
+        if col in HIDDEN or str(col).startswith("se:"):   # a column's se ("se:<col>") shows inside its cell
             continue
         header, fmt = COLUMNS.get(col, (col, "{:.2f}"))
         headers.append(header)
@@ -145,8 +146,9 @@ def _cells(table: pd.DataFrame, missing: str = "–",
                 row.append(method_label(v))
             else:
                 cell = fmt.format(int(v) if fmt == "{:d}" else v)
-                if col == score_col and stderr and "se" in r and not _missing(r["se"]):
-                    cell += " ± " + fmt.format(r["se"])
+                se_col = "se" if col == score_col else f"se:{col}"
+                if stderr and se_col in r and not _missing(r[se_col]):
+                    cell += " ± " + fmt.format(r[se_col])
                 row.append(cell)
         if col == score_col and "diff" in table:
             from kvbench.report.compare import fmt_interval
