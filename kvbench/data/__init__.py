@@ -1,5 +1,7 @@
 """Benchmark builders. Each yields plain `Sample` records; importing this package registers the built-in ones."""
-from kvbench.data import longbench, lost_in_the_middle, niah, ruler, summarization  # noqa: F401  (registration)
+from kvbench.data import (  # noqa: F401  (registration)
+    infinitebench, longbench, lost_in_the_middle, niah, ruler, summarization, wikitext,
+)
 from kvbench.data.base import Dataset, Sample
 
 __all__ = ["Dataset", "Sample"]

@@ -19,7 +19,7 @@ def find_file(root: str | Path, stem: str) -> Path | None:
     return None
 
 
-def read_jsonl(path: Path, required: dict[str, type], who: str) -> list[dict]:
+def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]], who: str) -> list[dict]:
     """Records of a jsonl file in file order; each must be an object with `required` fields of the given types."""
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
@@ -36,8 +36,8 @@ def read_jsonl(path: Path, required: dict[str, type], who: str) -> list[dict]:
             for key, kind in required.items():
                 value = record.get(key)
                 if not isinstance(value, kind) or isinstance(value, bool):
-                    raise ValueError(f"{who}: {path}:{lineno}: field '{key}' must be a {kind.__name__}, "
-                                     f"got {value!r:.40}")
+                    names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+                    raise ValueError(f"{who}: {path}:{lineno}: field '{key}' must be a {names}, got {value!r:.40}")
             records.append(record)
     return records
 

@@ -22,6 +22,7 @@ CASES = {  # dataset -> (extra overrides, scores.json table)
     "xsum": (["dataset.max_new_tokens=4", "dataset.protocol=keyformer"], "summarization"),
     "lost_in_the_middle": (["dataset.max_new_tokens=4", "dataset.gold_positions=[9]"], "lost_in_the_middle"),
     "wikitext_ppl": (["dataset.num_rows=4"], "perplexity"),
+    "infinitebench": (["dataset.max_new_tokens=4", "dataset.tasks=[passkey,longbook_qa_eng]"], "infinitebench"),
 }
 
 
