@@ -239,6 +239,22 @@ def _mean_of_stratum_means(batches: list[np.ndarray]) -> np.ndarray:
     return np.mean([b.mean(axis=1) for b in batches], axis=0)
 
 
+def paired_statistic_bootstrap(a: np.ndarray, b: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray],
+                               resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL) -> Interval | None:
+    """Percentile interval of statistic(a) - statistic(b) for a score that is not a mean (geometric-mean ROUGE,
+    perplexity): rows of `a` and `b` ([n, k], row i = the same sample id in both runs) are resampled together."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if len(a) < 2:
+        return None
+    k = a.shape[1]
+    both = np.concatenate([a, b], axis=1)
+    dist = bootstrap_distribution(both, lambda x: statistic(x[..., :k]) - statistic(x[..., k:]), resamples, seed)
+    point = float(statistic(a[None])[0] - statistic(b[None])[0])
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(dist, [alpha, 1 - alpha])
+    return Interval(point, float(lo), float(hi), float(np.std(dist, ddof=1)), len(a), level, resamples, seed)
+
+
 def paired_bootstrap(diffs: Sequence[float], strata: Sequence[Hashable] | None = None, resamples: int = RESAMPLES,
                      seed: int = SEED, level: float = LEVEL) -> Interval | None:
     """Percentile bootstrap interval of the mean of paired differences (method - reference, one per sample id).

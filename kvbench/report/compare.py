@@ -15,7 +15,7 @@ from typing import Hashable, Iterable
 
 import pandas as pd
 
-from kvbench.stats import LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap
+from kvbench.stats import LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap, paired_statistic_bootstrap
 from kvbench.report.tables import METHOD_NAMES, method_label
 
 MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
@@ -78,8 +78,9 @@ class Compare:
         over those tasks (stratified by task; None unless the paired samples cover every task)."""
         m, r = _by_id(method), _by_id(reference)
         pairing = pair_by_id(m["score"].astype(float).to_dict(), r["score"].astype(float).to_dict())
-        if pairing.only_a or pairing.only_b:
-            self.unpaired.append((label, len(pairing.only_a), len(pairing.only_b)))
+        entry = (label, len(pairing.only_a), len(pairing.only_b))
+        if (pairing.only_a or pairing.only_b) and entry not in self.unpaired:
+            self.unpaired.append(entry)
         diffs = pd.Series(pairing.a - pairing.b, index=pairing.ids, dtype=float)
         if task is None:
             return {"score": self._interval(diffs.to_numpy(), None, scale)}
@@ -90,6 +91,19 @@ class Compare:
         out[average] = (self._interval(diffs[keep].to_numpy(), strata[keep].to_numpy(), scale)
                         if tasks and set(tasks) <= set(strata) else None)
         return out
+
+    def statistic_cell(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, columns: list[str],
+                       statistic, scale: float = 1.0) -> Interval | None:
+        """The interval of statistic(method) - statistic(reference) over the ids both have values in `columns` for,
+        for a score that is not a mean of per-sample scores (kvbench.stats.paired_statistic_bootstrap)."""
+        m, r = _by_id(method)[columns].astype(float).dropna(), _by_id(reference)[columns].astype(float).dropna()
+        ids = sorted(set(m.index) & set(r.index), key=str)
+        only_m, only_r = len(set(m.index) - set(ids)), len(set(r.index) - set(ids))
+        if (only_m or only_r) and (label, only_m, only_r) not in self.unpaired:
+            self.unpaired.append((label, only_m, only_r))
+        ci = paired_statistic_bootstrap(m.loc[ids].to_numpy(), r.loc[ids].to_numpy(), statistic, self.resamples,
+                                        self.seed, self.level)
+        return None if ci is None else ci.scaled(scale)
 
     def _interval(self, diffs, strata, scale: float) -> Interval | None:
         ci = paired_bootstrap(diffs, strata, self.resamples, self.seed, self.level)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvbench.metrics.summarization import mean_rouge
-from kvbench.report.tables import sort_runs, to_markdown
+from kvbench.report.tables import method_label, sort_runs, to_markdown
 from kvbench.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 
 DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")
@@ -111,18 +112,79 @@ def _ordered(table: pd.DataFrame) -> pd.DataFrame:
     return table[[c for c in table.columns if c not in se] + se]
 
 
+# --- --compare: each score cell against the reference method's row, paired by sample id ---------------------------
+BUZZ_MEAN = ["scores.buzz_rouge1", "scores.buzz_rouge2", "scores.buzz_rougeL"]
+SUMMARY_CELLS = {**{f"KF {k}": [f"scores.{k}"] for k in ("rouge1", "rouge2", "rougeL", "rougeLsum")},
+                 **{f"BUZZ {n}": [c] for n, c in zip(("R-1", "R-2", "R-L"), BUZZ_MEAN)},
+                 "Self-BLEU": ["scores.self_bleu"]}
+
+
+def _mean_of_column(x: np.ndarray) -> np.ndarray:
+    return x[..., 0].mean(axis=-1)
+
+
+def _row_cells(dataset: str, row: pd.Series, m: pd.DataFrame, r: pd.DataFrame, label: str, compare) -> dict:
+    """Intervals (method - reference) for every score cell of one row of `dataset`'s table."""
+    if dataset in ("cnn_dailymail", "xsum"):
+        out = {c: compare.statistic_cell(m, r, label, cols, _mean_of_column, 100.0)
+               for c, cols in SUMMARY_CELLS.items() if c in row and all(k in m for k in cols)}
+        geometric = geometric_mean_of_means(*BUZZ_MEAN).statistic
+        out["BUZZ Mean"] = compare.statistic_cell(m, r, label, BUZZ_MEAN, geometric, 100.0)
+        return out
+    if dataset == "wikitext_ppl":
+        ppl = exp_of_ratio("nll_sum", "n_tokens")
+        return {"PPL": compare.statistic_cell(m, r, label, list(ppl.columns), ppl.statistic)}
+    if dataset == "lost_in_the_middle":
+        m, r = (x.assign(score=x["scores.best_subspan_em"]) for x in (m, r))
+        positions = sorted(m["meta.gold_position"].dropna().unique())
+        cells = compare.cells(m, r, label, 100.0, "meta.gold_position", positions)
+        return {("Avg." if p == "Avg." else f"gold@{int(p)}"): ci for p, ci in cells.items()}
+    tasks = [t for t in m["meta.task"].dropna().unique() if t in row]
+    return compare.cells(m, r, label, 100.0, "meta.task", tasks)
+
+
+def add_differences(table: pd.DataFrame, df: pd.DataFrame, dataset: str, compare) -> pd.DataFrame:
+    """`diff:`, `lo:`, `hi:` columns and attrs["marks"] / attrs["notes"] for a seed-task table (see
+    kvbench.report.compare): rows pair with the reference method's row of the same model (protocol, mode) and KV
+    size, or with the full cache at any size."""
+    from kvbench.report.compare import reference_key, select
+
+    extra_keys = {"cnn_dailymail": "protocol", "xsum": "protocol", "wikitext_ppl": "mode"}.get(dataset)
+    keys = [*KEYS, *([extra_keys] if extra_keys else [])]
+    records = df.assign(protocol=_col(df, "meta.protocol"), mode=_col(df, "meta.task"))
+    extra, marks = [], {}
+    for i, row in table.iterrows():
+        same = table[(table["method"] == compare.reference) & (table["model"] == row["model"])]
+        if extra_keys:
+            same = same[same[extra_keys].astype(str) == str(row[extra_keys])]
+        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in same.iterrows()], ["budget"])
+        cis = {}
+        if ref is not None and row["method"] != compare.reference:
+            label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else int(row['budget'])}".strip()
+            cis = _row_cells(dataset, row, select(records, row, keys), select(records, ref, keys), label, compare)
+        extra.append({f"{k}:{c}": getattr(ci, k, None) for c, ci in cis.items() for k in ("diff", "lo", "hi")})
+        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+    out = pd.concat([table, pd.DataFrame(extra, index=table.index)], axis=1)
+    out.attrs.update(table.attrs, marks=marks, notes=compare.note())
+    return out
+
+
 BUILDERS = {"cnn_dailymail": summarization_table, "xsum": summarization_table, "lost_in_the_middle": qa_table,
             "wikitext_ppl": perplexity_table, "infinitebench": task_table}
 
 
-def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False) -> list[Path]:
+def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False, compare=None) -> list[Path]:
     """`<dataset>_table.md/.csv` for every seed-task dataset in `df` (one block per model); prints each table.
-    The CSV always has the se columns; `stderr` shows "mean ± se" in the Markdown."""
+    The CSV always has the se columns; `stderr` shows "mean ± se" in the Markdown; `compare` (a
+    kvbench.report.compare.Compare) adds each cell's paired-bootstrap difference to the reference and its mark."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for dataset in sorted(d for d in df["dataset"].dropna().unique() if d in BUILDERS):
         table = _ordered(BUILDERS[dataset](df[df["dataset"] == dataset]))
+        if compare is not None:
+            compare.unpaired.clear()
+            table = add_differences(table, df[df["dataset"] == dataset], dataset, compare)
         md = f"## {dataset}\n\n" + to_markdown(table, stderr)
         (out / f"{dataset}_table.md").write_text(md, encoding="utf-8")
         table.to_csv(out / f"{dataset}_table.csv", index=False)

@@ -132,8 +132,10 @@ def _cells(table: pd.DataFrame, missing: str = "–",
     table gets its "Δ vs <reference>" column after the score."""
     headers, rows, numeric = [], [[] for _ in range(len(table))], []
     score_col = table.attrs.get("score_column")
+    marks = table.attrs.get("marks", {})        # (row index, column) -> interval excluding 0 (seed-task tables)
+    from kvbench.report.compare import MARK
     for col in table.columns:
-        if col in HIDDEN or str(col).startswith("se:"):   # a column's se ("se:<col>") shows inside its cell
+        if col in HIDDEN or str(col).split(":")[0] in ("se", "diff", "lo", "hi"):   # shown inside the cell, or CSV
             continue
         header, fmt = COLUMNS.get(col, (col, "{:.2f}"))
         headers.append(header)
@@ -149,7 +151,7 @@ def _cells(table: pd.DataFrame, missing: str = "–",
                 se_col = "se" if col == score_col else f"se:{col}"
                 if stderr and se_col in r and not _missing(r[se_col]):
                     cell += " ± " + fmt.format(r[se_col])
-                row.append(cell)
+                row.append(cell + (MARK if (r.name, col) in marks else ""))
         if col == score_col and "diff" in table:
             from kvbench.report.compare import fmt_interval
             from kvbench.stats import Interval

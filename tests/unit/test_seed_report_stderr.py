@@ -8,6 +8,8 @@ import pandas as pd
 import pytest
 
 from kvbench.report import seed_tasks
+from kvbench.report.compare import Compare
+from kvbench.stats import paired_bootstrap, paired_statistic_bootstrap
 
 
 def frame(rows: list[dict], dataset: str) -> pd.DataFrame:
@@ -57,3 +59,48 @@ def test_perplexity_bootstrap_se_agrees_with_the_delta_method():
     se_ratio = (nll - ratio * tokens).std(ddof=1) / (math.sqrt(len(nll)) * tokens.mean())
     assert row["PPL"] == pytest.approx(math.exp(ratio))
     assert row["se:PPL"] == pytest.approx(math.exp(ratio) * se_ratio, rel=0.1)
+
+
+def test_paired_statistic_bootstrap_reduces_to_the_paired_mean_difference():
+    rng = np.random.default_rng(4)
+    a, b = rng.random(40), rng.random(40)
+    general = paired_statistic_bootstrap(a[:, None], b[:, None], lambda x: x[..., 0].mean(axis=-1), 500, 3)
+    plain = paired_bootstrap(a - b, resamples=500, seed=3)                 # the same resampled ids, same seed
+    assert (general.diff, general.lo, general.hi) == pytest.approx((plain.diff, plain.lo, plain.hi))
+
+
+def test_compare_marks_seed_table_cells(tmp_path):
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(200, 400, 40)
+    base = tokens * rng.normal(2.0, 0.2, 40)
+    full = [{"meta.task": "stream", "nll_sum": x, "n_tokens": int(n)} for x, n in zip(base, tokens)]
+    worse = [{"meta.task": "stream", "nll_sum": x + 0.3 * n, "n_tokens": int(n)} for x, n in zip(base, tokens)]
+    df = pd.concat([frame(full, "wikitext_ppl").assign(method="full", budget=None),
+                    frame(worse[:-1], "wikitext_ppl")])                  # one window the method never ran
+    seed_tasks.write_reports(df, tmp_path, stderr=True, compare=Compare("full", resamples=300))
+    md = (tmp_path / "wikitext_ppl_table.md").read_text()
+    row = pd.read_csv(tmp_path / "wikitext_ppl_table.csv").query("method == 'snapkv'").iloc[0]
+    ratio = lambda nll, n: math.exp(sum(nll) / sum(n))  # noqa: E731
+    truth = ratio([w["nll_sum"] for w in worse[:-1]], tokens[:-1]) - ratio(base[:-1], tokens[:-1])
+    assert row["diff:PPL"] == pytest.approx(truth) and row["lo:PPL"] > 0
+    snap = next(line for line in md.splitlines() if "| SnapKV |" in line)
+    assert f"{row['PPL']:.3f} ± {row['se:PPL']:.3f}†" in snap and "300 resamples" in md
+    assert "SnapKV 64: 0 ids only in this run, 1 only in FullKV's" in md
+
+
+def test_compare_covers_every_summarization_column(tmp_path):
+    rng = np.random.default_rng(6)
+    r = rng.uniform(0.3, 0.6, size=(30, 3))
+    def rows(x):
+        return [{"meta.protocol": "buzz", "scores.rougeLsum": v[2],
+                 **{f"scores.{k}": y for k, y in zip(("rouge1", "rouge2", "rougeL"), v)},
+                 **{f"scores.buzz_{k}": y for k, y in zip(("rouge1", "rouge2", "rougeL"), v)}} for v in x]
+    df = pd.concat([frame(rows(r), "xsum").assign(method="full", budget=None), frame(rows(r * 0.8), "xsum")])
+    table = seed_tasks.add_differences(seed_tasks.summarization_table(df), df, "xsum", Compare("full", 200))
+    snap = table[table["method"] == "snapkv"].iloc[0]
+    geo = lambda x: np.exp(np.log(x.mean(axis=0)).mean())  # noqa: E731
+    assert snap["diff:BUZZ Mean"] == pytest.approx(100 * (geo(r * 0.8) - geo(r)))
+    assert snap["diff:KF rouge1"] == pytest.approx(100 * (0.8 - 1) * r[:, 0].mean())
+    marked = {c for (i, c) in table.attrs["marks"]}
+    assert marked == {"KF rouge1", "KF rouge2", "KF rougeL", "KF rougeLsum", "BUZZ R-1", "BUZZ R-2", "BUZZ R-L",
+                      "BUZZ Mean"}
