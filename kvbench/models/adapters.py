@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.models.alibi import mpt_attention_forward
+from kvbench.models.gptj import gptj_attention_core
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,10 @@ class Adapter:
     rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
     rotary_inv_freq: str = "inv_freq"
     has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
-    forward: Callable | None = None  # (module, attention function) -> a per-instance forward, for attention
-    # that bypasses transformers' AttentionInterface (MPT); None: the interface already routes it
+    replaces: tuple[str, Callable] | None = None  # (attribute, factory(module, attention function)): for attention
+    # that bypasses transformers' AttentionInterface, the capture sets that attribute on each instance (MPT's
+    # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
+    rotary_layout: Literal["half", "interleaved"] = "half"  # GPT-J rotates pairs of adjacent dims
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
     missing: str | None = None  # set: the family is rejected before weights load, with this reason
 
@@ -93,15 +96,29 @@ class Adapter:
             query = getattr(module, self.query_norm)(query)
         return query.transpose(1, 2)
 
+    def position_embeddings(self, module: torch.nn.Module, kwargs: dict) -> tuple[Tensor, Tensor] | None:
+        """The (cos, sin) an attention module rotates with, from its forward's kwargs: the model hands them over
+        (`position_embeddings`), or GPT-J's module looks them up in its own sinusoid table by `position_ids`."""
+        if self.rotary_layout == "interleaved":
+            ids = kwargs["position_ids"]
+            sin, cos = module.embed_positions.to(ids.device)[ids].chunk(2, dim=-1)  # [B, q, rotary_dim / 2] each
+            return cos, sin
+        return kwargs.get("position_embeddings")
+
     def position_query(self, query: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
-        """Apply the family's position encoding to queries `[B, H_q, q, D]` (rotate the first rotary dims)."""
+        """Apply the family's position encoding to queries `[B, H_q, q, D]` (rotate the first rotary dims: halves
+        swapped, or adjacent pairs for GPT-J's interleaved layout)."""
         if self.positions != "rope":
             return query
         cos, sin = (x.unsqueeze(1) for x in position_embeddings)
+        if self.rotary_layout == "interleaved":
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         rot = cos.shape[-1]
         head, tail = query[..., :rot], query[..., rot:]
-        half = rot // 2
-        rotated = torch.cat([-head[..., half:], head[..., :half]], dim=-1)
+        if self.rotary_layout == "interleaved":
+            rotated = torch.stack([-head[..., 1::2], head[..., ::2]], dim=-1).flatten(-2)
+        else:
+            rotated = torch.cat([-head[..., rot // 2:], head[..., :rot // 2]], dim=-1)
         return torch.cat([head * cos + rotated * sin, tail], dim=-1)
 
     def check_shift(self) -> None:
@@ -109,6 +126,9 @@ class Adapter:
         if self.positions == "learned":
             raise ValueError(f"positions=shift: {self.family} has {self.positions} positions, no rotary keys to "
                              "re-rotate; use positions=original")
+        if self.rotary_layout != "half":
+            raise ValueError(f"positions=shift: re-rotating {self.family}'s interleaved rotary keys is not "
+                             "implemented; use positions=original")
         if self.has_window_layers:
             raise ValueError(f"positions=shift: {self.family} mixes sliding-window and global layers, whose slots "
                              "would disagree; use positions=original")
@@ -161,13 +181,12 @@ ADAPTERS: tuple[Adapter, ...] = (
                rotary_inv_freq="full_attention_inv_freq", has_window_layers=True),
     _interface("gemma2", ["gemma2"], "gemma2.modeling_gemma2", "Gemma2Attention", sdpa=False, has_window_layers=True,
                missing="attention logit soft-capping is not applied by the scoring and per-head decode paths"),
-    _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", sdpa=False,
-               missing="its attention bypasses transformers' AttentionInterface (interleaved partial rotary); "
-                       "no per-module wrapper yet"),
+    _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
+               replaces=("_attn", gptj_attention_core), sdpa=False),
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention",
                missing="its attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
-               positions="alibi", forward=mpt_attention_forward, sdpa=False),
+               positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}

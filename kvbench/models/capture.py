@@ -83,22 +83,24 @@ class AttentionCapture:
         AttentionInterface.register(self.name, attention)
         mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(self._original, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         AttentionMaskInterface.register(self.name, mask_fn)
-        if self.adapter.forward is None:  # the interface routes attention: point this model at the wrapper
+        if self.adapter.replaces is None:  # the interface routes attention: point this model at the wrapper
             self.model.set_attn_implementation(self.name)
         for module in self.attention_modules.values():
             self._handles.append(module.register_forward_pre_hook(self._before_attention, with_kwargs=True))
-            if self.adapter.forward is not None:  # attention that bypasses the interface: this instance only
-                module.forward = self.adapter.forward(module, attention)
+            if self.adapter.replaces is not None:  # attention that bypasses the interface: this instance only
+                name, factory = self.adapter.replaces
+                setattr(module, name, factory(module, attention))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.adapter.forward is None:
+        if self.adapter.replaces is None:
             self.model.set_attn_implementation(self._original)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for module in self.attention_modules.values():
-            module.__dict__.pop("forward", None)  # back to the class' own forward
+            if self.adapter.replaces is not None:
+                module.__dict__.pop(self.adapter.replaces[0], None)  # back to the class' own method
         AttentionInterface._global_mapping.pop(self.name, None)
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()
@@ -107,7 +109,7 @@ class AttentionCapture:
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
-            self.input_hook(module.layer_idx, hidden, kwargs.get("position_embeddings"))
+            self.input_hook(module.layer_idx, hidden, self.adapter.position_embeddings(module, kwargs))
 
     def can_predict(self, layer_idx: int) -> bool:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position

@@ -20,7 +20,7 @@ from kvbench.models.embedded import embedded_model_dir, ensure_converted
 
 logger = logging.getLogger(__name__)
 
-RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "mpt")
+RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "mpt", "gptj")
 
 
 @dataclass

@@ -25,6 +25,9 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family == "mpt":  # ALiBi, multi-head, no position embedding at all
         return AutoConfig.for_model("mpt", vocab_size=vocab_size, d_model=64, n_heads=4, n_layers=layers,
                                     expansion_ratio=2, max_seq_len=max_positions, **ids)
+    if family == "gptj":  # interleaved rotary on half of each head (GPT-J-6B: 64 of 256)
+        return AutoConfig.for_model("gptj", vocab_size=vocab_size, n_embd=64, n_head=4, n_layer=layers, rotary_dim=8,
+                                    n_positions=max_positions, **ids)
     if family == "gpt_neox":  # multi-head, rotary on a quarter of each head (rotary_pct 0.25, like Pythia)
         return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     rotary_pct=0.25, **common)

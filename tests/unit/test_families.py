@@ -75,15 +75,17 @@ def masked_reference(model, ids, token, kept, n_heads):
     with torch.no_grad():
         reference = DynamicCache()
         model(ids, past_key_values=reference, use_cache=True)
-    if BY_FAMILY[family_of(model)].forward is None:
+    if BY_FAMILY[family_of(model)].replaces is None:
         with attention_function(model, masked):
             return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
     return masked_by_module_mask(model, reference, token, kept, n_heads)
 
 
 def masked_by_module_mask(model, reference, token, kept, n_heads):
-    """For attention that bypasses the interface (MPT): transformers' own attention code (its ALiBi by slot, which
-    on the uncompressed cache is the original distance) with dropped keys masked through its boolean mask."""
+    """For attention that bypasses the interface (MPT, GPT-J): transformers' own attention code (MPT's ALiBi by
+    slot is the original distance on the uncompressed cache) with dropped keys masked through its own mask argument
+    (MPT: boolean, True = masked; GPT-J: additive)."""
+    boolean = family_of(model) == "mpt"
 
     def restrict(module, args, kwargs):
         per_head = kept[module.layer_idx]
@@ -93,7 +95,8 @@ def masked_by_module_mask(model, reference, token, kept, n_heads):
             for hq in range(n_heads):
                 dropped[0, hq, 0, per_head[hq * len(per_head) // n_heads]] = False
             dropped[..., -1] = False
-        kwargs["attention_mask"] = dropped
+        kwargs["attention_mask"] = dropped if boolean else torch.zeros(dropped.shape).masked_fill(
+            dropped, torch.finfo(torch.float32).min)
         return args, kwargs
 
     attention = BY_FAMILY[family_of(model)].attention_class()
@@ -187,17 +190,24 @@ def test_predicted_query_is_the_next_layers_own_query(family):
         grabbed["q"] = q
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
 
-    replaced = BY_FAMILY[family].forward
-    if replaced is not None:  # MPT: the query its (kvbench-routed) forward forms; that forward equals
-        replaced(attn, grab)(hidden_states=hidden)  # transformers' MPT in the masked-recompute test
-    else:
+    replaces = BY_FAMILY[family].replaces
+    if replaces is None:
         with attention_function(model, grab):
             attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
+    else:  # MPT, GPT-J: the query the (kvbench-routed) attention receives; the masked-recompute test checks
+        name, factory = replaces  # that this routing equals transformers' own attention code
+        setattr(attn, name, factory(attn, grab))
+        try:
+            with torch.no_grad():
+                attn(hidden_states=hidden, position_ids=torch.tensor([[40]]), attention_mask=None)
+        finally:
+            del attn.__dict__[name]
     torch.testing.assert_close(predicted, grabbed["q"])
 
 
 def rope_families():
-    return [f for f in RANDOM_FAMILIES if BY_FAMILY[f].positions == "rope" and not BY_FAMILY[f].has_window_layers]
+    return [f for f in RANDOM_FAMILIES if BY_FAMILY[f].positions == "rope" and not BY_FAMILY[f].has_window_layers
+            and BY_FAMILY[f].rotary_layout == "half"]
 
 
 @pytest.mark.parametrize("family", rope_families())
@@ -253,7 +263,7 @@ def test_alibi_shift_is_alibi_over_slots():
 
 def test_alibi_bias_uses_each_kept_keys_original_distance():
     """The bias the MPT forward gives the attention is slope_h x (original key position - query position)."""
-    from kvbench.models.alibi import alibi_slopes
+    from kvbench.models.alibi import alibi_slopes, mpt_attention_forward
 
     model, ids = model_of("mpt"), prompt(N)
     masks = []
@@ -264,7 +274,7 @@ def test_alibi_bias_uses_each_kept_keys_original_distance():
         for layer in cache.layers:
             layer.keep(keep.expand(1, layer.keys.shape[1], -1))
         first = capture.attention_modules[0]  # layer 0 records the mask its attention function receives
-        first.forward = capture.adapter.forward(
+        first.forward = mpt_attention_forward(
             first, lambda m, q, k, v, mask, **kw: masks.append(mask) or (q.transpose(1, 2), None))
         with torch.no_grad():
             model(token, past_key_values=cache, position_ids=torch.tensor([[N]]))
@@ -284,7 +294,7 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder model"),
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
-    ({"model_type": "gptj"}, "gptj .* is not supported: its attention bypasses"),
+    ({"model_type": "falcon"}, "falcon .* is not supported: its attention bypasses"),
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
