@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.models.alibi import mpt_attention_forward
+from kvbench.models.falcon import falcon_attention_forward, falcon_query
 from kvbench.models.gptj import gptj_attention_core
 
 
@@ -40,7 +41,8 @@ class Adapter:
     modeling: str  # transformers module name under transformers.models, e.g. "llama.modeling_llama"
     attention: str  # the family's attention class in that module
     query: str = "q_proj"  # the module producing queries (its own projection or a fused QKV projection)
-    query_layout: Literal["own", "leading", "per_head"] = "own"  # fused: queries first, or [q, k, v] per head
+    query_layout: Literal["own", "leading", "per_head", "split"] = "own"  # fused: queries first, [q, k, v] per
+    # head, or whatever the module's own `_split_heads` does (Falcon's three layouts)
     query_norm: str | None = None  # per-head norm applied to queries before RoPE (Qwen3, Gemma 3)
     positions: Literal["rope", "learned", "alibi"] = "rope"  # rope: rotated q/k; learned: added once at the
     # embedding; alibi: a per-head bias by distance, from each key's recorded position
@@ -53,6 +55,7 @@ class Adapter:
     rotary_layout: Literal["half", "interleaved"] = "half"  # GPT-J rotates pairs of adjacent dims
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
     missing: str | None = None  # set: the family is rejected before weights load, with this reason
+    refuse: Callable[[dict], str | None] | None = None  # config.json -> a reason to refuse this variant, or None
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -78,6 +81,9 @@ class Adapter:
     def project_query(self, module: torch.nn.Module, hidden: Tensor) -> Tensor:
         """`module`'s queries for `hidden` `[B, q, hidden]`, before position encoding: `[B, H_q, q, D]`.
         A fused projection is cut to its query rows first, so only the query part is multiplied."""
+        if self.query_layout == "split":
+            query = falcon_query(module, hidden)
+            return query if self.query_norm is None else getattr(module, self.query_norm)(query)
         proj = getattr(module, self.query)
         head_dim = _head_dim(module)
         n_heads = _n_heads(module, head_dim)
@@ -183,8 +189,10 @@ ADAPTERS: tuple[Adapter, ...] = (
                missing="attention logit soft-capping is not applied by the scoring and per-head decode paths"),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False),
-    _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention",
-               missing="its attention bypasses transformers' AttentionInterface; no per-module wrapper yet"),
+    _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",
+               query_layout="split", replaces=("forward", falcon_attention_forward),
+               refuse=lambda c: "ALiBi Falcon (alibi: true, falcon-rw) has no kvbench attention path yet"
+               if c.get("alibi") else None),
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
                positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False),
 )
@@ -198,8 +206,9 @@ def supported() -> str:
     return ", ".join(t for a in ADAPTERS if a.missing is None for t in a.model_types)
 
 
-def check_config(model_type: str | None, is_encoder_decoder: bool = False) -> Adapter:
-    """The adapter for `model_type`, or a one-line ValueError naming what is missing (call before weights load)."""
+def check_config(model_type: str | None, is_encoder_decoder: bool = False, config: dict | None = None) -> Adapter:
+    """The adapter for `model_type`, or a one-line ValueError naming what is missing (call before weights load).
+    `config` (the config.json fields) lets an adapter refuse a variant of its family (ALiBi Falcon)."""
     if is_encoder_decoder:
         raise ValueError(f"model: model_type {model_type!r} is an encoder-decoder model; kvbench compresses "
                          f"decoder-only self-attention caches (supported: {supported()})")
@@ -210,8 +219,9 @@ def check_config(model_type: str | None, is_encoder_decoder: bool = False) -> Ad
     if adapter is None:
         raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in "
                          f"kvbench/models/adapters.py (supported: {supported()})")
-    if adapter.missing:
-        raise ValueError(f"model: {adapter.family} (model_type {model_type!r}) is not supported: {adapter.missing} "
+    missing = adapter.missing or (adapter.refuse(config) if adapter.refuse and config is not None else None)
+    if missing:
+        raise ValueError(f"model: {adapter.family} (model_type {model_type!r}) is not supported: {missing} "
                          f"(supported: {supported()})")
     return adapter
 
@@ -219,7 +229,8 @@ def check_config(model_type: str | None, is_encoder_decoder: bool = False) -> Ad
 def adapter_for(model: torch.nn.Module) -> Adapter:
     """The adapter of a loaded model (its config's model_type)."""
     config = model.config
-    return check_config(getattr(config, "model_type", None), bool(getattr(config, "is_encoder_decoder", False)))
+    return check_config(getattr(config, "model_type", None), bool(getattr(config, "is_encoder_decoder", False)),
+                        config.to_dict())
 
 
 def check_model_dir(path: str | Path) -> Adapter | None:
@@ -228,4 +239,4 @@ def check_model_dir(path: str | Path) -> Adapter | None:
     if not config.is_file():
         return None
     data = json.loads(config.read_text())
-    return check_config(data.get("model_type"), bool(data.get("is_encoder_decoder", False)))
+    return check_config(data.get("model_type"), bool(data.get("is_encoder_decoder", False)), data)

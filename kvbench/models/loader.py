@@ -20,7 +20,7 @@ from kvbench.models.embedded import embedded_model_dir, ensure_converted
 
 logger = logging.getLogger(__name__)
 
-RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "mpt", "gptj")
+RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "mpt", "gptj", "falcon")
 
 
 @dataclass
@@ -87,7 +87,7 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
         config = AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError):
         return None  # unreachable or unknown here: loading the weights reports it
-    return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)))
+    return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)), config.to_dict())
 
 
 def load(spec: ModelSpec):

@@ -28,6 +28,8 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family == "gptj":  # interleaved rotary on half of each head (GPT-J-6B: 64 of 256)
         return AutoConfig.for_model("gptj", vocab_size=vocab_size, n_embd=64, n_head=4, n_layer=layers, rotary_dim=8,
                                     n_positions=max_positions, **ids)
+    if family == "falcon":  # Falcon-7B's layout: multi-query (one KV head), parallel attention, rotary
+        return AutoConfig.for_model("falcon", hidden_size=64, num_attention_heads=4, **common)
     if family == "gpt_neox":  # multi-head, rotary on a quarter of each head (rotary_pct 0.25, like Pythia)
         return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     rotary_pct=0.25, **common)

@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.generation import generate, prefill
 from kvbench.models import AttentionCapture
-from kvbench.models.adapters import BY_FAMILY, check_config, check_model_dir
+from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir
 from kvbench.models.loader import RANDOM_FAMILIES
-from kvbench.models.tiny import tiny_random_model
+from kvbench.models.tiny import tiny_config
 from kvbench.registry import METHODS
 from kvbench.run import CONFIG_DIR
 from tests.unit.tiny import attention_function, prompt
@@ -31,9 +31,18 @@ N, BUDGET, LAYERS = 120, 32, 3
 _models: dict[str, torch.nn.Module] = {}
 
 
+VARIANTS = {"falcon_grouped": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2))}  # Falcon-40B layout
+
+
 def model_of(family: str):
+    """A cached tiny model of `family` (or of a VARIANTS entry: a family with other config values)."""
     if family not in _models:
-        _models[family] = tiny_random_model(family, layers=LAYERS)
+        base, changes = VARIANTS.get(family, (family, {}))
+        config = tiny_config(base, layers=LAYERS)
+        config.update(changes)
+        torch.manual_seed(0)
+        attn = "sdpa" if BY_FAMILY[base].sdpa else "eager"
+        _models[family] = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     return _models[family]
 
 
@@ -111,15 +120,26 @@ def masked_by_module_mask(model, reference, token, kept, n_heads):
 
 
 def family_of(model) -> str:
-    return next(f for f, m in _models.items() if m is model)
+    return adapter_for(model).family
 
 
 @pytest.mark.parametrize("name", METHODS.names())
 @pytest.mark.parametrize("family", RANDOM_FAMILIES)
 def test_compress_then_decode_equals_masked_dense_recompute(family, name):
+    check_contract(family, name)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "h2o", "tailorkv"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_family_variants_keep_the_contract(variant, name):
+    check_contract(variant, name)
+
+
+def check_contract(family: str, name: str):
     model, ids = model_of(family), prompt(N)
     method = configured(name)
-    adapter = BY_FAMILY[family]
+    adapter = adapter_for(model)
+    family = adapter.family
     if adapter.positions == "alibi" and method.own_storage:  # refused before weights load, in one line
         with pytest.raises(ValueError, match=f"{name} is not supported on {family}: .* without the ALiBi bias"):
             adapter.check_method(method)
@@ -199,7 +219,8 @@ def test_predicted_query_is_the_next_layers_own_query(family):
         setattr(attn, name, factory(attn, grab))
         try:
             with torch.no_grad():
-                attn(hidden_states=hidden, position_ids=torch.tensor([[40]]), attention_mask=None)
+                attn(hidden_states=hidden, position_ids=torch.tensor([[40]]), position_embeddings=pos,
+                     attention_mask=None)
         finally:
             del attn.__dict__[name]
     torch.testing.assert_close(predicted, grabbed["q"])
@@ -294,7 +315,8 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder model"),
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
-    ({"model_type": "falcon"}, "falcon .* is not supported: its attention bypasses"),
+    ({"model_type": "gemma2"}, "gemma2 .* is not supported: attention logit soft-capping"),
+    ({"model_type": "falcon", "alibi": True}, "falcon .* is not supported: ALiBi Falcon"),
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
