@@ -100,7 +100,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         capture.cache = cache
         if method.evicts_while_decoding:
             capture.decode_hook = lambda i, query, key, scaling, bias=None: (
-                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias))
+                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
+                                                     capture.softcap.get(i)))
         enable_shift(cache, inv_freq)
         return None
     n_layers = len(cache.layers)
@@ -111,7 +112,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             continue
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
-                         capture.window_bias.get(layer_idx))
+                         capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx))
         idx = method.select(view, n_keep)
         if isinstance(idx, Tensor):
             layer.keep(idx)

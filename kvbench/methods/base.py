@@ -27,7 +27,8 @@ class LayerView:
     """What a method sees of one layer right after prefill.
 
     keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None;
-    window_bias: the model's additive position bias of the window rows `[B, H_q, w, n]` (ALiBi), or None.
+    window_bias: the model's additive position bias of the window rows `[B, H_q, w, n]` (ALiBi), or None;
+    softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None.
     """
 
     layer_idx: int
@@ -37,6 +38,7 @@ class LayerView:
     window_queries: Tensor | None
     scaling: float
     window_bias: Tensor | None = None
+    softcap: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -74,11 +76,13 @@ class Method:
 
 
 # --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
-def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None) -> Tensor:
+def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None,
+                     softcap: float | None = None) -> Tensor:
     """Softmax attention of the last w queries over all n keys: `[B, H_q, w, n]`, fp32.
 
     The causal mask applies only inside the trailing w x w block (every prefix key precedes every window query).
-    `bias` (`[B, H_q, w, n]`, the model's position bias such as ALiBi) is added to the logits, as the model does.
+    `softcap` and `bias` (`[B, H_q, w, n]`, the model's position bias such as ALiBi) shape the logits as the model
+    does: soft cap first, then the bias.
     Costs w x n per head; the n x n matrix is never built.
     """
     b, h_q, w, d = window_queries.shape
@@ -86,6 +90,8 @@ def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias:
     q = window_queries.reshape(b, h_kv, (h_q // h_kv) * w, d)  # group the query heads of each KV head
     logits = (q @ keys.transpose(-1, -2)).float() * scaling  # [B, H_kv, r*w, n]
     logits = logits.view(b, h_q, w, n)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     if bias is not None:
         logits = logits + bias[:, :, -w:].float()
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)

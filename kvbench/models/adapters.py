@@ -49,6 +49,7 @@ class Adapter:
     rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
     rotary_inv_freq: str = "inv_freq"
     has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
+    softcap: bool = False  # attention logits soft-capped (Gemma 2): scoring applies it, own-storage kernels cannot
     replaces: tuple[str, Callable] | None = None  # (attribute, factory(module, attention function)): for attention
     # that bypasses transformers' AttentionInterface, the capture sets that attribute on each instance (MPT's
     # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
@@ -141,9 +142,10 @@ class Adapter:
 
     def check_method(self, method) -> None:
         """Raise (one line) if `method` cannot run correctly on this family (a capability, not a method name)."""
-        if self.positions == "alibi" and getattr(method, "own_storage", False):
+        shaped = "the ALiBi bias" if self.positions == "alibi" else "logit soft-capping" if self.softcap else None
+        if shaped and getattr(method, "own_storage", False):
             raise ValueError(f"{method.registry_name} is not supported on {self.family}: its per-head/quantized/"
-                             "offloaded layers attend without the ALiBi bias; use snapkv, pyramidkv, streamingllm, "
+                             f"offloaded layers attend without {shaped}; use snapkv, pyramidkv, streamingllm, "
                              "h2o, keyformer or buzz")
 
     def inv_freq(self, model: torch.nn.Module) -> Tensor:
@@ -186,7 +188,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     _interface("gemma3", ["gemma3_text"], "gemma3.modeling_gemma3", "Gemma3Attention", query_norm="q_norm",
                rotary_inv_freq="full_attention_inv_freq", has_window_layers=True),
     _interface("gemma2", ["gemma2"], "gemma2.modeling_gemma2", "Gemma2Attention", sdpa=False, has_window_layers=True,
-               missing="attention logit soft-capping is not applied by the scoring and per-head decode paths"),
+               softcap=True),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False),
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",

@@ -53,6 +53,7 @@ class AttentionCapture:
         self.input_hook = input_hook
         self.window_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
+        self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
         self.column_sums: dict[int, Tensor] = {}
         self.scaling: dict[int, float] = {}
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
@@ -133,17 +134,22 @@ class AttentionCapture:
             q_len = query.shape[2]
             scaling = kwargs.get("scaling") or module.scaling
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
+            softcap = kwargs.get("softcap")
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             if q_len > 1:  # prefill: keep only what scoring needs
                 self.scaling[layer_idx] = scaling
+                if softcap is not None:
+                    self.softcap[layer_idx] = softcap
                 if self.window:
                     self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
                     if score_bias is not None:
                         self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
                 if self.column_score is not None:
-                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias)
+                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias, softcap)
             elif self.decode_hook is not None:
+                if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+                    attention_mask = None  # sized for another layer (see below)
                 out = inner(module, query, key, value, attention_mask, **kwargs)
                 bias = {} if score_bias is None else {"bias": score_bias(slice(0, 1))}
                 self.decode_hook(layer_idx, query, key, scaling, **bias)  # may evict: this step already attended
@@ -151,9 +157,9 @@ class AttentionCapture:
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "attend", None) is not None:  # a layer with its own storage (varlen, quantized...)
-                    if score_bias is not None:
-                        raise NotImplementedError("capture: position-biased attention (ALiBi) over a layer with "
-                                                  "its own storage")
+                    if score_bias is not None or softcap is not None:
+                        raise NotImplementedError("capture: ALiBi or soft-capped attention over a layer with its "
+                                                  "own storage")
                     return layer.attend(query, scaling), None
                 if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
                     attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
@@ -166,9 +172,10 @@ class AttentionCapture:
         return attention
 
     @torch.no_grad()
-    def _column_sums(self, query: Tensor, key: Tensor, scaling: float, score_bias=None) -> Tensor:
+    def _column_sums(self, query: Tensor, key: Tensor, scaling: float, score_bias=None,
+                     softcap: float | None = None) -> Tensor:
         """Sum over the n prompt queries of `column_score(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows.
-        `score_bias(rows)` adds the model's position bias (ALiBi) to the logits of those rows."""
+        The logits are shaped as the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
         b, h_q, n, d = query.shape
         h_kv = key.shape[1]
         keys = key.float()
@@ -178,6 +185,8 @@ class AttentionCapture:
             c = rows.shape[2]
             grouped = rows.reshape(b, h_kv, (h_q // h_kv) * c, d) if key.shape[1] != h_q else rows
             logits = (grouped @ keys.transpose(-1, -2)).view(b, h_q, c, n) * scaling
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
             if score_bias is not None:
                 logits = logits + score_bias(slice(start, start + c))
             rows_at = torch.arange(start, start + c, device=query.device)[:, None]

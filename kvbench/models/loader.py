@@ -20,7 +20,8 @@ from kvbench.models.embedded import embedded_model_dir, ensure_converted
 
 logger = logging.getLogger(__name__)
 
-RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "mpt", "gptj", "falcon")
+RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
+                   "falcon")
 
 
 @dataclass

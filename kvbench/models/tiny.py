@@ -2,7 +2,7 @@
 
 Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the family's own quirks stay on at tiny
 scale so tests exercise them: Phi-3 and GPT-NeoX rotate only part of each head (partial rotary), Gemma 3 alternates
-a sliding-window layer (window 32) with a global one, GPT-2 adds learned absolute positions at the embedding, MPT
+a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its logits), GPT-2 adds learned absolute positions at the embedding, MPT
 biases scores by ALiBi distance.
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family in ("gemma3", "gemma2"):
         pattern = ["sliding_attention", "full_attention"] * layers
         kwargs.update(sliding_window=32, query_pre_attn_scalar=16, layer_types=pattern[:layers])
+    if family == "gemma2":  # a soft cap that bites at tiny scale (Gemma 2 itself: 50)
+        kwargs.update(attn_logit_softcapping=2.0)
     model_type = {"gemma3": "gemma3_text"}.get(family, family)
     return AutoConfig.for_model(model_type, **kwargs)
 

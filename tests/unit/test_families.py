@@ -69,7 +69,7 @@ def masked_reference(model, ids, token, kept, n_heads):
     """Logits of one decode step at position N over a plain full-prompt cache, each query head restricted to
     `kept[layer][stored head]` (None: every position) and, in a window layer, to the model's window."""
 
-    def masked(module, q, k, v, mask, scaling=None, sliding_window=None, **kw):
+    def masked(module, q, k, v, mask, scaling=None, sliding_window=None, softcap=None, **kw):
         per_head = kept[module.layer_idx]
         allowed = torch.zeros(n_heads, k.shape[2], dtype=torch.bool)
         for hq in range(n_heads):
@@ -78,7 +78,10 @@ def masked_reference(model, ids, token, kept, n_heads):
         if sliding_window:  # Gemma: a key is visible while q_pos - k_pos < window
             allowed &= torch.arange(k.shape[2]) > k.shape[2] - 1 - sliding_window
         k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, :, None, :], scale=scaling)
+        logits = (q @ k.transpose(-1, -2)) * scaling
+        if softcap is not None:  # Gemma 2
+            logits = softcap * torch.tanh(logits / softcap)
+        out = logits.masked_fill(~allowed[None, :, None, :], float("-inf")).softmax(-1) @ v
         return out.transpose(1, 2).contiguous(), None
 
     with torch.no_grad():
@@ -140,8 +143,8 @@ def check_contract(family: str, name: str):
     method = configured(name)
     adapter = adapter_for(model)
     family = adapter.family
-    if adapter.positions == "alibi" and method.own_storage:  # refused before weights load, in one line
-        with pytest.raises(ValueError, match=f"{name} is not supported on {family}: .* without the ALiBi bias"):
+    if (adapter.positions == "alibi" or adapter.softcap) and method.own_storage:  # refused before weights load
+        with pytest.raises(ValueError, match=f"{name} is not supported on {family}: .* attend without"):
             adapter.check_method(method)
         return
     adapter.check_method(method)
@@ -315,7 +318,6 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder model"),
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
-    ({"model_type": "gemma2"}, "gemma2 .* is not supported: attention logit soft-capping"),
     ({"model_type": "falcon", "alibi": True}, "falcon .* is not supported: ALiBi Falcon"),
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
@@ -329,3 +331,25 @@ def test_every_random_family_has_a_supported_adapter():
     for family in RANDOM_FAMILIES:
         model_type = model_of(family).config.model_type
         assert check_config(model_type) is BY_FAMILY[family]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mpt"])
+def test_scores_see_the_attention_the_model_pays(family):
+    """Soft-capping (Gemma 2) and ALiBi (MPT) enter what methods score: the capture's column sums and the window
+    attention SnapKV-style methods compute equal transformers' own eager attention weights (global layers)."""
+    from kvbench.methods.base import window_attention
+
+    model, ids = model_of(family), prompt(60)
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions  # [B, H, n, n] per layer, the model's own
+    with AttentionCapture(model, window=8) as capture:
+        capture.column_score = lambda logits: logits.softmax(dim=-1)
+        cache = KVCache()
+        prefill(model, ids, cache)
+        for i in range(LAYERS):
+            if i in capture.window_layers:
+                continue
+            torch.testing.assert_close(capture.column_sums[i], weights[i].sum(dim=2), rtol=1e-4, atol=1e-4)
+            window = window_attention(capture.window_queries[i], cache.layers[i].keys, capture.scaling[i],
+                                      capture.window_bias.get(i), capture.softcap.get(i))
+            torch.testing.assert_close(window, weights[i][:, :, -8:], rtol=1e-4, atol=1e-4)

@@ -24,12 +24,14 @@ def prompt(n: int, seed: int = 1) -> torch.Tensor:
 
 @contextmanager
 def attention_function(model, fn, name: str = "test_reference"):
-    """Run `model` with `fn` as its attention function (a test's independent reference), then restore sdpa."""
+    """Run `model` with `fn` as its attention function (a test's independent reference), then restore the model's
+    own implementation."""
+    original = model.config._attn_implementation
     AttentionInterface.register(name, fn)
     model.set_attn_implementation(name)
     try:
         with torch.no_grad():
             yield
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(original)
         AttentionInterface._global_mapping.pop(name, None)
