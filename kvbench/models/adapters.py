@@ -152,6 +152,9 @@ class Adapter:
         """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift). ALiBi has no
         rotary dims: shifting only relabels positions as slots, and the bias follows them."""
         self.check_shift()
+        if self.window_layers(model.config):  # e.g. Qwen2/Qwen3 with use_sliding_window
+            raise ValueError(f"positions=shift: this {self.family} model mixes sliding-window and global layers; "
+                             "use positions=original")
         if self.positions == "alibi":
             return torch.empty(0)
         rotary = getattr(model.base_model, self.rotary, None)
