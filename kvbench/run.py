@@ -39,6 +39,8 @@ def budget_tag(budget, ratio) -> str:
 
 OmegaConf.register_new_resolver("kvbench_hash", config_hash, replace=True)
 OmegaConf.register_new_resolver("kvbench_budget", budget_tag, replace=True)
+OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in the shared run dir
+    "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
 
 
 def group_choices(group: str) -> list[str]:
@@ -90,6 +92,9 @@ def setup(cfg: DictConfig):
             raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
     else:
         method.check_budget(cfg.budget)
+    from kvbench.shard import Shard
+
+    Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
     return method, dataset, spec
 
 
@@ -224,14 +229,19 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated."""
     from tqdm import tqdm
 
+    from kvbench.cost import CostMeter, job_log_links
     from kvbench.generation import Sampling
     from kvbench.models import AttentionCapture, load
+    from kvbench.shard import Shard
     from kvbench.store import RunStore, sha256_text
 
     method, dataset, spec = job or setup(cfg)
     choices = _choices()
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
-    store = RunStore(run_dir)
+    shard = Shard.parse(cfg.get("shard"))
+    manifest_name = shard.manifest_name if shard else "manifest.json"
+    store = RunStore(run_dir, shard)
+    job_log_links(run_dir, shard)  # SLURM/submitit: the job's stdout/stderr linked under the run dir
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
     model, tokenizer = load(spec)
@@ -240,9 +250,14 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     if cfg.limit is not None:
         samples = samples[: cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    old = store.read_json("manifest.json")
+    store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    old = store.read_json(manifest_name)
     info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
+    if shard is not None:  # merge needs the whole run's id order, and what the dataset skipped while building
+        info.update(shard=f"{shard.index}/{shard.count}", sample_ids=[s.id for s in samples],
+                    dataset_skipped=dict(getattr(dataset, "skipped", {}) or {}))
+        samples = shard.select(samples)
+        info["n_shard_samples"] = len(samples)
     if prepared is not None:
         info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
     if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
@@ -252,7 +267,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
                            "new tokenizer or data version?")
         info["started_utc"] = old.get("started_utc", info["started_utc"])
-    store.write_json("manifest.json", info)
+    meter = CostMeter.resume(model, old, t0=t_start)  # the session's time includes loading the model
+    store.write_json(manifest_name, {**info, **meter.fields()})
 
     done = store.done_ids()
     todo = [s for s in samples if s.id not in done]
@@ -276,11 +292,16 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                                                cfg.seed + int(sha256_text(sample.id)[:8], 16)))
                 continue
             store.append(run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling))
+            store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
     store.close()
-    summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))
-    store.write_json("manifest.json", info)
+    store.write_json(manifest_name, {**info, **meter.fields()})
+    if shard is not None:  # scores.json covers the whole run: the last shard to finish merges them all
+        from kvbench.merge import merge_when_complete
+
+        return merge_when_complete(run_dir)
+    summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)
     if cfg.report:
         try:
             from kvbench.report import write_run_report

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,18 +36,26 @@ def sha256_text(text: str) -> str:
 
 
 class RunStore:
-    """Owns one run directory. Use `done_ids()` to resume, `append()` per sample, `write_scores()` at the end."""
+    """Owns one run directory (or, with `shard`, one shard's file in it). Use `done_ids()` to resume, `append()` per
+    sample, `write_scores()` at the end. The lock file names the holder's host and pid (what a cluster user kills)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, shard=None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.dir / ".lock", "w")
+        lock_name = f".lock.{shard.tag}" if shard is not None else ".lock"
+        self._lock = open(self.dir / lock_name, "a+")
         try:  # two processes appending to one predictions.jsonl would duplicate ids
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "another kvbench process"
             self._lock.close()
-            raise RunDirBusy(f"store: {self.dir} is in use by another kvbench process; wait for it or stop it")
-        self.predictions_path = self.dir / PREDICTIONS
+            what = f"{self.dir} ({shard.tag})" if shard is not None else str(self.dir)
+            raise RunDirBusy(f"store: {what} is in use by {holder}; wait for it or stop it")
+        self._lock.truncate(0)
+        self._lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        self._lock.flush()
+        self.predictions_path = self.dir / (shard.predictions_name if shard is not None else PREDICTIONS)
         self._records = self._load_and_repair()
         self._file = None
 
@@ -95,6 +104,12 @@ class RunStore:
 
     def write_json(self, name: str, obj: Any) -> None:
         write_json_atomic(self.dir / name, obj)
+
+    def write_text(self, name: str, text: str) -> None:
+        """Atomic, like `write_json`: shards of one run rewrite config.yaml side by side."""
+        tmp = self.dir / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, self.dir / name)
 
     def read_json(self, name: str) -> dict | None:
         path = self.dir / name

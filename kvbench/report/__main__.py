@@ -18,7 +18,9 @@ import re
 import sys
 from pathlib import Path
 
+from kvbench.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_method
+from kvbench.report.cost import cost_lines
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
 from kvbench.report.paper import paper_names, write_paper_report
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper is not None and args.paper not in paper_names():
         parser.exit(2, f"kvbench: unknown paper {args.paper!r}; choose one of {', '.join(paper_names())}\n")
 
+    merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
     try:
         df = load_runs(args.paths)
     except (FileNotFoundError, ValueError) as e:
@@ -113,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.html:
         written.append(write_html(args.html, written, title=f"kvbench report: {', '.join(args.paths)}"))
     print(to_markdown(table, stderr=args.stderr))
+    costs = cost_lines(df["run_dir"].unique())
+    if costs:  # what each configuration cost, from the manifests (sums over shards and resumes)
+        (Path(args.out) / "cost.md").write_text("\n".join(costs) + "\n", encoding="utf-8")
+        written.append(Path(args.out) / "cost.md")
+        print("\n".join(costs))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

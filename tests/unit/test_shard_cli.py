@@ -1,0 +1,104 @@
+"""Sharded runs end to end on the tiny model: shards as separate processes into one run dir, merge, kill + resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbench.report.__main__ import main as report_main
+from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
+
+NEEDLE = ["model=tiny_llama", "method=snapkv", "budget=64", "dataset.context_lengths=[300,400]",
+          "dataset.depth_percents=[0,50,100]"]
+TIMINGS = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes"}
+SCORE_TIMINGS = {"prefill_s_mean", "decode_tok_s_mean"}
+
+
+def without(d: dict, keys: set) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+def merge_cli(*paths: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench.merge", *map(str, paths)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path):
+    sharded, plain = tmp_path / "sharded", tmp_path / "plain"
+    procs = [subprocess.Popen([sys.executable, "-m", "kvbench.run", *NEEDLE, f"shard={i}/3",
+                               f"results_dir={sharded}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+    out = kvbench(*NEEDLE, results=plain)  # meanwhile, the same config unsharded
+    assert out.returncode == 0, out.stderr
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    (run_dir,) = run_dirs(sharded)  # shard is not part of the run's identity: one directory for all three
+    (plain_dir,) = run_dirs(plain)
+    assert run_dir.relative_to(sharded) == plain_dir.relative_to(plain)
+    shard_ids = [[r["id"] for r in map(json.loads, (run_dir / f"predictions.shard-{i}-of-3.jsonl").open())]
+                 for i in range(3)]
+    assert sorted(map(len, shard_ids)) == [2, 2, 2]
+    # the last shard to finish merged: records in the dataset's order, identical but for timings
+    assert [without(r, TIMINGS) for r in records(run_dir)] == [without(r, TIMINGS) for r in records(plain_dir)]
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert without(scores, SCORE_TIMINGS) == without(json.loads((plain_dir / "scores.json").read_text()),
+                                                     SCORE_TIMINGS)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert set(manifest["shards"]) == {"shard-0-of-3", "shard-1-of-3", "shard-2-of-3"}
+    assert manifest["n_samples"] == 6 and manifest["cost"]["gpu_s"] == 0  # CPU: no GPU-seconds
+    assert manifest["cost"]["wall_s"] == pytest.approx(sum(s["wall_s"] for s in manifest["shards"].values()))
+    assert (run_dir / "run.shard-0-of-3.log").is_file() and (run_dir / "heatmap.png").is_file()
+    # merging again by hand gives the same files
+    before = (run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()
+    again = merge_cli(run_dir)
+    assert again.returncode == 0, again.stderr
+    assert ((run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()) == before
+    # the report merges a sharded run by itself, and says what each configuration cost
+    (run_dir / "predictions.jsonl").unlink()
+    (run_dir / "scores.json").unlink()
+    assert report_main([str(sharded), "--out", str(tmp_path / "report")]) == 0
+    assert ((run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()) == before
+    cost = (tmp_path / "report" / "cost.md").read_text()
+    assert cost.startswith("GPU-hours 0.00 | wall-hours ") and "niah | tiny-llama | snapkv | b64 (6 samples, 3 shards" in cost
+
+
+def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path):
+    grid = [*NEEDLE[:3], "dataset.context_lengths=[300,400,500]", "dataset.depth_percents=[0,25,50,75]"]
+    args = [sys.executable, "-m", "kvbench.run", *grid, "shard=0/2", f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        shard_file = next(tmp_path.rglob("predictions.shard-0-of-2.jsonl"), None)
+        if shard_file is not None and shard_file.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up: as a node failure or an OOM kill
+    proc.wait()
+    run_dir = shard_file.parent
+    written = shard_file.read_text().splitlines()
+    assert 2 <= len(written) < 6, "the shard finished before it could be killed; give it more samples"
+
+    out = merge_cli(run_dir)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvbench: merge: "), out.stderr
+    assert f"shard-0-of-2 unfinished ({len(written)}/6 samples)" in lines[0]
+    assert "shard-1-of-2 missing" in lines[0] and "shard=0/2,1/2" in lines[0]
+
+    rerun = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    resumed = shard_file.read_text().splitlines()
+    assert resumed[:len(written)] == written and len(resumed) == 6  # finished work kept byte for byte
+    assert len({json.loads(line)["id"] for line in resumed}) == 6
+    assert len(json.loads((run_dir / "manifest.shard-0-of-2.json").read_text())["cost"]["sessions"]) == 2
+
+    out = merge_cli(run_dir)
+    assert out.returncode == 1 and out.stderr.strip().count("\n") == 0
+    assert "shard-1-of-2 missing" in out.stderr and "shard-0-of-2" not in out.stderr
+    assert not (run_dir / "scores.json").exists()
