@@ -15,6 +15,7 @@ import resource
 import subprocess
 import sys
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# configs/hydra/launcher/ray.yaml extends hydra-ray-launcher's `ray` under its own name, on purpose
+warnings.filterwarnings("ignore", message="'hydra/launcher/ray' is validated against ConfigStore schema")
 GROUPS = ("method", "dataset", "model")
 logger = logging.getLogger("kvbench.run")
 

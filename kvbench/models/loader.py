@@ -38,6 +38,8 @@ class ModelSpec:
     trust_remote_code: bool = False
     device: str = "auto"  # auto = cuda if available, else cpu
     quant_friendly_layers: list[int] | None = None  # TailorKV's offline layer split (published or identified)
+    gpus: int = 1  # GPUs a cluster job asks for (SLURM gpus_per_node, Ray num_gpus); not used by the runner
+    mem_gb: int | None = None  # host memory a cluster job asks for
 
     def __post_init__(self):
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):

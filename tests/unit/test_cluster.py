@@ -1,0 +1,81 @@
+"""Cluster launchers with real processes: submitit's local executor (what SLURM runs) and a local Ray instance."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kvbench.run import CONFIG_DIR
+from tests.unit.test_cli import ENV, ROOT, records
+
+SWEEP = ["model=tiny_llama", "method=snapkv,pyramidkv", "shard=0/2,1/2", "budget=64"]
+
+
+def sweep_dirs(results) -> dict[str, object]:
+    return {p.parent.parent.name: p.parent for p in results.rglob("scores.json")}
+
+
+def check_merged(results, n: int) -> dict:
+    """Both methods' run dirs were merged by their last shard: n ids, each exactly once, and the shards' costs."""
+    dirs = sweep_dirs(results)
+    assert set(dirs) == {"snapkv", "pyramidkv"}
+    for run_dir in dirs.values():
+        ids = [r["id"] for r in records(run_dir)]
+        assert len(ids) == len(set(ids)) == n
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        assert set(manifest["shards"]) == {"shard-0-of-2", "shard-1-of-2"} and manifest["n_samples"] == n
+    return dirs
+
+
+@pytest.mark.parametrize("launcher,key,expected", [
+    ("slurm", "hydra.launcher.gpus_per_node", {"tiny_llama": 0, "llama3_8b_instruct": 1}),
+    ("slurm", "hydra.launcher.mem_gb", {"tiny_llama": 8, "llama3_8b_instruct": 64}),
+    ("ray", "hydra.launcher.ray.remote.num_gpus", {"tiny_llama": 0, "llama3_8b_instruct": 1}),
+])
+def test_launchers_ask_for_what_the_model_config_names(launcher, key, expected):
+    for model, value in expected.items():
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[f"hydra/launcher={launcher}", f"model={model}"],
+                          return_hydra_config=True)
+        assert OmegaConf.select(cfg, key) == value
+
+
+def test_submitit_sweep_of_configs_x_shards_requeues_a_preempted_job(tmp_path):
+    """`-m hydra/launcher=submitit_local method=snapkv,pyramidkv shard=0/2,1/2`: four real jobs. One gets SIGUSR2
+    mid-run (what SLURM sends before a timeout or preemption): submitit checkpoints, requeues it, and the requeued
+    job resumes from its predictions file instead of starting over."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    grid = ["dataset.context_lengths=[300,400,500]", "dataset.depth_percents=[0,25,50,75]"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=submitit_local", *SWEEP,
+                             *grid, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline, shard_file = time.monotonic() + 400, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        shard_file = next(tmp_path.rglob("snapkv/*/predictions.shard-0-of-2.jsonl"), None)
+        if shard_file is not None and shard_file.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.02)
+    holder = (shard_file.parent / ".lock.shard-0-of-2").read_text().split()  # "<host> pid <pid>"
+    written = shard_file.read_text().splitlines()
+    os.kill(int(holder[2]), signal.SIGUSR2)
+    assert 1 <= len(written) < 6, "the job finished before it could be preempted; give it more samples"
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+
+    dirs = check_merged(tmp_path, n=12)
+    resumed = (dirs["snapkv"] / "predictions.shard-0-of-2.jsonl").read_text().splitlines()
+    assert resumed[:len(written)] == written and len(resumed) == 6  # resumed, not redone
+    sessions = json.loads((dirs["snapkv"] / "manifest.shard-0-of-2.json").read_text())["cost"]["sessions"]
+    assert len(sessions) == 2 and sessions[0]["job_id"] == sessions[1]["job_id"]  # the same job, requeued
+    logs = dirs["snapkv"] / "logs"
+    out_log = logs / f"shard-0-of-2.job-{sessions[0]['job_id']}.out"
+    assert out_log.is_symlink() and "Requeued job" in out_log.read_text()
+    assert "Caught signal SIGUSR2" in (logs / f"shard-0-of-2.job-{sessions[0]['job_id']}.err").read_text()
+    assert len(list(logs.glob("shard-1-of-2.job-*.out"))) == 1
