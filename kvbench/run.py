@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # configs/hydra/launcher/ray.yaml extends hydra-ray-launcher's `ray` under its own name, on purpose
-warnings.filterwarnings("ignore", message="'hydra/launcher/ray' is validated against ConfigStore schema")
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
 GROUPS = ("method", "dataset", "model")
 logger = logging.getLogger("kvbench.run")
 

@@ -79,3 +79,17 @@ def test_submitit_sweep_of_configs_x_shards_requeues_a_preempted_job(tmp_path):
     assert out_log.is_symlink() and "Requeued job" in out_log.read_text()
     assert "Caught signal SIGUSR2" in (logs / f"shard-0-of-2.job-{sessions[0]['job_id']}.err").read_text()
     assert len(list(logs.glob("shard-1-of-2.job-*.out"))) == 1
+
+
+def test_ray_sweep_of_configs_x_shards_on_a_local_ray(tmp_path):
+    """`-m hydra/launcher=ray method=snapkv,pyramidkv shard=0/2,1/2` through hydra-ray-launcher on a local Ray
+    instance held to 2 CPUs: one Ray task per (config, shard), each asking for model.gpus=0 GPUs."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    out = subprocess.run([sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=ray", *SWEEP,
+                          "dataset.context_lengths=[300]", "dataset.depth_percents=[0,50,100]",
+                          "hydra.launcher.ray.init.num_cpus=2", f"results_dir={tmp_path}"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_merged(tmp_path, n=3)
+    assert out.stdout.count("(_run_job pid=") + out.stderr.count("(_run_job pid=") > 0  # ran inside Ray workers
+    assert "validated against ConfigStore schema" not in out.stderr
