@@ -30,9 +30,14 @@ logger = logging.getLogger("kvbench.run")
 
 
 # --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
+# where a run executes, not what it computes: kept out of the run dir's identity (like `limit` and `shard`)
+PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
+
+
 def config_hash(*nodes) -> str:
     """Short hash of the parts of the config that change results (the run dir's suffix)."""
     plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
+    plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 

@@ -32,6 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.models.adapters import adapter_for
+from kvbench.models.placement import to_device_of
 
 _ids = itertools.count()
 
@@ -124,8 +125,11 @@ class AttentionCapture:
         """Layer `layer_idx`'s query projection (the query slice of a fused QKV weight), per-head norm and position
         encoding applied to another layer's input `[B, 1, hidden]`: `[B, H_q, 1, D]`. TailorKV feeds it the
         previous layer's post-norm input (residual streams change slowly)."""
-        query = self.adapter.project_query(self.attention_modules[layer_idx], hidden)
-        return self.adapter.position_query(query, position_embeddings)
+        module = self.attention_modules[layer_idx]
+        # with a device map the previous layer may sit on another device: compute where this layer lives
+        hidden, *position_embeddings = to_device_of(module, hidden, *(position_embeddings or ()))
+        query = self.adapter.project_query(module, hidden)
+        return self.adapter.position_query(query, tuple(position_embeddings) or None)
 
     # --- the attention function -------------------------------------------------------------------------------
     def _wrap(self, inner: Callable) -> Callable:

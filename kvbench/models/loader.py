@@ -17,6 +17,7 @@ import torch
 
 from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.embedded import embedded_model_dir, ensure_converted
+from kvbench.models.placement import DEVICE_MAPS
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,16 @@ class ModelSpec:
     trust_remote_code: bool = False
     device: str = "auto"  # auto = cuda if available, else cpu
     quant_friendly_layers: list[int] | None = None  # TailorKV's offline layer split (published or identified)
+    device_map: str | None = None  # "auto" (accelerate): spread the layers over every visible GPU; then `device` is unused
     gpus: int = 1  # GPUs a cluster job asks for (SLURM gpus_per_node, Ray num_gpus); not used by the runner
     mem_gb: int | None = None  # host memory a cluster job asks for
 
     def __post_init__(self):
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
             raise ValueError(f"model: dtype={self.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"model: device_map={self.device_map!r} is not one of {', '.join(DEVICE_MAPS)} "
+                             f"(or null: the whole model on model.device)")
         if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES:
             raise ValueError(f"model: unknown random family in path={self.path!r}; "
                              f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES)}")
@@ -103,6 +108,11 @@ def load(spec: ModelSpec):
     if spec.path.startswith("random:"):
         tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
         model = random_model(spec.path.split(":", 1)[1], tokenizer, dtype=dtype)
+        if spec.device_map is not None:  # what from_pretrained(device_map=...) does for a loaded checkpoint
+            from accelerate import dispatch_model, infer_auto_device_map
+
+            device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules)
+            return dispatch_model(model, device_map).eval(), tokenizer
         return model.to(device).eval(), tokenizer
     if spec.path == "embedded":
         source = embedded_model_dir()
@@ -122,6 +132,14 @@ def load(spec: ModelSpec):
         logger.warning("model: %s does not support sdpa in transformers; using eager attention", adapter.family)
         attn = "eager"
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+<<<<<<< HEAD
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
     adapter_for(model)  # a GGUF's converted config is known only now
     return model.to(device).eval(), tokenizer
+=======
+    if spec.device_map is not None:  # accelerate places each layer; its hooks move activations between devices
+        kwargs["device_map"] = spec.device_map
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=spec.attn_implementation,
+                                                 **kwargs)
+    return (model if spec.device_map is not None else model.to(device)).eval(), tokenizer
+>>>>>>> aaf0660 (model.device_map (accelerate): per-layer placement from a device map, TailorKV's query prediction runs on the next layer's device; placement keys stay out of the run dir hash)

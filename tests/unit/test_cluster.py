@@ -93,3 +93,16 @@ def test_ray_sweep_of_configs_x_shards_on_a_local_ray(tmp_path):
     check_merged(tmp_path, n=3)
     assert out.stdout.count("(_run_job pid=") + out.stderr.count("(_run_job pid=") > 0  # ran inside Ray workers
     assert "validated against ConfigStore schema" not in out.stderr
+
+
+def test_where_a_run_executes_is_not_part_of_its_identity():
+    """shard, GPUs, memory and device map change where a run executes, not what it computes: same run dir hash."""
+    from kvbench.run import config_hash
+
+    def run_hash(*overrides):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            c = compose("config", overrides=["model=tiny_llama", *overrides])
+        return config_hash(c.method, c.dataset, c.model, c.generation, c.seed, c.positions)
+
+    assert run_hash() == run_hash("shard=1/4", "model.gpus=4", "model.mem_gb=512", "model.device_map=auto")
+    assert run_hash() != run_hash("model.dtype=bfloat16")

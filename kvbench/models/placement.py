@@ -1,0 +1,67 @@
+"""Where each layer lives when a model spans devices (`model.device_map=auto`, accelerate).
+
+With a device map, layer i's weights, its KV cache, its captured queries and (TailorKV) its offloaded pool's device
+side all belong on layer i's device; activations cross devices only between layers, where accelerate's hooks move
+them. kvbench's caches already allocate from the tensors they are given, so the one place that must move data
+itself is code that runs a layer's weights on another layer's activations (TailorKV's one-layer-ahead query
+prediction): `to_device_of` does that. `layer_devices` resolves an accelerate device map (module-name prefixes ->
+device) to one device per decoder layer, as accelerate does: the longest matching prefix wins.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def main_device(device_map: dict[str, int | str]):
+    """Where accelerate runs layers whose weights sit on "cpu" or "disk": the first GPU of the map, else the CPU
+    (accelerate's `dispatch_model`). Their activations and KV cache live there too."""
+    gpus = [d for d in device_map.values() if d not in ("cpu", "disk")]
+    return gpus[0] if gpus else "cpu"
+
+
+def as_device(where) -> torch.device:
+    """An accelerate map value (GPU index, "cuda:1", "cpu") as a torch device."""
+    return torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+
+
+def layer_devices(device_map: dict[str, int | str], n_layers: int, prefix: str = "model.layers") -> list[torch.device]:
+    """The execution device of each decoder layer `<prefix>.<i>` under an accelerate device map: the longest
+    matching module prefix wins; weights offloaded to "cpu"/"disk" run on the map's main device."""
+    main = main_device(device_map)
+    devices = []
+    for i in range(n_layers):
+        name = f"{prefix}.{i}"
+        matches = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
+        if matches:
+            where = device_map[max(matches, key=len)]
+        else:  # a map split below the layer (self_attn and mlp apart): the attention block holds the KV
+            inner = sorted(k for k in device_map if k.startswith(name + ".self_attn")) or \
+                    sorted(k for k in device_map if k.startswith(name + "."))
+            if not inner:
+                raise ValueError(f"device map: no entry places {name}; entries: {', '.join(sorted(device_map))}")
+            where = device_map[inner[0]]
+        devices.append(as_device(main if where in ("cpu", "disk") else where))
+    return devices
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where a module computes: the execution device of an accelerate hook on it or inside it (weights offloaded to
+    cpu/disk sit on the meta device and are streamed there), else its first real parameter's device."""
+    for sub in module.modules():
+        device = getattr(getattr(sub, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return as_device(device)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def to_device_of(module: torch.nn.Module, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Move tensors to where `module` computes (no copy when they are already there): another layer's activations
+    fed to this layer's weights."""
+    device = execution_device(module)
+    return tuple(t.to(device) for t in tensors)
