@@ -132,14 +132,8 @@ def load(spec: ModelSpec):
         logger.warning("model: %s does not support sdpa in transformers; using eager attention", adapter.family)
         attn = "eager"
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
-<<<<<<< HEAD
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
-    adapter_for(model)  # a GGUF's converted config is known only now
-    return model.to(device).eval(), tokenizer
-=======
     if spec.device_map is not None:  # accelerate places each layer; its hooks move activations between devices
         kwargs["device_map"] = spec.device_map
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=spec.attn_implementation,
-                                                 **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    adapter_for(model)  # a GGUF's converted config is known only now
     return (model if spec.device_map is not None else model.to(device)).eval(), tokenizer
->>>>>>> aaf0660 (model.device_map (accelerate): per-layer placement from a device map, TailorKV's query prediction runs on the next layer's device; placement keys stay out of the run dir hash)
