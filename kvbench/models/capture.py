@@ -32,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.models.adapters import adapter_for
-from kvbench.models.placement import to_device_of
+from kvbench.models.placement import to_device_of, weights_present
 
 _ids = itertools.count()
 
@@ -128,7 +128,8 @@ class AttentionCapture:
         module = self.attention_modules[layer_idx]
         # with a device map the previous layer may sit on another device: compute where this layer lives
         hidden, *position_embeddings = to_device_of(module, hidden, *(position_embeddings or ()))
-        query = self.adapter.project_query(module, hidden)
+        with weights_present(module):  # weights offloaded to cpu/disk are meta until loaded
+            query = self.adapter.project_query(module, hidden)
         return self.adapter.position_query(query, tuple(position_embeddings) or None)
 
     # --- the attention function -------------------------------------------------------------------------------

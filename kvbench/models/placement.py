@@ -4,10 +4,12 @@ With a device map, layer i's weights, its KV cache, its captured queries and (Ta
 side all belong on layer i's device; activations cross devices only between layers, where accelerate's hooks move
 them. kvbench's caches already allocate from the tensors they are given, so the one place that must move data
 itself is code that runs a layer's weights on another layer's activations (TailorKV's one-layer-ahead query
-prediction): `to_device_of` does that. `layer_devices` resolves an accelerate device map (module-name prefixes ->
+prediction): `to_device_of` moves the activations and `weights_present` loads weights offloaded to cpu/disk. `layer_devices` resolves an accelerate device map (module-name prefixes ->
 device) to one device per decoder layer, as accelerate does: the longest matching prefix wins.
 """
 from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor
@@ -65,3 +67,16 @@ def to_device_of(module: torch.nn.Module, *tensors: Tensor) -> tuple[Tensor, ...
     fed to this layer's weights."""
     device = execution_device(module)
     return tuple(t.to(device) for t in tensors)
+
+
+@contextmanager
+def weights_present(module: torch.nn.Module):
+    """Within the block, `module`'s weights offloaded to cpu/disk (meta tensors behind accelerate hooks) are loaded
+    on their execution device, so code that reads a layer's weights outside its forward sees real tensors."""
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    with ExitStack() as stack:
+        for sub in module.modules():
+            if has_offloaded_params(sub):
+                stack.enter_context(align_module_device(sub))
+        yield
