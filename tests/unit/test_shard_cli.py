@@ -8,9 +8,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from kvbench.merge import main as merge_main
 from kvbench.report.__main__ import main as report_main
 from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
 
@@ -24,12 +26,15 @@ def without(d: dict, keys: set) -> dict:
     return {k: v for k, v in d.items() if k not in keys}
 
 
-def merge_cli(*paths: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbench.merge", *map(str, paths)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+def merge_cli(capsys, *paths: Path) -> SimpleNamespace:
+    """`python -m kvbench.merge PATH...`, in-process (its `main`) to spare a Python start."""
+    capsys.readouterr()
+    code = merge_main([str(p) for p in paths])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path):
+def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path, capsys):
     sharded, plain = tmp_path / "sharded", tmp_path / "plain"
     procs = [subprocess.Popen([sys.executable, "-m", "kvbench.run", *NEEDLE, f"shard={i}/3",
                                f"results_dir={sharded}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
@@ -56,7 +61,7 @@ def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path)
     assert (run_dir / "run.shard-0-of-3.log").is_file() and (run_dir / "heatmap.png").is_file()
     # merging again by hand gives the same files
     before = (run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()
-    again = merge_cli(run_dir)
+    again = merge_cli(capsys, run_dir)
     assert again.returncode == 0, again.stderr
     assert ((run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()) == before
     # the report merges a sharded run by itself, and says what each configuration cost
@@ -68,7 +73,7 @@ def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path)
     assert cost.startswith("GPU-hours 0.00 | wall-hours ") and "niah | tiny-llama | snapkv | b64 (6 samples, 3 shards" in cost
 
 
-def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path):
+def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path, capsys):
     grid = [*NEEDLE[:3], "dataset.context_lengths=[300,400,500]", "dataset.depth_percents=[0,25,50,75]"]
     args = [sys.executable, "-m", "kvbench.run", *grid, "shard=0/2", f"results_dir={tmp_path}"]
     proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -84,7 +89,7 @@ def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path):
     written = shard_file.read_text().splitlines()
     assert 2 <= len(written) < 6, "the shard finished before it could be killed; give it more samples"
 
-    out = merge_cli(run_dir)
+    out = merge_cli(capsys, run_dir)
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvbench: merge: "), out.stderr
@@ -98,7 +103,7 @@ def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path):
     assert len({json.loads(line)["id"] for line in resumed}) == 6
     assert len(json.loads((run_dir / "manifest.shard-0-of-2.json").read_text())["cost"]["sessions"]) == 2
 
-    out = merge_cli(run_dir)
+    out = merge_cli(capsys, run_dir)
     assert out.returncode == 1 and out.stderr.strip().count("\n") == 0
     assert "shard-1-of-2 missing" in out.stderr and "shard-0-of-2" not in out.stderr
     assert not (run_dir / "scores.json").exists()
