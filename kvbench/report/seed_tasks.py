@@ -12,7 +12,9 @@
 Each table is written as `<dataset>_table.{md,csv}` and printed. Every score has its standard error beside it
 (`se:<column>`, same scale; in the CSV always, in the Markdown as "mean ± se" with `--stderr`): sd / sqrt(n) for
 means over samples, the se of the average of group means for "Avg." (kvbench.stats.stratified_mean_se), and a
-seeded bootstrap over records for BUZZ's geometric Mean and for PPL, which are not means over samples.
+seeded bootstrap over records for BUZZ's geometric Mean and for PPL, which are not means over samples. With
+`--compare METHOD` each cell also gets its paired-bootstrap difference to that method (`diff:`/`lo:`/`hi:` columns)
+and a † where the 95 % interval excludes 0 (kvbench.report.compare).
 """
 from __future__ import annotations
 
