@@ -1,6 +1,7 @@
 """Every registered method, at two budgets, on each tiny model family: the cache shrinks to the budget (decode-time
 methods stay within it while generating), kept keys keep their original positions, and no hook is left behind.
-A new method is covered as soon as it is registered and has a YAML."""
+A new method is covered as soon as it is registered and has a YAML. Every other decoder family (Qwen3, Phi-3,
+GPT-NeoX, GPT-2, Gemma 2/3, MPT, GPT-J, Falcon) x every method: tests/unit/test_families.py."""
 from __future__ import annotations
 
 import pytest
