@@ -180,3 +180,27 @@ def _peak_mem_bytes() -> int:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; process-lifetime peak
+
+
+@torch.no_grad()
+def continuation_logprob(model, method, capture, context: list[int], continuation: list[int], budget,
+                         positions: str = "original", seed: int = 0) -> tuple[float, bool]:
+    """lm-eval's loglikelihood under compression: prefill `context`, compress, teacher-force `continuation`.
+
+    Returns (sum of log-probabilities of the continuation tokens, whether each was the argmax)."""
+    device = next(model.parameters()).device
+    cache, state = _setup(model, method, capture, budget, len(continuation), seed, prompt_len=len(context))
+    logits = prefill(model, torch.tensor([context], device=device), cache)
+    compress(method, cache, capture, budget, state, model_inv_freq(model) if positions == "shift" else None)
+    total, greedy, fed = 0.0, True, len(context)
+    for i, token in enumerate(continuation):
+        logp = logits.float().log_softmax(dim=-1)[0]
+        total += logp[token].item()
+        greedy = greedy and int(logp.argmax()) == token
+        if i + 1 < len(continuation):
+            pos = _position(cache, fed, positions)
+            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                           position_ids=torch.tensor([[pos]], device=device), use_cache=True).logits[:, -1]
+            fed += 1
+    capture.reset()
+    return total, greedy

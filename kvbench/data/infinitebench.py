@@ -1,7 +1,7 @@
 """InfiniteBench (OpenBMB/InfiniteBench @ 88b3daa): the nine tasks TailorKV reports (Table 15), official prompts.
 
 Data: the Hub dataset `xinrongzhang2022/InfiniteBench`, one `{task}.jsonl` per task with its own fields (`id`,
-`context`, `input`, `answer`, `options`), in a local folder (`dataset.root`; `scripts/download_infinitebench.py`).
+`context`, `input`, `answer`, `options`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py`).
 
 Per record, as upstream's `create_prompt` with the `yarn_mistral_templates` (used for every open model, and by
 TailorKV's `llama.py`/`yi.py`; kvbench.data.infinitebench_prompts, byte for byte): math_find's prefix is built
@@ -31,7 +31,8 @@ from kvbench.registry import DATASETS, unknown_choice
 
 logger = logging.getLogger(__name__)
 
-DOWNLOAD_HINT = "run `python scripts/download_infinitebench.py` (needs the Hugging Face Hub) or set dataset.root"
+DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py infinitebench` (needs the Hugging Face Hub) "
+                 "or set dataset.root")
 OPTIONS = "ABCD"
 
 

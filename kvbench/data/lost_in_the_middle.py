@@ -2,7 +2,7 @@
 
 Data: the files nelson-liu/lost-in-the-middle ships under `qa_data/10_total_documents/`,
 `nq-open-10_total_documents_gold_at_{k}.jsonl(.gz)` with fields `question`, `answers`, `ctxs` (each `title`, `text`,
-`isgold`), in a local folder (`dataset.root`; `scripts/download_lost_in_the_middle.py` fetches them).
+`isgold`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py` fetches them).
 
 Prompt: BUZZ's `run_ten_doc_qa_em.py` (JunqiZhao888/buzz-llm @ e6f5e3e), byte for byte, its typos included
 ("Documents are following:", "give an brief answer", the ". " after the documents' trailing newline): every
@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 BUZZ_QA_TEMPLATE = ("Documents are following: {documents}. Based on the provided documents, give an brief answer "
                     "to this question: {question}. The answer has to directly answer the question and be BRIEF. ")
 FILE_STEM = "nq-open-10_total_documents_gold_at_{position}"
-DOWNLOAD_HINT = ("run `python scripts/download_lost_in_the_middle.py` (needs github.com) or set dataset.root")
+DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py lost_in_the_middle` (needs github.com) "
+                 "or set dataset.root")
 
 
 def buzz_qa_prompt(question: str, ctxs: list[dict]) -> str:

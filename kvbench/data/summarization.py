@@ -2,7 +2,7 @@
 
 Data: a local folder (`dataset.root`) holding `<split>.jsonl` with the Hub datasets' own fields: CNN/DailyMail
 (`abisee/cnn_dailymail`) `id`, `article`, `highlights`; XSUM (`EdinburghNLP/xsum`) `id`, `document`, `summary`.
-`scripts/download_summarization.py` writes them where the Hub is reachable.
+`scripts/download_seed_tasks.py` writes them where the Hub is reachable.
 
 Protocols (each pinned to its authors' code; prompts byte for byte):
 - `keyformer` (d-matrix-ai/keyformer-llm @ f327831, `summarization/`): the Alpaca/MLPerf template
@@ -71,7 +71,8 @@ SOURCES = {  # dataset -> (text field, reference field, Hub id and config the pr
     "cnn_dailymail": ("article", "highlights", "abisee/cnn_dailymail 3.0.0 (Keyformer) / 2.0.0 (BUZZ)"),
     "xsum": ("document", "summary", "EdinburghNLP/xsum"),
 }
-DOWNLOAD_HINT = "run `python scripts/download_summarization.py` (needs the Hugging Face Hub) or set dataset.root"
+DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py cnn_dailymail xsum` (needs the Hugging Face Hub) "
+                 "or set dataset.root")
 
 
 def draw_with_replacement(n_records: int, n_obs: int, seed: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Wikitext-2 perplexity (`wikitext_ppl`): BUZZ's streaming perplexity, or ordinary chunked perplexity (`mode=`).
 
 Data: `wikitext`, `wikitext-2-raw-v1`, validation split, as a local `<split>.jsonl` with the field `text` (one line
-per row, empty rows included, as the Hub ships them); `scripts/download_wikitext.py` writes it.
+per row, empty rows included, as the Hub ships them); `scripts/download_seed_tasks.py` writes it.
 
 - `mode=stream` (BUZZ `eval_long_ppl.py`, JunqiZhao888/buzz-llm @ e6f5e3e): the first `num_rows` rows (BUZZ: 40,
   empty rows included; they hold no token pair) are each tokenized with the tokenizer's default special tokens (a
@@ -32,7 +32,8 @@ from kvbench.stats import exp_of_ratio
 logger = logging.getLogger(__name__)
 
 MODES = ("stream", "chunked")
-DOWNLOAD_HINT = "run `python scripts/download_wikitext.py` (needs the Hugging Face Hub) or set dataset.root"
+DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py wikitext_ppl` (needs the Hugging Face Hub) "
+                 "or set dataset.root")
 
 
 @DATASETS.register("wikitext_ppl")
@@ -40,7 +41,7 @@ DOWNLOAD_HINT = "run `python scripts/download_wikitext.py` (needs the Hugging Fa
 class WikitextPPL(Dataset):
     name: str = "wikitext_ppl"
     version: str = "1"
-    root: str = "data/wikitext"
+    root: str = "data/wikitext_ppl"
     split: str = "validation"
     mode: str = "stream"
     num_rows: int | None = 40          # first N rows (BUZZ: 40); null = the whole split
