@@ -193,22 +193,38 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
     return tokens, text, n_forward
 
 
-def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
-             budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
-             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
-             positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
-             min_new_tokens: int = 0) -> Generation:
-    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
+@dataclass
+class Prepared:
+    """A prompt after prefill and compression, ready to decode: its cache, first logits and accounting.
+    `generate` decodes it alone; `kvbench.batching` decodes several together."""
 
-    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
-    sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
-    randomness of a method (Keyformer's Gumbel noise)."""
+    cache: KVCache
+    logits: Tensor  # [1, V], the prompt's last position: the first generated token's distribution
+    prompt_len: int
+    full_kv_bytes: int
+    kv_bytes: int
+    kept_per_head: list[list[int]]
+    kv_bytes_per_layer: list[int]
+    ledger: TransferLedger | None
+    timings: dict[str, float]
+
+    def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float) -> Generation:
+        """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds)."""
+        timings = {**self.timings, "decode_s": decode_s,
+                   "decode_tok_s": (n_steps / decode_s) if n_steps and decode_s > 0 else 0.0}
+        return Generation(tokens, text, self.prompt_len, self.kv_bytes, self.full_kv_bytes, self.cache.nbytes(),
+                          self.kept_per_head, timings, self.kv_bytes_per_layer,
+                          [layer.nbytes() for layer in self.cache.layers], self.cache.host_nbytes(),
+                          self.ledger.summary() if self.ledger is not None else None)
+
+
+def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
+            max_new_tokens: int, positions: str = "original", seed: int = 0) -> Prepared:
+    """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
     if positions == "shift" and hasattr(method, "attach"):
         raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
-    if eos_ids is None:
-        eos_ids = eos_token_ids(model, tokenizer)
     cache, prompt_len = KVCache(), input_ids.shape[1]
     capture.reset()
     state = None
@@ -225,18 +241,30 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     full_bytes = cache.nbytes()
     ledger = compress(method, cache, capture, budget, state, inv_freq)
     t2 = time.perf_counter()
-    kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
-    per_layer = [layer.nbytes() for layer in cache.layers]
-    tokens, text, n_steps = decode(model, cache, logits, prompt_len, max_new_tokens, eos_ids, stop, tokenizer,
-                                   sampling, on_logits, positions, stop_token_ids, min_new_tokens)
+    return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
+                    [layer.nbytes() for layer in cache.layers], ledger,
+                    {"prefill_s": t1 - t0, "compress_s": t2 - t1})
+
+
+def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
+             budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
+             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
+             positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
+             min_new_tokens: int = 0) -> Generation:
+    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
+
+    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
+    sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
+    randomness of a method (Keyformer's Gumbel noise)."""
+    if eos_ids is None:
+        eos_ids = eos_token_ids(model, tokenizer)
+    run = prepare(model, method, capture, input_ids, budget, max_new_tokens, positions, seed)
+    t2 = time.perf_counter()
+    tokens, text, n_steps = decode(model, run.cache, run.logits, run.prompt_len, max_new_tokens, eos_ids, stop,
+                                   tokenizer, sampling, on_logits, positions, stop_token_ids, min_new_tokens)
     capture.reset()
     capture.logit_scale = None
-    t3 = time.perf_counter()
-    return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes(), kept,
-                      {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,
-                       "decode_tok_s": (n_steps / (t3 - t2)) if n_steps and t3 > t2 else 0.0},
-                      per_layer, [layer.nbytes() for layer in cache.layers], cache.host_nbytes(),
-                      ledger.summary() if ledger is not None else None)
+    return run.finish(tokens, text, n_steps, time.perf_counter() - t2)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -88,6 +88,11 @@ def setup(cfg: DictConfig):
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
+        raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
+    if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
+                         "runs at batch_size=1")
     if cfg.positions not in ("original", "shift"):
         raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
     adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
@@ -180,18 +185,24 @@ def prompt_ids(sample, tokenizer, spec) -> list[int]:
     return ids
 
 
+def sample_seed(cfg: DictConfig, sample) -> int:
+    """Per-sample method randomness (Keyformer's noise): the run seed mixed with the sample id, order-free."""
+    from kvbench.store import sha256_text
+
+    return cfg.seed + int(sha256_text(sample.id)[:8], 16)
+
+
 def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
                sampling) -> dict:
     """Generate one sample and score it: the prediction record that goes into predictions.jsonl."""
     import torch
 
     from kvbench.generation import generate
-    from kvbench.store import sha256_text
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     device = next(model.parameters()).device
-    seed = cfg.seed + int(sha256_text(sample.id)[:8], 16)  # per sample, order-free
+    seed = sample_seed(cfg, sample)
     if sampling.num_beams > 1:  # beam search: no stop strings/tokens beyond EOS (Keyformer's setting)
         from kvbench.beam import beam_generate
 
@@ -202,6 +213,13 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
         gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
                        sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
                        stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
+    return sample_record(dataset, sample, ids, budget, gen)
+
+
+def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
+    """The prediction record of one generated sample (the same at any batch size, timings aside)."""
+    from kvbench.store import sha256_text
+
     scores = dataset.score(sample, gen.text)
     return {
         "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
@@ -285,7 +303,9 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
     with AttentionCapture(model, window=window) as capture:
-        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name):
+        jobs = []
+        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
+                           disable=cfg.batch_size > 1):
             ids = prompt_ids(sample, tokenizer, spec)
             budget = sample_budget(cfg, len(ids))
             if cfg.ratio is not None:
@@ -297,10 +317,22 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
                 from kvbench.perplexity import perplexity_record
 
                 store.append(perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
-                                               cfg.seed + int(sha256_text(sample.id)[:8], 16)))
+                                               sample_seed(cfg, sample)))
+                continue
+            if cfg.batch_size > 1:  # decoded together below, `batch_size` at a time
+                jobs.append((sample, ids, budget))
                 continue
             store.append(run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling))
             store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
+        if jobs:  # continuous batching (kvbench.batching); records arrive in completion order
+            from kvbench.batching import Request, generate_batched
+
+            device = next(model.parameters()).device
+            requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
+            for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
+                                                      sampling, cfg.positions), total=len(jobs), desc=method_name):
+                store.append(sample_record(dataset, *request.tag, request.budget, gen))
+                store.write_json(manifest_name, {**info, **meter.fields()})
     store.close()
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))

@@ -1,0 +1,235 @@
+"""Batched decoding with continuous batching: up to N samples decode together, each over its own compressed cache.
+
+Each prompt is prefilled and compressed alone (`generation.prepare`: exact, no padding inside a prompt). Decoding
+then runs one model forward per step for every active sample: embeddings, norms, RoPE, MLPs and the LM head see an
+`[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention runs per sample
+over that sample's own cache through the capture's attention function, i.e. exactly the batch-1 code path: dense
+sdpa, Ada-KV's varlen layers, TailorKV's quantized and offloaded layers, and the decode-time eviction hooks of
+H2O / Keyformer / BUZZ, each with the sample's own state. So caches differ in length per sample, per layer and per
+head, with no padding and no mask. A sample that finishes leaves at once and the next prompt is prefilled and
+joins (continuous batching), so one long generation does not hold the others back.
+
+Equality with batch 1. Attention, sampling, eviction and positions (`prompt_len_i + t`) are per sample and
+bit-identical to batch 1. The linear layers are not: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order
+differs from the `[1, d]` GEMV of batch 1 (about 1e-7 relative in fp32 on the CPU, more in bf16/fp16), so a greedy
+argmax can flip where the two best logits are that close; after a flip the continuations differ. On the tiny test
+models and the embedded model at fp32 no flip occurred (tests/unit/test_batching.py checks token identity).
+
+On CUDA the per-sample attention launches one kernel per sample and layer (the same kernels as batch 1; Ada-KV
+layers use flash-attn varlen for fp16/bf16); packing all samples into one varlen call is not done yet.
+Per-sample failures, sharding and the record layout stay in `kvbench.run`; this module only generates.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvbench.generation import Generation, Prepared, Sampling, eos_token_ids, next_token, prepare
+from kvbench.methods.base import Method
+from kvbench.models.capture import AttentionCapture
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt to generate for; `tag` travels with it back to the caller (e.g. the dataset sample)."""
+
+    input_ids: Tensor  # [1, n]
+    budget: int | None
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    seed: int = 0  # per-sample method randomness (Keyformer's noise), as `generate(seed=...)`
+    tag: object = None
+
+    @classmethod
+    def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device) -> Request:
+        """A dataset `Sample` with its token ids; the tag is `(sample, ids)`."""
+        return cls(torch.tensor([ids], device=device), budget, sample.max_new_tokens, tuple(sample.stop),
+                   tuple(sample.stop_token_ids), sample.min_new_tokens, seed, (sample, ids))
+
+
+@dataclass(eq=False)
+class Slot:
+    """A sample in the batch: its prepared cache, the capture hooks its method set, and its decode progress."""
+
+    request: Request
+    run: Prepared
+    decode_hook: object
+    input_hook: object
+    generator: torch.Generator | None
+    logits: Tensor  # [1, V]: the distribution of the next token
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    t: int = 0  # tokens chosen so far
+    n_forward: int = 0
+    stopped: bool = False  # a stop string appeared: `text` is already cut before it
+    started: float = field(default_factory=time.perf_counter)
+
+
+class BatchedCache:
+    """The cache object the batched forward sees: appends each sample's new K/V to that sample's own cache and
+    keeps what each layer's update returned, for the per-sample attention. Holds no K/V of its own."""
+
+    def __init__(self, slots: list[Slot]):
+        self.slots = slots
+        self.updated: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self.is_compileable = False
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        self.updated[layer_idx] = [
+            slot.run.cache.update(key_states[i:i + 1].clone(), value_states[i:i + 1].clone(), layer_idx)
+            for i, slot in enumerate(self.slots)]
+        return key_states, value_states  # placeholders: the attention below reads `updated`
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(slot.run.cache.get_seq_length(layer_idx) for slot in self.slots)
+
+
+class BatchedDecoder:
+    """Continuous batching over one model and one capture; see the module docstring. Use `run(requests)`."""
+
+    def __init__(self, model, tokenizer, method: Method, capture: AttentionCapture, batch_size: int,
+                 sampling: Sampling = Sampling(), positions: str = "original", eos_ids: set[int] | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.model, self.tokenizer, self.method, self.capture = model, tokenizer, method, capture
+        self.batch_size, self.sampling, self.positions = batch_size, sampling, positions
+        self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)
+        self.name = f"kvbench_batched_{next(_ids)}"
+        self.cache: BatchedCache | None = None
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Request, Generation]]:
+        """Yield (request, generation) as each sample finishes (completion order, not request order)."""
+        pending, active = iter(requests), deque()
+        AttentionInterface.register(self.name, self._attention)
+        try:
+            while True:
+                while len(active) < self.batch_size and (request := next(pending, None)) is not None:
+                    active.append(self._join(request))
+                if not active:
+                    return
+                stepping = []
+                for slot in list(active):
+                    token = self._choose(slot)
+                    if token is None:
+                        active.remove(slot)
+                        yield slot.request, self._finish(slot)
+                    else:
+                        stepping.append((slot, token))
+                if stepping:
+                    self._forward(stepping)
+        finally:
+            AttentionInterface._global_mapping.pop(self.name, None)
+
+    def _join(self, request: Request) -> Slot:
+        """Prefill and compress one prompt alone; keep the hooks its method set on the capture."""
+        run = prepare(self.model, self.method, self.capture, request.input_ids, request.budget,
+                      request.max_new_tokens, self.positions, request.seed)
+        generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.do_sample else None
+        slot = Slot(request, run, self.capture.decode_hook, self.capture.input_hook, generator, run.logits)
+        self.capture.reset()
+        return slot
+
+    def _choose(self, slot: Slot) -> Tensor | None:
+        """Pick the slot's next token as `generation.decode` does; None when the sample is finished."""
+        request, logits = slot.request, slot.logits
+        if slot.t >= request.max_new_tokens:
+            return None
+        enders = self.eos_ids | set(request.stop_token_ids)
+        if slot.t < request.min_new_tokens and enders:
+            logits = logits.clone()
+            logits[:, sorted(enders)] = float("-inf")
+        token = next_token(logits, self.sampling, slot.generator)
+        slot.t += 1
+        if token.item() in enders:
+            return None
+        slot.tokens.append(token.item())
+        if request.stop and self.tokenizer is not None:
+            slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
+            cut = min((slot.text.find(s) for s in request.stop if s in slot.text), default=-1)
+            if cut >= 0:
+                slot.text, slot.stopped = slot.text[:cut], True
+                return None
+        if slot.t == request.max_new_tokens:
+            return None
+        return token
+
+    def _finish(self, slot: Slot) -> Generation:
+        if not slot.stopped:
+            slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        return slot.run.finish(slot.tokens, slot.text, slot.n_forward, time.perf_counter() - slot.started)
+
+    # --- one batched forward ----------------------------------------------------------------------------------
+    def _position(self, slot: Slot) -> int:
+        """The new token's position: prompt_len + t (original), or right after the kept entries (shift)."""
+        if self.positions == "shift":
+            cache = slot.run.cache
+            position = cache.layers[0].keys.shape[-2]
+            for layer in cache.layers:
+                layer.next_position = position
+            return position
+        return slot.run.prompt_len + slot.t - 1
+
+    @torch.no_grad()
+    def _forward(self, stepping: list[tuple[Slot, Tensor]]) -> None:
+        slots = [slot for slot, _ in stepping]
+        device = stepping[0][1].device
+        input_ids = torch.cat([token for _, token in stepping])
+        positions = torch.tensor([[self._position(slot)] for slot in slots], device=device)
+        self.cache = BatchedCache(slots)
+        capture_name = self.model.config._attn_implementation
+        hooked = [slot for slot in slots if slot.input_hook is not None]
+        if hooked:
+            self.capture.input_hook = self._input_hook
+        self.model.set_attn_implementation(self.name)
+        try:
+            logits = self.model(input_ids=input_ids, past_key_values=self.cache, position_ids=positions,
+                                use_cache=True).logits[:, -1]
+        finally:
+            self.model.set_attn_implementation(capture_name)
+            self.capture.reset()
+            self.cache = None
+        for i, slot in enumerate(slots):
+            slot.logits = logits[i:i + 1]
+            slot.n_forward += 1
+
+    def _input_hook(self, layer_idx: int, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> None:
+        """Before each layer's attention: each sample's own prefetch hook (TailorKV) on its row."""
+        cos, sin = position_embeddings
+        for i, slot in enumerate(self.cache.slots):
+            if slot.input_hook is not None:
+                self.capture.cache = slot.run.cache
+                slot.input_hook(layer_idx, hidden[i:i + 1], (cos[i:i + 1], sin[i:i + 1]))
+
+    def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+        """Per sample, the capture's attention function over that sample's cache (the batch-1 path)."""
+        capture_fn = ALL_ATTENTION_FUNCTIONS[self.capture.name]
+        batch = query.shape[0]
+        outputs = []
+        for i, (slot, (keys, values)) in enumerate(zip(self.cache.slots, self.cache.updated[module.layer_idx])):
+            self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
+            sliced = {k: v[i:i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == batch else v
+                      for k, v in kwargs.items()}
+            outputs.append(capture_fn(module, query[i:i + 1], keys, values, None, **sliced)[0])
+        return torch.cat(outputs), None
+
+
+def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture, requests: Iterable[Request],
+                     batch_size: int, sampling: Sampling = Sampling(), positions: str = "original",
+                     eos_ids: set[int] | None = None) -> Iterator[tuple[Request, Generation]]:
+    """`generate` for many prompts, `batch_size` decoding at once; yields (request, generation) in completion
+    order. `capture` must be active on `model`."""
+    decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids)
+    yield from decoder.run(requests)

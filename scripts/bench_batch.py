@@ -1,0 +1,92 @@
+"""Benchmark (not a test): decode tokens/s at batch 1, 4 and 8 on the embedded SmolLM2 (budget 128, prompts spread
+over 1k-4k tokens), through `kvbench.batching`. Every batch size runs the same prompts in one process, so the
+ratios are comparable on a noisy shared machine. Each prompt is prefilled and compressed once (that happens one
+sample at a time at every batch size, so it is not what batching changes); every batch size decodes from a copy of
+that compressed cache, and decode time is the run's wall time minus the time spent handing those copies over.
+The predictions must be identical to batch 1's.
+
+    python scripts/bench_batch.py [--batches 1 4 8] [--n 8] [--min-len 1024] [--max-len 4096] [--new-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import kvbench.methods  # noqa: F401
+from kvbench.batching import BatchedDecoder, Request, Slot
+from kvbench.data.niah import NeedleHaystack
+from kvbench.models import AttentionCapture, ModelSpec, load
+from kvbench.registry import METHODS
+
+
+def prompts(tok, n: int, min_len: int, max_len: int, device) -> list[torch.Tensor]:
+    """`n` needle prompts with lengths evenly spread over about [min_len, max_len] tokens (+165: the NIAH
+    builder subtracts a 200-token buffer and adds its ~35-token template)."""
+    lengths = [min_len + i * (max_len - min_len) // max(n - 1, 1) for i in range(n)]
+    out = []
+    for length in lengths:
+        sample = NeedleHaystack(context_lengths=[length + 165], depth_percents=[50]).build(tok, 100_000)[0]
+        out.append(torch.tensor([tok(sample.prompt).input_ids], device=device))
+    return out
+
+
+class PrefilledOnce(BatchedDecoder):
+    """Prefills each prompt the first time it joins; later joins get a copy of that compressed cache."""
+
+    def __init__(self, *args, memo: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memo, self.join_s = memo, 0.0
+
+    def _join(self, request: Request) -> Slot:
+        t0 = time.perf_counter()
+        if request.tag not in self.memo:
+            self.memo[request.tag] = super()._join(request)
+        slot = copy.deepcopy(self.memo[request.tag])
+        slot.started = time.perf_counter()
+        self.join_s += slot.started - t0
+        return slot
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--n", type=int, default=8, help="prompts per batch size")
+    ap.add_argument("--min-len", type=int, default=1024)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--method", default="snapkv")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--model", default="embedded")
+    args = ap.parse_args()
+
+    model, tok = load(ModelSpec(name="bench", path=args.model))
+    device = next(model.parameters()).device
+    ids = prompts(tok, args.n, args.min_len, args.max_len, device)
+    method = METHODS[args.method]()
+    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    print(f"# device={device} threads={torch.get_num_threads()} method={args.method} budget={args.budget} "
+          f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
+    rows, reference, memo = [], None, {}
+    with AttentionCapture(model, window=window) as capture:
+        for batch in args.batches:
+            requests = [Request(x, args.budget, args.new_tokens, tag=i) for i, x in enumerate(ids)]
+            decoder = PrefilledOnce(model, tok, method, capture, batch, eos_ids=set(), memo=memo)
+            t0 = time.perf_counter()
+            done = {r.tag: g for r, g in decoder.run(requests)}
+            seconds = time.perf_counter() - t0 - decoder.join_s
+            steps = sum(len(g.token_ids) - 1 for g in done.values())  # decode forwards (token 1 is prefill's)
+            tokens = [done[i].token_ids for i in range(len(ids))]
+            reference = reference or tokens
+            rows.append((batch, steps, seconds, steps / seconds, tokens == reference))
+    base = rows[0][3]
+    print("| batch | decode tokens | decode s | decode tok/s | vs batch 1 | same tokens as batch 1 |")
+    print("|---|---|---|---|---|---|")
+    for batch, steps, seconds, tok_s, same in rows:
+        print(f"| {batch} | {steps} | {seconds:.2f} | {tok_s:.1f} | {tok_s / base:.2f}x | {same} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Batched decoding (kvbench.batching) against batch 1 (kvbench.generation.generate), the independent reference:
+same tokens, text and cache accounting per sample, for prompts of different lengths, one-shot, per-head variable
+(Ada-KV) and decode-time (H2O, Keyformer, BUZZ) methods, with samples leaving and joining the batch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+import kvbench.methods  # noqa: F401
+from kvbench.batching import Request, generate_batched
+from kvbench.generation import Sampling, generate
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from tests.unit.test_contract import configured
+from tests.unit.tiny import prompt, tiny_model
+
+LENGTHS = [150, 70, 210, 120, 95]  # different prompt lengths: caches differ per sample, layer and head
+NEW = [12, 4, 9, 12, 1]  # different generation lengths: samples leave and others join
+FIELDS = ("token_ids", "text", "prompt_len", "kv_bytes", "full_kv_bytes", "kv_bytes_final", "kept_per_head",
+          "kv_bytes_per_layer", "kv_bytes_per_layer_final", "host_kv_bytes", "transfers")
+
+
+def batch_one_and_batched(model, method, budget, batch_size, sampling=Sampling(), positions="original",
+                          eos_ids=frozenset(), stop=(), tokenizer=None, min_new_tokens=0):
+    """Each prompt through `generate` alone, then all through `generate_batched`; both lists in request order."""
+    prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    with AttentionCapture(model, window=window) as capture:
+        alone = [generate(model, tokenizer, method, capture, ids, budget, new, stop, sampling, set(eos_ids),
+                          positions=positions, seed=100 + i, min_new_tokens=min_new_tokens)
+                 for i, (ids, new) in enumerate(zip(prompts, NEW))]
+        requests = [Request(ids, budget, new, stop, (), min_new_tokens, 100 + i, tag=i)
+                    for i, (ids, new) in enumerate(zip(prompts, NEW))]
+        done = {r.tag: g for r, g in generate_batched(model, tokenizer, method, capture, requests, batch_size,
+                                                      sampling, positions, set(eos_ids))}
+    return alone, [done[i] for i in range(len(prompts))]
+
+
+def assert_same(alone, batched):
+    for one, many in zip(alone, batched):
+        for name in FIELDS:
+            assert getattr(many, name) == getattr(one, name), name
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz",
+                                  "tailorkv", "full"])
+def test_batch_n_equals_batch_1(name):
+    model = tiny_model("llama", layers=2)
+    method = configured(name)
+    budget = None if name == "full" else 48
+    alone, batched = batch_one_and_batched(model, method, budget, batch_size=3)
+    assert_same(alone, batched)
+    assert [len(g.token_ids) for g in batched] == NEW
+
+
+def test_gqa_family_with_shift_positions_and_prefill_only_h2o():
+    model = tiny_model("qwen2", layers=2)
+    for method, positions in [(METHODS["h2o"](), "shift"), (METHODS["h2o"](variant="prefill_only"), "original"),
+                              (METHODS["streamingllm"](), "shift")]:
+        assert_same(*batch_one_and_batched(model, method, 40, batch_size=4, positions=positions))
+
+
+def test_sampling_eos_and_min_new_tokens_follow_batch_1():
+    model = tiny_model("mistral", layers=2)
+    sampling = Sampling(do_sample=True, temperature=1.5, top_k=20, seed=3)
+    greedy_alone, _ = batch_one_and_batched(model, METHODS["snapkv"](window=8), 48, batch_size=1)
+    eos = {greedy_alone[0].token_ids[2], greedy_alone[3].token_ids[5]}  # tokens that do come up: samples stop early
+    lengths = []
+    for kwargs in ({"sampling": sampling}, {"eos_ids": eos}, {"eos_ids": eos, "min_new_tokens": 4}):
+        alone, batched = batch_one_and_batched(model, METHODS["snapkv"](window=8), 48, batch_size=2, **kwargs)
+        assert_same(alone, batched)
+        lengths.append(len(batched[0].token_ids))
+    assert lengths[1] == 2 < lengths[2]  # EOS really ended a sample early, and not before min_new_tokens
+
+
+def test_finished_samples_leave_and_new_ones_join():
+    """Forward batch sizes, step by step: never above batch_size, and a slot freed by a short sample is refilled."""
+    model, method = tiny_model("llama", layers=2), METHODS["snapkv"](window=8)
+    requests = [Request(prompt(n, seed=i), 48, new, tag=i) for i, (n, new) in enumerate(zip(LENGTHS, NEW))]
+    sizes = []
+    handle = model.register_forward_pre_hook(lambda m, args, kw: sizes.append(kw["input_ids"].shape),
+                                             with_kwargs=True)
+    with AttentionCapture(model, window=8) as capture:
+        order = [r.tag for r, _ in generate_batched(model, None, method, capture, requests, 2, eos_ids=set())]
+    handle.remove()
+    decode = [s[0] for s in sizes if s[1] == 1]
+    assert max(decode) == 2 and sum(decode) == sum(n - 1 for n in NEW)  # every decode forward, none wasted
+    assert len(decode) < sum(n - 1 for n in NEW)  # and they were shared
+    assert order == [1, 0, 2, 4, 3]  # the short sample 1 left first; 2 took its slot before 0 finished
+
+
+def test_cli_batch_size_gives_the_same_records(tmp_path):
+    """One multirun over batch_size=1,3 (one process; results_dir per batch size, as batch_size does not change
+    the run's identity): the same records, timings aside."""
+    from tests.unit.test_cli import ENV, GRID, ROOT, records, run_dirs
+
+    out = subprocess.run([sys.executable, "-m", "kvbench.run", "-m", "model=tiny_llama", "method=h2o", "budget=64",
+                          *GRID, "report=false", "batch_size=1,3", f"results_dir={tmp_path}/b${{batch_size}}"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes")
+    runs = {}
+    for batch_size in (1, 3):
+        (run_dir,) = run_dirs(tmp_path / f"b{batch_size}")
+        runs[batch_size] = {r["id"]: {k: v for k, v in r.items() if k not in timing} for r in records(run_dir)}
+        assert OmegaConf.load(run_dir / "config.yaml").batch_size == batch_size
+    assert runs[3] == runs[1] and len(runs[1]) == 4
+
+
+def test_bad_batch_size_is_refused():
+    with pytest.raises(ValueError, match="batch_size=0"):
+        list(generate_batched(tiny_model("llama", layers=1), None, METHODS["full"](), None,
+                              [Request(prompt(10), None, 2)], 0))
