@@ -7,9 +7,13 @@ arrive one per head per step, so they go to an ordinary dense part `keys/values`
 prompt part is never copied again (the official CUDA kernel re-copies the whole layer every step).
 
 Decode attention combines the two parts exactly with a log-sum-exp merge: flash-attn's varlen kernel for the
-flattened part on CUDA, a per-head loop of matmuls on CPU (memory = one head's segment). Batch size 1.
+flattened part on CUDA in fp16/bf16 when flash-attn is importable (it supports nothing else), otherwise a per-head
+loop of matmuls in fp32 (memory = one head's segment). Batch size 1. Sizes the kernel needs as Python ints (the
+longest head, the offsets) are computed once at selection, so a decode step never waits on the device for them.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -40,7 +44,9 @@ class VarlenLayer(KVLayer):
         lens = torch.tensor([len(i) for i in idx], device=layer.keys.device)
         new.head_lens = lens
         new.cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        new.offsets = new.cu.tolist()  # plain ints for the CPU loop
+        new.cu_int32 = new.cu.to(torch.int32)  # flash-attn's offset type, converted once
+        new.offsets = new.cu.tolist()  # plain ints, host-side: the CPU loop and the longest head need no sync
+        new.max_head_len = max(len(i) for i in idx)
         empty = layer.keys.new_empty(1, len(idx), 0, layer.keys.shape[-1])
         new.keys, new.values = empty, empty.clone()
         new.positions = layer.positions.new_empty(1, len(idx), 0)
@@ -56,7 +62,7 @@ class VarlenLayer(KVLayer):
         raise NotImplementedError("cache: eviction after a per-head variable selection is not supported yet")
 
     def get_seq_length(self) -> int:
-        return int(self.head_lens.max()) + self.keys.shape[-2]
+        return self.max_head_len + self.keys.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.keys.shape[-2] + query_length, 0  # the dense part; varlen attention ignores masks (batch 1)
@@ -76,7 +82,7 @@ def varlen_decode_attention(query: Tensor, layer: VarlenLayer, scaling: float) -
         raise NotImplementedError("varlen attention: batch size 1 and one query token only")
     n_heads, d = layer.head_lens.shape[0], query.shape[-1]
     q = query[0, :, 0].reshape(n_heads, -1, d)  # [H, G, D]
-    if query.is_cuda and _flash_varlen() is not None:
+    if use_flash(query):
         out = _flash_decode(q, layer, scaling)
     else:
         out = _torch_decode(q, layer, scaling)
@@ -96,6 +102,12 @@ def _torch_decode(q: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
     return out
 
 
+def use_flash(query: Tensor) -> bool:
+    """flash-attn's varlen kernel only for fp16/bf16 CUDA tensors (it raises on fp32 and has no CPU build)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None
+
+
+@functools.cache
 def _flash_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
@@ -110,7 +122,7 @@ def _flash_decode(q: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
     n_heads, group, d = q.shape
     cu_q = torch.arange(n_heads + 1, device=q.device, dtype=torch.int32)
     out, lse, _ = flash(q.contiguous(), layer.flat_keys.view(-1, 1, d), layer.flat_values.view(-1, 1, d), cu_q,
-                        layer.cu.to(torch.int32), 1, int(layer.head_lens.max()), softmax_scale=scaling,
+                        layer.cu_int32, 1, layer.max_head_len, softmax_scale=scaling,
                         causal=False, return_attn_probs=True)
     lse = lse.view(group, n_heads).T.float()  # [H, G]
     if layer.keys.shape[-2] == 0:

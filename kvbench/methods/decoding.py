@@ -33,6 +33,16 @@ class EvictionState:
     scores: dict[int, Tensor] = field(default_factory=dict)
     extra: dict[int, dict] = field(default_factory=dict)  # per-layer method state (e.g. BUZZ's old-sample count)
     step: int = 0  # decode forwards so far (counted at layer 0)
+    device_generators: dict = field(default_factory=dict)  # the same seed on other devices, made on first use
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The sample's noise source on `device`, so noise is drawn where the scores live (no host copy). The CPU
+        stream is `generator` itself; a CUDA stream is seeded alike but draws different numbers."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self.device_generators:
+            self.device_generators[device] = torch.Generator(device).manual_seed(self.generator.initial_seed())
+        return self.device_generators[device]
 
     def prefill(self, layer_idx: int, layer: KVLayer, column_sums: Tensor | None) -> None:
         if column_sums is None:  # a position-only policy (local window, rolling StreamingLLM): no scores needed

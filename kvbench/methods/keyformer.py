@@ -15,7 +15,8 @@ Selection rules:
   leaving the window competing (the paper rule, once), and frozen from then on.
 Budget: `budget` entries, or `budget_fraction` of the prompt length (the paper's "% of prompt"). `padded_length=1920`
 takes the fraction of 1920 instead, the base of the released runs (every prompt left-padded to 1920 tokens:
-k = int(1920 * fraction), e.g. 1152 at 60 %, whatever the article's length). Noise is seeded per sample (run `seed`).
+k = int(1920 * fraction), e.g. 1152 at 60 %, whatever the article's length). Noise is seeded per sample (run `seed`) and drawn on the model's
+device (CPU and CUDA draw different numbers from the same seed).
 Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
 """
 from __future__ import annotations
@@ -69,8 +70,8 @@ class Keyformer(DecodingMethod):
         return self.tau_init + t * (self.tau_end - self.tau_init) / max(state.max_new_tokens, 1)
 
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
-        exp = torch.empty(logits.shape, dtype=torch.float32).exponential_(generator=state.generator)
-        gumbel = -exp.log().to(logits.device)
+        exp = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # drawn where the logits live
+        gumbel = -exp.exponential_(generator=state.generator_on(logits.device)).log()
         return ((logits + gumbel) / self.tau(state, decoding)).softmax(dim=-1)
 
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
