@@ -9,7 +9,7 @@ export MPLBACKEND ?= Agg
 
 .PHONY: reproduce-pyramidkv reproduce-adakv reproduce-tailorkv reproduce-keyformer reproduce-buzz reproduce-smoke \
 	reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke
-.PHONY: help setup demo test test-unit test-integration test-gpu sweep report bench tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -38,6 +38,10 @@ test-integration: setup  ## integration tier (embedded SmolLM2)
 
 test-gpu: setup  ## GPU tier (skipped without CUDA)
 	$(PYTHON) -m pytest -q tests/gpu
+
+gpu-check: setup  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model
+	$(PYTHON) -m pytest -q tests/gpu
+	$(PYTHON) scripts/bench_gpu.py
 
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 on the embedded model, then the report
 	$(PYTHON) -m kvbench.run -m method=full,streamingllm,snapkv,pyramidkv budget=64,128,256

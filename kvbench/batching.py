@@ -21,6 +21,7 @@ Per-sample failures, sharding and the record layout stay in `kvbench.run`; this 
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections import deque
@@ -74,7 +75,7 @@ class Slot:
     t: int = 0  # tokens chosen so far
     n_forward: int = 0
     stopped: bool = False  # a stop string appeared: `text` is already cut before it
-    started: float = field(default_factory=time.perf_counter)
+    decode_s: float = 0.0  # wall time of the batched forwards this sample took part in (not others' prefills)
 
 
 class BatchedCache:
@@ -169,7 +170,7 @@ class BatchedDecoder:
     def _finish(self, slot: Slot) -> Generation:
         if not slot.stopped:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True) if self.tokenizer else ""
-        return slot.run.finish(slot.tokens, slot.text, slot.n_forward, time.perf_counter() - slot.started)
+        return slot.run.finish(slot.tokens, slot.text, slot.n_forward, slot.decode_s)
 
     # --- one batched forward ----------------------------------------------------------------------------------
     def _position(self, slot: Slot) -> int:
@@ -194,6 +195,7 @@ class BatchedDecoder:
         if hooked:
             self.capture.input_hook = self._input_hook
         self.model.set_attn_implementation(self.name)
+        t0 = time.perf_counter()
         try:
             logits = self.model(input_ids=input_ids, past_key_values=self.cache, position_ids=positions,
                                 use_cache=True).logits[:, -1]
@@ -201,9 +203,13 @@ class BatchedDecoder:
             self.model.set_attn_implementation(capture_name)
             self.capture.reset()
             self.cache = None
+        if logits.is_cuda:  # the next token's .item() would wait anyway; waiting here makes the time right
+            torch.cuda.synchronize(logits.device)
+        seconds = time.perf_counter() - t0
         for i, slot in enumerate(slots):
             slot.logits = logits[i:i + 1]
             slot.n_forward += 1
+            slot.decode_s += seconds
 
     def _input_hook(self, layer_idx: int, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> None:
         """Before each layer's attention: each sample's own prefetch hook (TailorKV) on its row."""
@@ -224,6 +230,27 @@ class BatchedDecoder:
                       for k, v in kwargs.items()}
             outputs.append(capture_fn(module, query[i:i + 1], keys, values, None, **sliced)[0])
         return torch.cat(outputs), None
+
+
+class PrefilledOnce(BatchedDecoder):
+    """For benchmarks: prefills each prompt (by `Request.tag`) the first time it joins; later joins decode from a
+    copy of that compressed cache, so decode speed can be measured at several batch sizes without re-prefilling.
+    `join_s` is the time spent joining. Methods with per-sample decode hooks cannot be copied this way."""
+
+    def __init__(self, *args, memo: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        if getattr(self.method, "evicts_while_decoding", False) or hasattr(self.method, "attach"):
+            raise ValueError(f"{self.method.registry_name}: its decode hooks hold the original cache; cannot copy")
+        self.memo, self.join_s = memo, 0.0
+
+    def _join(self, request: Request) -> Slot:
+        t0 = time.perf_counter()
+        if request.tag not in self.memo:
+            self.memo[request.tag] = super()._join(request)
+        slot = copy.deepcopy(self.memo[request.tag])
+        slot.request = request
+        self.join_s += time.perf_counter() - t0
+        return slot
 
 
 def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture, requests: Iterable[Request],

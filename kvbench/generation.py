@@ -235,11 +235,15 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
             capture.column_block = method.causal_block(state.budget)
     capture.logit_scale = getattr(method, "logit_scale", None)  # BUZZ log n: a temperature on every layer
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
+    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
+    sync()
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
+    sync()
     t1 = time.perf_counter()
     full_bytes = cache.nbytes()
     ledger = compress(method, cache, capture, budget, state, inv_freq)
+    sync()
     t2 = time.perf_counter()
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger,

@@ -91,3 +91,20 @@ def test_tailorkv_fetching_every_token_reproduces_full_and_default_holds_little(
     assert default.kv_bytes < 0.04 * default.full_kv_bytes
     assert sum(default.kv_bytes_per_layer[1:]) == 29 * (2 * 3 * 64 * 64 * 4 + 3 * 64 * 4)  # sinks+recent, max|K|
     assert default.host_kv_bytes == pytest.approx(1.5 * default.full_kv_bytes * 29 / 30)
+
+
+def test_bf16_run_retrieves_the_needle_with_a_bf16_cache():
+    """The embedded model loaded in bf16 (as GPU runs load models), SnapKV at 128 on a 1k needle: the needle comes
+    back and the compressed cache is held in bf16 (2 bytes per element)."""
+    model, tok = load(ModelSpec(name="smollm2", path="embedded", dtype="bfloat16"))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["dataset.context_lengths=[1000]", "dataset.depth_percents=[50]"])
+    (sample,) = instantiate(cfg.dataset).build(tok, 8000)
+    ids = torch.tensor([tok(sample.prompt).input_ids])
+    with AttentionCapture(model, window=32) as capture:
+        gen = generate(model, tok, METHODS["snapkv"](), capture, ids, 128, sample.max_new_tokens, sample.stop)
+    assert "sandwich" in gen.text, gen.text
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert gen.kv_bytes == 128 * cfg.num_key_value_heads * head_dim * 2 * 2 * cfg.num_hidden_layers

@@ -122,6 +122,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
     (["method=snapkv", "method.pooling=mean"], "pooling='mean' is not one of max, avg, none"),
     (["ratio=1.5"], "ratio=1.5 must be in [0, 1)"),
     (["positions=rope"], "positions='rope' is not one of original, shift"),
+    (["batch_size=0"], "batch_size=0 must be a positive integer"),
     (["method=h2o", "budget=8", "method.recent_size=8"], "h2o: recent_size=8 must be < budget=8"),
     (["dataset.depth_percents=[120]"], "niah:"),
 ])
