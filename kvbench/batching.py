@@ -104,6 +104,11 @@ class BatchedDecoder:
                  sampling: Sampling = Sampling(), positions: str = "original", eos_ids: set[int] | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if capture is not None and batch_size > 1:
+            family = capture.adapter.family
+            if capture.adapter.forward is not None or capture.window_layers:  # their masks/attention bypass us
+                raise ValueError(f"batch_size={batch_size}: {family} (attention outside transformers' "
+                                 "AttentionInterface, or sliding-window layers) decodes at batch_size=1 only")
         self.model, self.tokenizer, self.method, self.capture = model, tokenizer, method, capture
         self.batch_size, self.sampling, self.positions = batch_size, sampling, positions
         self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)
@@ -133,6 +138,7 @@ class BatchedDecoder:
                     self._forward(stepping)
         finally:
             AttentionInterface._global_mapping.pop(self.name, None)
+            self.capture.logit_scale = None  # set per method by `prepare`, as `generate` leaves it
 
     def _join(self, request: Request) -> Slot:
         """Prefill and compress one prompt alone; keep the hooks its method set on the capture."""
