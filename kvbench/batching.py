@@ -106,7 +106,7 @@ class BatchedDecoder:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if capture is not None and batch_size > 1:
             family = capture.adapter.family
-            if capture.adapter.forward is not None or capture.window_layers:  # their masks/attention bypass us
+            if capture.adapter.replaces is not None or capture.window_layers:  # their masks/attention bypass us
                 raise ValueError(f"batch_size={batch_size}: {family} (attention outside transformers' "
                                  "AttentionInterface, or sliding-window layers) decodes at batch_size=1 only")
         self.model, self.tokenizer, self.method, self.capture = model, tokenizer, method, capture

@@ -100,7 +100,7 @@ def setup(cfg: DictConfig):
         adapter.check_method(method)
         if cfg.positions == "shift":
             adapter.check_shift()
-        if cfg.batch_size > 1 and (adapter.forward is not None or adapter.has_window_layers):
+        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
     if cfg.ratio is not None:
