@@ -5,8 +5,8 @@ transformers' `MptAttention` computes its scores itself (no `AttentionInterface`
 each MPT attention instance (never on the class) with `mpt_attention_forward`, which forms q/k/v exactly as MPT does
 and biases each kept key by its ORIGINAL distance, `slope_h * (pos_k - pos_q)`, read from the cache layer's
 `positions` (Keyformer's "Org Pos"). With `positions=shift` the layer reports its slots instead
-(`KVLayer.attention_positions`), so the same code gives ALiBi over slots ("New Pos"). Softmax ignores a per-row constant, so on an uncompressed cache this equals
-transformers' MPT exactly. The bias goes to the attention function as an additive float mask, and to the capture's
+(`KVLayer.attention_positions`), so the same code gives ALiBi over slots ("New Pos"). Softmax ignores a per-row
+constant, so on an uncompressed cache this equals transformers' MPT exactly. The bias goes to the attention function as an additive float mask, and to the capture's
 scoring as `score_bias(rows)` so that methods score the attention the model really pays.
 """
 from __future__ import annotations

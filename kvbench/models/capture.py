@@ -143,6 +143,8 @@ class AttentionCapture:
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             if q_len > 1:  # prefill: keep only what scoring needs
+                if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
+                    score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
                 self.scaling[layer_idx] = scaling
                 if softcap is not None:
                     self.softcap[layer_idx] = softcap
@@ -152,22 +154,29 @@ class AttentionCapture:
                         self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
                 if self.column_score is not None:
                     self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias, softcap)
-            elif self.decode_hook is not None:
-                if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-                    attention_mask = None  # sized for another layer (see below)
+            else:
+                attention_mask = self._decode_mask(layer_idx, attention_mask, key, query.shape[1],
+                                                   kwargs.get("sliding_window"))
+            if q_len == 1 and self.decode_hook is not None:
                 out = inner(module, query, key, value, attention_mask, **kwargs)
-                bias = {} if score_bias is None else {"bias": score_bias(slice(0, 1))}
-                self.decode_hook(layer_idx, query, key, scaling, **bias)  # may evict: this step already attended
+                bias = score_bias(slice(0, 1)) if score_bias is not None else None
+                if attention_mask is not None and attention_mask.is_floating_point():  # e.g. the window, by position
+                    bias = attention_mask if bias is None else bias + attention_mask
+                self.decode_hook(layer_idx, query, key, scaling, **({} if bias is None else {"bias": bias}))
+                # (the hook may evict: this step already attended)
                 return out
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "attend", None) is not None:  # a layer with its own storage (varlen, quantized...)
+                    window = kwargs.get("sliding_window")
+                    if window and layer.seen_tokens > window:  # it may hold keys the model's window hides
+                        raise NotImplementedError(f"capture: a layer with its own storage cannot apply the model's "
+                                                  f"sliding window ({window}) to a {layer.seen_tokens}-token context; "
+                                                  "use a dense method (snapkv, pyramidkv, streamingllm, h2o, ...)")
                     if score_bias is not None or softcap is not None:
                         raise NotImplementedError("capture: ALiBi or soft-capped attention over a layer with its "
                                                   "own storage")
                     return layer.attend(query, scaling), None
-                if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-                    attention_mask = None  # layers keep different lengths; one token at batch 1 sees all of its layer
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
                 module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),
@@ -175,6 +184,22 @@ class AttentionCapture:
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
+
+    def _decode_mask(self, layer_idx: int, mask, key: Tensor, n_heads: int, window: int | None):
+        """One new token's mask over this layer: the model's when it is sized for this layer (layers keep different
+        lengths; otherwise one token at batch 1 sees all of its layer), and a sliding window applied by each kept
+        key's position, not its slot (after eviction the model's own window mask would count slots)."""
+        if mask is not None and mask.shape[-1] != key.shape[-2]:
+            mask = None
+        layer = self.cache.layers[layer_idx] if self.cache is not None and window else None
+        positions = layer.attention_positions() if hasattr(layer, "attention_positions") else None
+        if positions is None or positions.shape[-1] != key.shape[-2]:
+            return mask
+        outside = positions <= positions[..., -1:] - window  # [B, H_stored, k]; the newest entry is the query
+        if not bool(outside.any()):
+            return mask
+        outside = outside.repeat_interleave(n_heads // outside.shape[1], dim=1)[:, :, None]  # [B, H_q, 1, k]
+        return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 
     @torch.no_grad()
     def _column_sums(self, query: Tensor, key: Tensor, scaling: float, score_bias=None,
@@ -200,3 +225,16 @@ class AttentionCapture:
                 future = future & (rows_at >= n - self.column_block)
             total += self.column_score(logits.masked_fill(future, float("-inf"))).sum(dim=2)
         return total
+
+
+def window_bias(score_bias, window: int, n_keys: int, device) -> Callable:
+    """`score_bias` (rows -> `[B, H, rows, n]` or None) plus -inf where a prompt key lies outside the row's sliding
+    window (key <= row - window), as `[1, 1, rows, n]`: what a uniform-window layer (Mistral v0.1) really sees."""
+
+    def bias(rows: slice) -> Tensor:
+        q = torch.arange(rows.start, rows.stop, device=device)[:, None]
+        outside = torch.arange(n_keys, device=device)[None, :] <= q - window
+        extra = torch.zeros(outside.shape, device=device).masked_fill(outside, float("-inf"))[None, None]
+        return extra if score_bias is None else score_bias(rows) + extra
+
+    return bias

@@ -1,9 +1,10 @@
 """Tiny random-weight configs of every supported family (no download): for `random:<family>` smoke runs and tests.
 
 Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the family's own quirks stay on at tiny
-scale so tests exercise them: Phi-3 and GPT-NeoX rotate only part of each head (partial rotary), Gemma 3 alternates
-a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its logits), GPT-2 adds learned absolute positions at the embedding, MPT
-biases scores by ALiBi distance.
+scale so tests exercise them: Phi-3, GPT-NeoX and GPT-J rotate only part of each head (partial rotary; GPT-J
+interleaved), Gemma 2/3 alternate a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its
+logits), GPT-2 adds learned absolute positions at the embedding, MPT biases scores by ALiBi distance, Falcon is
+multi-query.
 """
 from __future__ import annotations
 

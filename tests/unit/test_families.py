@@ -31,7 +31,9 @@ N, BUDGET, LAYERS = 120, 32, 3
 _models: dict[str, torch.nn.Module] = {}
 
 
-VARIANTS = {"falcon_grouped": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2))}  # Falcon-40B layout
+VARIANTS = {"falcon_grouped": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # Falcon-40B layout
+            "mistral_sliding": ("mistral", dict(sliding_window=32)),  # a uniform window (Mistral v0.1, Phi-3-mini)
+            "phi3_sliding": ("phi3", dict(sliding_window=32))}
 
 
 def model_of(family: str):
@@ -148,6 +150,11 @@ def check_contract(family: str, name: str):
             adapter.check_method(method)
         return
     adapter.check_method(method)
+    if method.own_storage and getattr(model.config, "sliding_window", None) and family in ("mistral", "phi3"):
+        with pytest.raises(NotImplementedError, match="cannot apply the model's sliding window"):
+            with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:  # (the prompt exceeds it)
+                generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
+        return
     seen: dict = {}
 
     def on_logits(t, logits):
