@@ -123,6 +123,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
     (["ratio=1.5"], "ratio=1.5 must be in [0, 1)"),
     (["positions=rope"], "positions='rope' is not one of original, shift"),
     (["batch_size=0"], "batch_size=0 must be a positive integer"),
+    (["shard=4/4"], "shard=4/4 must be i/n with n >= 1 and 0 <= i < n"),
     (["method=h2o", "budget=8", "method.recent_size=8"], "h2o: recent_size=8 must be < budget=8"),
     (["dataset.depth_percents=[120]"], "niah:"),
 ])
