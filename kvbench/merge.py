@@ -89,7 +89,8 @@ def ordered_records(run_dir: Path, states: list[ShardState]) -> tuple[list[str],
     for s in states:
         for r in s.records:
             if r["id"] in by_id:
-                raise MergeError(f"merge: {run_dir}: sample {r['id']!r} appears twice ({s.shard.tag} and another shard)")
+                raise MergeError(f"merge: {run_dir}: sample {r['id']!r} appears twice "
+                                 f"({s.shard.tag} and another shard)")
             if owner.get(r["id"]) != s.shard.index:
                 raise MergeError(f"merge: {run_dir}: sample {r['id']!r} in {s.shard.tag} does not belong to it")
             by_id[r["id"]] = r

@@ -4,8 +4,9 @@ With a device map, layer i's weights, its KV cache, its captured queries and (Ta
 side all belong on layer i's device; activations cross devices only between layers, where accelerate's hooks move
 them. kvbench's caches already allocate from the tensors they are given, so the one place that must move data
 itself is code that runs a layer's weights on another layer's activations (TailorKV's one-layer-ahead query
-prediction): `to_device_of` moves the activations and `weights_present` loads weights offloaded to cpu/disk. `layer_devices` resolves an accelerate device map (module-name prefixes ->
-device) to one device per decoder layer, as accelerate does: the longest matching prefix wins.
+prediction): `to_device_of` moves the activations and `weights_present` loads weights offloaded to cpu/disk.
+`layer_devices` resolves an accelerate device map (module-name prefixes -> device) to one device per decoder layer,
+as accelerate does: the longest matching prefix wins.
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path,
     assert report_main([str(sharded), "--out", str(tmp_path / "report")]) == 0
     assert ((run_dir / "predictions.jsonl").read_text(), (run_dir / "scores.json").read_text()) == before
     cost = (tmp_path / "report" / "cost.md").read_text()
-    assert cost.startswith("GPU-hours 0.00 | wall-hours ") and "niah | tiny-llama | snapkv | b64 (6 samples, 3 shards" in cost
+    assert cost.startswith("GPU-hours 0.00 | wall-hours ")
+    assert "niah | tiny-llama | snapkv | b64 (6 samples, 3 shards" in cost
 
 
 def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path, capsys):
