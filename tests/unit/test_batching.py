@@ -13,6 +13,9 @@ import kvbench.methods  # noqa: F401
 from kvbench.batching import Request, generate_batched
 from kvbench.generation import Sampling, generate
 from kvbench.models import AttentionCapture
+from kvbench.models.adapters import BY_FAMILY
+from kvbench.models.loader import RANDOM_FAMILIES
+from kvbench.models.tiny import tiny_random_model
 from kvbench.registry import METHODS
 from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
@@ -114,3 +117,17 @@ def test_bad_batch_size_is_refused():
     with pytest.raises(ValueError, match="batch_size=0"):
         list(generate_batched(tiny_model("llama", layers=1), None, METHODS["full"](), None,
                               [Request(prompt(10), None, 2)], 0))
+
+
+@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+def test_every_family_batches_or_refuses_in_one_line(family):
+    """Families whose attention goes through transformers' interface batch exactly (learned positions, fused QKV,
+    query norms included); those with their own attention forward or sliding-window layers are refused."""
+    model = tiny_random_model(family)
+    adapter = BY_FAMILY[family]
+    if adapter.replaces is not None or adapter.has_window_layers:
+        with AttentionCapture(model) as capture, pytest.raises(ValueError, match="batch_size=1 only"):
+            list(generate_batched(model, None, METHODS["full"](), capture, [Request(prompt(10), None, 2)], 2))
+        return
+    for name in ("snapkv", "h2o"):
+        assert_same(*batch_one_and_batched(model, configured(name), 48, batch_size=3))
