@@ -6,12 +6,14 @@ another layer's input (TailorKV's q̂) is the family's query projection (separat
 QKV weight) followed by its per-head norm and rotary embedding, and `positions=shift` re-rotates only the rotary
 dims. Methods never see an adapter.
 
-Every family here routes attention through transformers' `AttentionInterface`, so the capture's attention function
-sees post-position-encoding queries and keys. A family that is known but not supported carries a `missing` line and
-is rejected, in one line, before weights load (`check_config`); so are encoder-decoder and state-space models and
-any model type without an adapter.
+Most families route attention through transformers' `AttentionInterface`, so the capture's attention function sees
+post-position-encoding queries and keys as they are. MPT, GPT-J and Falcon compute attention themselves; their row
+names the attribute the capture replaces on each instance (`replaces`: `kvbench/models/alibi.py`, `gptj.py`,
+`falcon.py`), which hands the same q/k/v to the capture's function. Encoder-decoder, state-space and unknown model
+types, and variants an adapter refuses from config.json (ALiBi Falcon), fail in one line before weights load
+(`check_config`); method x family pairs that cannot be exact fail in one line too (`check_method`).
 
-Window layers (Gemma 2/3 `sliding_attention`): a method leaves them as they are; the model's own window mask keeps
+Window layers (Gemma 2/3, Qwen `sliding_attention`): a method leaves them as they are; the model's own window keeps
 their semantics, and the budget applies to the global layers (documented in the README's architecture table).
 """
 from __future__ import annotations
@@ -55,7 +57,6 @@ class Adapter:
     # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
     rotary_layout: Literal["half", "interleaved"] = "half"  # GPT-J rotates pairs of adjacent dims
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
-    missing: str | None = None  # set: the family is rejected before weights load, with this reason
     refuse: Callable[[dict], str | None] | None = None  # config.json -> a reason to refuse this variant, or None
 
     # --- finding attention ------------------------------------------------------------------------------------
@@ -81,7 +82,8 @@ class Adapter:
     # --- queries and positions --------------------------------------------------------------------------------
     def project_query(self, module: torch.nn.Module, hidden: Tensor) -> Tensor:
         """`module`'s queries for `hidden` `[B, q, hidden]`, before position encoding: `[B, H_q, q, D]`.
-        A fused projection is cut to its query rows first, so only the query part is multiplied."""
+        A fused projection is cut to its query rows first, so only the query part is multiplied (Falcon's three
+        layouts: the module's own split of the whole projection)."""
         if self.query_layout == "split":
             query = falcon_query(module, hidden)
             return query if self.query_norm is None else getattr(module, self.query_norm)(query)
@@ -208,7 +210,7 @@ STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xl
 
 
 def supported() -> str:
-    return ", ".join(t for a in ADAPTERS if a.missing is None for t in a.model_types)
+    return ", ".join(t for a in ADAPTERS for t in a.model_types)
 
 
 def check_config(model_type: str | None, is_encoder_decoder: bool = False, config: dict | None = None) -> Adapter:
@@ -224,7 +226,7 @@ def check_config(model_type: str | None, is_encoder_decoder: bool = False, confi
     if adapter is None:
         raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in "
                          f"kvbench/models/adapters.py (supported: {supported()})")
-    missing = adapter.missing or (adapter.refuse(config) if adapter.refuse and config is not None else None)
+    missing = adapter.refuse(config) if adapter.refuse and config is not None else None
     if missing:
         raise ValueError(f"model: {adapter.family} (model_type {model_type!r}) is not supported: {missing} "
                          f"(supported: {supported()})")
