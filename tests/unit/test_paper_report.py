@@ -75,8 +75,8 @@ def test_other_models_runs_are_used_and_said_so(tmp_path):
 
 def test_buzz_geometric_mean_matches_on_ratio_positions_and_logn(tmp_path):
     def run(method, ratio, logn, r1, r2, rl):
-        recs = [record(0, r1, scores={"rouge-1": r1, "rouge-2": r2, "rouge-l": rl})]
-        d = make_run(tmp_path, method, None, recs, dataset="xsum", model="llama-2-7b-chat", primary="rouge-1",
+        recs = [record(0, r1, scores={"buzz_rouge1": r1, "buzz_rouge2": r2, "buzz_rougeL": rl})]
+        d = make_run(tmp_path, method, None, recs, dataset="xsum", model="llama-2-7b-chat", primary="buzz_rouge1",
                      tail="")
         manifest = json.loads((d / "manifest.json").read_text())
         manifest["ratio"] = ratio
