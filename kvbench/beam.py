@@ -1,6 +1,6 @@
 """Beam search over a compressed cache (`generation.num_beams`; Keyformer's tables decode with 4 beams).
 
-The prompt is prefilled and compressed once, exactly as for greedy decoding (`generation.prefill`, `compress`);
+The prompt is prefilled and compressed once, exactly as for greedy decoding (`generation.prepare`);
 the compressed cache is then repeated along the batch dimension, one row per beam, so all beams start from the same
 kept entries. After each step the beams that survive are gathered by index: every cache layer's keys, values and
 positions, and the decode-time method's per-beam state (H2O/Keyformer/BUZZ accumulated scores, `EvictionState.
@@ -25,10 +25,9 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
-from kvbench.cache.rerotate import model_inv_freq
-from kvbench.generation import Generation, compress, eos_token_ids, prefill
+from kvbench.generation import Generation, eos_token_ids, prepare
 from kvbench.methods.base import Method
-from kvbench.methods.decoding import DecodingMethod, EvictionState
+from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture
 
 NEG = -1.0e9  # transformers' "impossible" score
@@ -60,21 +59,9 @@ def beam_generate(model, tokenizer, method: Method, capture: AttentionCapture, i
         raise ValueError(f"beam search needs a dense cache; {method.registry_name} rebuilds its own layers")
     eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else eos_ids
     device = input_ids.device
-    cache, prompt_len = KVCache(), input_ids.shape[1]
-    capture.reset()
-    state = None
-    if isinstance(method, DecodingMethod):
-        state = method.start(prompt_len, budget, max_new_tokens, seed)
-        capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
-    inv_freq = model_inv_freq(model) if positions == "shift" else None
-    t0 = time.perf_counter()
-    logits = prefill(model, input_ids, cache)
-    t1 = time.perf_counter()
-    full_bytes = cache.nbytes()
-    compress(method, cache, capture, budget, state, inv_freq)
+    prep = prepare(model, method, capture, input_ids, budget, max_new_tokens, positions, seed)
+    cache, state, prompt_len, logits = prep.cache, prep.state, prep.prompt_len, prep.logits
     t2 = time.perf_counter()
-    kv_bytes, kept = cache.nbytes(), cache.entries_per_head()
-    per_layer = [layer.nbytes() for layer in cache.layers]
     reorder(cache, torch.zeros(num_beams, dtype=torch.long, device=device), state)  # every beam = the prompt
     logits = logits.expand(num_beams, -1)
 
@@ -129,8 +116,8 @@ def beam_generate(model, tokenizer, method: Method, capture: AttentionCapture, i
     t3 = time.perf_counter()
     tokens = [tok for tok in finished[0] if tok not in eos_ids]
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
-    return Generation(tokens, text, prompt_len, kv_bytes, full_bytes, cache.nbytes() // num_beams, kept,
-                      {"prefill_s": t1 - t0, "compress_s": t2 - t1, "decode_s": t3 - t2,
-                       "decode_tok_s": (n_forward / (t3 - t2)) if n_forward and t3 > t2 else 0.0,
-                       "num_beams": num_beams},
-                      per_layer, [layer.nbytes() // num_beams for layer in cache.layers], 0, None)
+    gen = prep.finish(tokens, text, n_forward, t3 - t2)
+    gen.kv_bytes_final = cache.nbytes() // num_beams  # per beam
+    gen.kv_bytes_per_layer_final = [layer.nbytes() // num_beams for layer in cache.layers]
+    gen.timings["num_beams"] = num_beams
+    return gen

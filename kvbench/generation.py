@@ -207,6 +207,7 @@ class Prepared:
     kv_bytes_per_layer: list[int]
     ledger: TransferLedger | None
     timings: dict[str, float]
+    state: EvictionState | None = None  # a decode-time method's per-sample state (beam search reorders it)
 
     def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float) -> Generation:
         """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds)."""
@@ -247,7 +248,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     t2 = time.perf_counter()
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger,
-                    {"prefill_s": t1 - t0, "compress_s": t2 - t1})
+                    {"prefill_s": t1 - t0, "compress_s": t2 - t1}, state)
 
 
 def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,

@@ -2,7 +2,7 @@
 
 Perplexity is teacher forcing, not generation: each position's logits are scored against the next true token, and
 that token (not a sampled one) is fed next. The cache, the capture and the methods are the generation path's own:
-`generation.prefill` and `generation.compress`, then one token per forward, so decode-time methods (H2O, Keyformer,
+`generation.prepare` (prefill, then compress), then one token per forward, so decode-time methods (H2O, Keyformer,
 BUZZ, any `DecodingMethod`) score and evict after every step through the same `EvictionState` / capture
 `decode_hook` as in generation.
 
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import KVCache
-from kvbench.cache.rerotate import model_inv_freq
-from kvbench.generation import compress, prefill
+from kvbench.generation import prepare
 from kvbench.methods.decoding import DecodingMethod
+from kvbench.registry import METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,6 @@ class NLL:
     @property
     def ppl(self) -> float:
         return math.exp(self.nll_sum / self.n_tokens) if self.n_tokens else float("nan")
-
-
-def _setup(model, method, capture, budget, n_steps: int, seed: int, prompt_len: int):
-    """What `generation.generate` sets up before prefill: a fresh cache and, for decode-time methods, their state."""
-    capture.reset()
-    state = None
-    if isinstance(method, DecodingMethod):
-        state = method.start(prompt_len, budget, n_steps, seed)
-        capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
-    return KVCache(), state
 
 
 def _position(cache: KVCache, fed: int, positions: str) -> int:
@@ -106,23 +96,23 @@ def stream_nll(model, method, capture, rows: list[list[int]], budget, positions:
     if not feeds:
         raise ValueError("wikitext_ppl: a stream with no token pair to score (all rows shorter than 2 tokens)")
     device = next(model.parameters()).device
-    cache, state = _setup(model, method, capture, budget, len(feeds), seed, prompt_len=1)
-    t0 = time.perf_counter()
     first, label = feeds[0]
-    logits = prefill(model, torch.tensor([[first]], device=device), cache)
-    token_bytes = cache.nbytes()  # one token, every layer, before any eviction
+    decoding = isinstance(method, DecodingMethod)  # others select once from a prompt: none here, keep all
+    prep = prepare(model, method if decoding else METHODS["full"](), capture, torch.tensor([[first]], device=device),
+                   budget, len(feeds), positions, seed)
+    cache, state, logits = prep.cache, prep.state, prep.logits
+    token_bytes = prep.full_kv_bytes  # one token, every layer, before any eviction
     total, count = _nll(logits, label), 1
     evicts = state is not None and method.evicts_while_decoding
-    if evicts:  # the 1-token prefill's column sums: the row score of a single key
+    if state is not None:  # a 1-token prefill has no attention matrix: its column sums are one key's row score
         h_q = model.config.num_attention_heads
         one = method.row_score(torch.zeros(1, h_q, 1, 1, device=device), state, decoding=False).sum(dim=2)
-        capture.column_sums.update({i: one for i in range(len(cache.layers))})
-        compress(method, cache, capture, budget, state, model_inv_freq(model) if positions == "shift" else None)
-    else:
-        capture.reset()
-    t1 = time.perf_counter()
+        for i, scores in state.scores.items():
+            state.scores[i] = method.prefill_scores(one, cache.layers[i].keys.shape[1]).to(scores)
+    t0, t1 = 0.0, prep.timings["prefill_s"] + prep.timings["compress_s"]
+    t_start = time.perf_counter()
     more, n = teacher_force(model, cache, logits, feeds[1:], 1, positions)
-    t2 = time.perf_counter()
+    t2 = t1 + time.perf_counter() - t_start
     capture.reset()
     return NLL(total + more, count + n, cache.nbytes(), token_bytes * len(feeds),
                cache.entries_per_layer(), evicts, t1 - t0, t2 - t1, len(feeds) - 1)
@@ -137,16 +127,15 @@ def window_nll(model, method, capture, tokens: list[int], context: int, budget, 
                          "1 <= context < window")
     device = next(model.parameters()).device
     feeds = [(tokens[i], tokens[i + 1] if i + 1 < len(tokens) else None) for i in range(context, len(tokens))]
-    cache, state = _setup(model, method, capture, budget, len(feeds), seed, prompt_len=context)
-    inv_freq = model_inv_freq(model) if positions == "shift" else None
-    t0 = time.perf_counter()
-    logits = prefill(model, torch.tensor([tokens[:context]], device=device), cache)
-    token_bytes = cache.nbytes() // context
-    compress(method, cache, capture, budget, state, inv_freq)
-    t1 = time.perf_counter()
+    prep = prepare(model, method, capture, torch.tensor([tokens[:context]], device=device), budget, len(feeds),
+                   positions, seed)
+    cache, logits = prep.cache, prep.logits
+    token_bytes = prep.full_kv_bytes // context
+    t0, t1 = 0.0, prep.timings["prefill_s"] + prep.timings["compress_s"]
     total, count = _nll(logits, tokens[context]), 1
+    t_start = time.perf_counter()
     more, n = teacher_force(model, cache, logits, feeds[:-1], context, positions)  # the last token is not fed
-    t2 = time.perf_counter()
+    t2 = t1 + time.perf_counter() - t_start
     capture.reset()
     return NLL(total + more, count + n, cache.nbytes(), token_bytes * (len(tokens) - 1),
                cache.entries_per_layer(), True, t1 - t0, t2 - t1, len(feeds) - 1)
@@ -189,9 +178,9 @@ def continuation_logprob(model, method, capture, context: list[int], continuatio
 
     Returns (sum of log-probabilities of the continuation tokens, whether each was the argmax)."""
     device = next(model.parameters()).device
-    cache, state = _setup(model, method, capture, budget, len(continuation), seed, prompt_len=len(context))
-    logits = prefill(model, torch.tensor([context], device=device), cache)
-    compress(method, cache, capture, budget, state, model_inv_freq(model) if positions == "shift" else None)
+    prep = prepare(model, method, capture, torch.tensor([context], device=device), budget, max(len(continuation), 1),
+                   positions, seed)
+    cache, logits = prep.cache, prep.logits
     total, greedy, fed = 0.0, True, len(context)
     for i, token in enumerate(continuation):
         logp = logits.float().log_softmax(dim=-1)[0]

@@ -73,3 +73,11 @@ def test_beams_keep_their_own_cache_and_scores():
         reorder(cache, order, state)
         assert torch.equal(cache.layers[1].positions, before[0][1][order])
         assert torch.equal(state.scores[1], before[1][order])
+
+
+def test_beams_with_decode_time_eviction_and_shifted_positions():
+    model, ids = tiny_model(), prompt(N)
+    with AttentionCapture(model) as capture:
+        gen = beam_generate(model, None, METHODS["buzz"](), capture, ids, 24, NEW, 3, eos_ids=set(),
+                            positions="shift")
+    assert len(gen.token_ids) == NEW and gen.timings["num_beams"] == 3 and gen.kv_bytes < gen.full_kv_bytes

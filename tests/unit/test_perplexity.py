@@ -3,6 +3,8 @@ cache equals one causal forward; an evicting method's stream equals greedy gener
 (same tokens fed -> same caches -> same logits), so eviction during the stream is generation's own."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,12 @@ def test_keyformer_stream_evicts_with_its_noise_seeded():
         a = stream_nll(model, METHODS["keyformer"](), capture, [row], 12, seed=1)
         b = stream_nll(model, METHODS["keyformer"](), capture, [row], 12, seed=1)
     assert a.evicts and max(a.kept_per_layer) <= 12 and a.nll_sum == b.nll_sum and a.n_tokens == 29
+
+
+def test_shifted_positions_stream_and_window_run():
+    """positions=shift (BUZZ's pos-shift): the stream and a window go through generation.prepare's shift path."""
+    model, row = tiny_model(), prompt(30, 7)[0].tolist()
+    with AttentionCapture(model) as capture:
+        a = stream_nll(model, METHODS["buzz"](), capture, [row], 16, positions="shift")
+        b = window_nll(model, METHODS["h2o"](), capture, row, 20, 12, positions="shift")
+    assert a.evicts and max(a.kept_per_layer) <= 16 and math.isfinite(a.nll_sum) and math.isfinite(b.nll_sum)
