@@ -90,7 +90,9 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     if not method.compresses:
         return None
     if hasattr(method, "attach"):
-        return method.attach(cache, capture, budget)
+        ledger = method.attach(cache, capture, budget)
+        capture.trim_window_layers(cache)  # sliding-window layers keep what the model's window still shows
+        return ledger
     if state is not None:
         fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
         for layer_idx, layer in enumerate(cache.layers):
@@ -102,6 +104,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             capture.decode_hook = lambda i, query, key, scaling, bias=None: (
                 None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
                                                      capture.softcap.get(i)))
+        capture.trim_window_layers(cache)
         enable_shift(cache, inv_freq)
         return None
     n_layers = len(cache.layers)
@@ -120,6 +123,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
+    capture.trim_window_layers(cache)
     enable_shift(cache, inv_freq)
     return None
 

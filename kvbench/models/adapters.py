@@ -13,8 +13,9 @@ names the attribute the capture replaces on each instance (`replaces`: `kvbench/
 types, and variants an adapter refuses from config.json (ALiBi Falcon), fail in one line before weights load
 (`check_config`); method x family pairs that cannot be exact fail in one line too (`check_method`).
 
-Window layers (Gemma 2/3, Qwen `sliding_attention`): a method leaves them as they are; the model's own window keeps
-their semantics, and the budget applies to the global layers (documented in the README's architecture table).
+Window layers (Gemma 2/3, Qwen `sliding_attention`): methods leave them alone and the budget applies to the global
+layers; the capture trims them to what the window still shows and applies the window by position at decode
+(documented in the README's architecture table).
 """
 from __future__ import annotations
 

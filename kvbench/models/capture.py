@@ -185,6 +185,17 @@ class AttentionCapture:
 
         return attention
 
+    def trim_window_layers(self, cache) -> None:
+        """After prefill a sliding-window layer keeps only the entries the next token can still see, the last
+        `window - 1` (transformers' own sliding cache keeps as many); at decode the window is then applied by each
+        entry's position (`_decode_mask`), so tokens that leave it are masked, and the layer grows by one per step."""
+        for i in self.window_layers:
+            layer, window = cache.layers[i], getattr(self.attention_modules.get(i), "sliding_window", None)
+            n = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
+            if window and n > window - 1:
+                b, h = layer.keys.shape[:2]
+                layer.keep(torch.arange(n - window + 1, n, device=layer.keys.device).expand(b, h, window - 1))
+
     def _decode_mask(self, layer_idx: int, mask, key: Tensor, n_heads: int, window: int | None):
         """One new token's mask over this layer: the model's when it is sized for this layer (layers keep different
         lengths; otherwise one token at batch 1 sees all of its layer), and a sliding window applied by each kept
@@ -197,7 +208,7 @@ class AttentionCapture:
             return mask
         outside = positions <= positions[..., -1:] - window  # [B, H_stored, k]; the newest entry is the query
         if not bool(outside.any()):
-            return mask
+            return None  # every kept entry is inside (the model's own window mask would count slots)
         outside = outside.repeat_interleave(n_heads // outside.shape[1], dim=1)[:, :, None]  # [B, H_q, 1, k]
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 

@@ -189,8 +189,9 @@ def check_contract(family: str, name: str):
     compressed = [i for i in range(LAYERS) if i not in window_layers]
     for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
         assert max(len(p) for p in kept[i]) < N
-    for i in window_layers:
-        assert kept[i] is not None and all(len(p) == N for p in kept[i])
+    for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
+        window = model.config.sliding_window
+        assert kept[i] is not None and all(p.tolist() == list(range(N - window + 1, N)) for p in kept[i])
     if not hasattr(method, "attach"):  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
         head_dim = seen["layers"][0].keys.shape[-1]
         assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * 2 * head_dim * 4
@@ -360,3 +361,21 @@ def test_scores_see_the_attention_the_model_pays(family):
             window = window_attention(capture.window_queries[i], cache.layers[i].keys, capture.scaling[i],
                                       capture.window_bias.get(i), capture.softcap.get(i))
             torch.testing.assert_close(window, weights[i][:, :, -8:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_trimmed_window_layers_decode_like_the_full_cache(family):
+    """Window layers keep only the last window - 1 prompt entries after prefill; with the global layers uncompressed
+    (budget = prompt) every decode step, as tokens leave the window, equals the full cache's."""
+    model, ids = model_of(family), prompt(N)
+    logits = {}
+    for name, budget in (("full", None), ("snapkv", N)):
+        with AttentionCapture(model, window=8) as capture:
+            gen = generate(model, None, configured(name), capture, ids, budget, 10, eos_ids=set(),
+                           on_logits=lambda t, out: logits.setdefault((name, t), out.clone()))
+        if name == "snapkv":
+            window = model.config.sliding_window
+            assert gen.kept_per_layer == [window - 1.0, float(N), window - 1.0]
+            assert gen.kv_bytes < gen.full_kv_bytes
+    for t in range(10):
+        torch.testing.assert_close(logits["snapkv", t], logits["full", t], rtol=1e-4, atol=1e-4)

@@ -43,8 +43,9 @@ def test_snapkv_runs_on_every_family_from_a_local_checkpoint(checkpoints, tmp_pa
         family = next(f for f, p in checkpoints.items() if manifest["model_source"] == str(p))
         by_family[family] = records(run_dir)[0]
     for family, record in by_family.items():
-        window = BY_FAMILY[family].window_layers(tiny_random_model(family).config)
-        expected = [record["prompt_tokens"] if i in window else 32.0 for i in range(2)]
+        config = tiny_random_model(family).config
+        window = BY_FAMILY[family].window_layers(config)  # window layers: the last sliding_window - 1 entries
+        expected = [config.sliding_window - 1 if i in window else 32.0 for i in range(2)]
         assert record["kept_per_layer"] == expected, family
         assert record["kv_bytes"] < record["full_kv_bytes"]
 
