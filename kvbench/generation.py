@@ -36,9 +36,11 @@ class Sampling:
     early_stopping: bool = False  # beam search: stop once num_beams hypotheses are finished (Keyformer: true)
 
     def __post_init__(self):
-        if self.num_beams < 1 or (self.num_beams > 1 and self.do_sample):
-            raise ValueError(f"generation: num_beams={self.num_beams} must be >= 1, and beam search is greedy "
-                             "(do_sample=false)")
+        if self.num_beams < 1:
+            raise ValueError(f"generation: num_beams={self.num_beams} must be >= 1 (1 = no beam search)")
+        if self.num_beams > 1 and self.do_sample:
+            raise ValueError(f"generation: num_beams={self.num_beams} is beam search, which is greedy here; set "
+                             "generation.do_sample=false or generation.num_beams=1")
 
 
 @dataclass

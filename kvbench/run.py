@@ -95,6 +95,9 @@ def setup(cfg: DictConfig):
                          "runs at batch_size=1")
     if cfg.positions not in ("original", "shift"):
         raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
+    from kvbench.generation import Sampling
+
+    Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
     adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
     if adapter is not None:
         adapter.check_method(method)

@@ -81,3 +81,12 @@ def test_beams_with_decode_time_eviction_and_shifted_positions():
         gen = beam_generate(model, None, METHODS["buzz"](), capture, ids, 24, NEW, 3, eos_ids=set(),
                             positions="shift")
     assert len(gen.token_ids) == NEW and gen.timings["num_beams"] == 3 and gen.kv_bytes < gen.full_kv_bytes
+
+
+def test_bad_beam_settings_are_one_line():
+    from kvbench.generation import Sampling
+
+    with pytest.raises(ValueError, match="^generation: num_beams=0 must be >= 1"):
+        Sampling(num_beams=0)
+    with pytest.raises(ValueError, match="^generation: num_beams=2 is beam search, which is greedy here"):
+        Sampling(num_beams=2, do_sample=True)
