@@ -155,13 +155,16 @@ class AttentionCapture:
                 if self.column_score is not None:
                     self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias, softcap)
             else:
-                attention_mask = self._decode_mask(layer_idx, attention_mask, key, query.shape[1],
-                                                   kwargs.get("sliding_window"))
+                window_mask = self._window_mask(layer_idx, key, query.shape[1], kwargs.get("sliding_window"))
+                if window_mask is not None or (attention_mask is not None
+                                               and attention_mask.shape[-1] != key.shape[-2]):
+                    # (see `_window_mask`; a mask sized for another layer is dropped)
+                    attention_mask = window_mask if window_mask is not None and window_mask.numel() else None
             if q_len == 1 and self.decode_hook is not None:
                 out = inner(module, query, key, value, attention_mask, **kwargs)
                 bias = score_bias(slice(0, 1)) if score_bias is not None else None
-                if attention_mask is not None and attention_mask.is_floating_point():  # e.g. the window, by position
-                    bias = attention_mask if bias is None else bias + attention_mask
+                if window_mask is not None and window_mask.numel():  # scores see only the window, like attention
+                    bias = window_mask if bias is None else bias + window_mask
                 self.decode_hook(layer_idx, query, key, scaling, **({} if bias is None else {"bias": bias}))
                 # (the hook may evict: this step already attended)
                 return out
@@ -196,19 +199,19 @@ class AttentionCapture:
                 b, h = layer.keys.shape[:2]
                 layer.keep(torch.arange(n - window + 1, n, device=layer.keys.device).expand(b, h, window - 1))
 
-    def _decode_mask(self, layer_idx: int, mask, key: Tensor, n_heads: int, window: int | None):
-        """One new token's mask over this layer: the model's when it is sized for this layer (layers keep different
-        lengths; otherwise one token at batch 1 sees all of its layer), and a sliding window applied by each kept
-        key's position, not its slot (after eviction the model's own window mask would count slots)."""
-        if mask is not None and mask.shape[-1] != key.shape[-2]:
-            mask = None
+    def _window_mask(self, layer_idx: int, key: Tensor, n_heads: int, window: int | None) -> Tensor | None:
+        """A sliding window applied to one new token by each kept key's position, not its slot (after eviction or
+        trimming the model's own window mask would count slots): `[B, H_q, 1, k]` additive, an empty tensor when
+        every key is inside (no mask needed at batch 1), None when the layer has no window or no positions.
+        Otherwise the model's mask stays, unless it is sized for another layer (layers keep different lengths, and
+        one token at batch 1 sees all of its layer)."""
         layer = self.cache.layers[layer_idx] if self.cache is not None and window else None
         positions = layer.attention_positions() if hasattr(layer, "attention_positions") else None
         if positions is None or positions.shape[-1] != key.shape[-2]:
-            return mask
+            return None
         outside = positions <= positions[..., -1:] - window  # [B, H_stored, k]; the newest entry is the query
         if not bool(outside.any()):
-            return None  # every kept entry is inside (the model's own window mask would count slots)
+            return key.new_zeros(0)
         outside = outside.repeat_interleave(n_heads // outside.shape[1], dim=1)[:, :, None]  # [B, H_q, 1, k]
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 

@@ -379,3 +379,25 @@ def test_trimmed_window_layers_decode_like_the_full_cache(family):
             assert gen.kv_bytes < gen.full_kv_bytes
     for t in range(10):
         torch.testing.assert_close(logits["snapkv", t], logits["full", t], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_scores_see_alibi_once_and_by_original_distance():
+    """What a decode-time method scores on MPT is biased by slope_h x (original key position - query position),
+    once (the bias is not added again from the attention mask)."""
+    from kvbench.models.alibi import alibi_slopes
+
+    model, ids = model_of("mpt"), prompt(N)
+    keep = torch.tensor([0, 5, 17, 60, 99, N - 1])
+    seen = {}
+    with AttentionCapture(model) as capture:
+        cache = KVCache()
+        token = prefill(model, ids, cache).argmax(-1, keepdim=True)
+        for layer in cache.layers:
+            layer.keep(keep.expand(1, layer.keys.shape[1], -1))
+        capture.cache = cache
+        capture.decode_hook = lambda i, query, key, scaling, bias=None: seen.setdefault(i, bias)
+        with torch.no_grad():
+            model(token, past_key_values=cache, position_ids=torch.tensor([[N]]))
+    distances = torch.cat([keep, torch.tensor([N])]) - N
+    for i in range(LAYERS):
+        torch.testing.assert_close(seen[i][0, :, 0], alibi_slopes(4)[:, None] * distances[None].float())
