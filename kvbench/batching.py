@@ -160,9 +160,10 @@ class BatchedDecoder:
             logits[:, sorted(enders)] = float("-inf")
         token = next_token(logits, self.sampling, slot.generator)
         slot.t += 1
-        if token.item() in enders:
+        value = token.item()  # one device->host read per sample and step
+        if value in enders:
             return None
-        slot.tokens.append(token.item())
+        slot.tokens.append(value)
         if request.stop and self.tokenizer is not None:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
             cut = min((slot.text.find(s) for s in request.stop if s in slot.text), default=-1)
