@@ -23,8 +23,9 @@ EXPECTED = {
               [("Full Cache", "HotpotQA"), ("Ada-SnapKV", "HotpotQA"), ("Ada-Pyramid", "HotpotQA")]),
     "tailorkv": ({"full", "streamingllm", "snapkv", "tailorkv-1", "tailorkv-2"},
                  [("Llama-3.1-8B", "HQA"), ("TailorKV-1", "HQA"), ("TailorKV-2", "HQA"), ("SnapKV", "HQA")]),
-    "keyformer": ({"full", "local", "h2o", "streamingllm_rolling", "keyformer"}, []),
-    "buzz": ({"buzz", "h2o", "streamingllm_rolling", "local"}, []),
+    "keyformer": ({"full", "local", "h2o", "streamingllm_rolling", "keyformer"}, [("Full", "ROUGE-2")]),
+    "buzz": ({"buzz", "h2o", "streamingllm_rolling", "local"},
+             [("BUZZ", "50%"), ("BUZZ (with logn)", "50%"), ("H2O", "50%"), ("StreamingLLM", "50%"), ("Local", "50%")]),
 }
 
 
@@ -54,6 +55,10 @@ def test_smoke_form_runs_through_make(paper, tmp_path):
     if paper == "pyramidkv":  # the paper-era settings reached the runs
         cfg = yaml.safe_load(next((tmp_path / paper).rglob("h2o/*/config.yaml")).read_text())
         assert cfg["method"]["variant"] == "kvcache_factory" and cfg["method"]["granularity"] == "query_head"
+    if paper == "keyformer":  # beam 4 and the code's rule reached the runs; New Pos ran with positions=shift
+        cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("keyformer/*/config.yaml")]
+        assert {c["positions"] for c in cfgs} == {"original", "shift"}
+        assert all(c["generation"]["num_beams"] == 4 and c["method"]["selection"] == "code_frozen" for c in cfgs)
     if paper == "buzz":
         cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("buzz/*/config.yaml")]
         assert {c["method"]["logn"] for c in cfgs} == {False, True} and {c["positions"] for c in cfgs} == {"shift"}
