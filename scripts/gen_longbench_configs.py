@@ -59,6 +59,7 @@ def render(group: str) -> str:
         'chat_format: null                 # "[INST]{prompt}[/INST]" (LongBench llama2) instead of the HF template',
         "code_sim_backend: difflib         # fuzz.ratio backend: difflib (LongBench's environment) | levenshtein",
         "primary_metric: longbench         # the task's own metric, per sample, in [0, 1]",
+        "max_new_tokens: null              # cap on every task's new tokens (smoke runs); null = pred.py's lengths",
     ]
     return "\n".join(lines) + "\n"
 

@@ -127,6 +127,7 @@ class LongBench(Dataset):
     chat_format: str | None = None                     # "{prompt}" wrapper instead of the tokenizer's chat template
     code_sim_backend: str = "difflib"                  # fuzz.ratio backend: difflib (LongBench's env) | levenshtein
     primary_metric: str = "longbench"
+    max_new_tokens: int | None = None                  # cap on every task's own budget (smoke runs); null = pred.py's
 
     def __post_init__(self) -> None:
         self.tasks = [str(t) for t in self.tasks]      # Hydra hands over a ListConfig
@@ -140,6 +141,8 @@ class LongBench(Dataset):
             raise ValueError(f"longbench: tasks lists {duplicates} more than once.")
         if self.protocol not in PROTOCOLS:
             raise ValueError("longbench: " + unknown_choice("protocol", self.protocol, list(PROTOCOLS)))
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"longbench: max_new_tokens={self.max_new_tokens} must be >= 1 (or null: each task's own)")
         if self.limit_per_task is not None and self.limit_per_task < 1:
             raise ValueError(f"longbench: limit_per_task={self.limit_per_task} must be >= 1 or null.")
         if self.chat_format is not None and "{prompt}" not in self.chat_format:
@@ -209,7 +212,8 @@ class LongBench(Dataset):
                 min_one = protocol.min_one_token is None or task in protocol.min_one_token
                 samples.append(Sample(
                     id=f"{stem}-{record['_id']}", prompt=text, answers=list(record["answers"]),
-                    max_new_tokens=DATASET2MAXLEN[task], meta=meta, input_ids=tuple(ids),
+                    max_new_tokens=min(DATASET2MAXLEN[task], self.max_new_tokens or DATASET2MAXLEN[task]),
+                    meta=meta, input_ids=tuple(ids),
                     stop_token_ids=newline_token(tokenizer) if task in protocol.newline_stop else (),
                     min_new_tokens=1 if min_one else 0,
                 ))

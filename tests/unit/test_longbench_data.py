@@ -336,3 +336,16 @@ def test_downloader_explains_what_to_do_offline(tmp_path):
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("download_longbench: cannot fetch THUDM/LongBench data.zip") and "--zip" in last
+
+
+def test_max_new_tokens_caps_every_task_budget(smollm2_tokenizer):
+    """Smoke runs cap generation; null keeps pred.py's per-task lengths."""
+    from kvbench.data.longbench import LongBench
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "longbench"
+    own = LongBench(root=str(fixtures), tasks=["hotpotqa", "gov_report"], limit_per_task=1).build(smollm2_tokenizer, 8000)
+    capped = LongBench(root=str(fixtures), tasks=["hotpotqa", "gov_report"], limit_per_task=1, max_new_tokens=8).build(
+        smollm2_tokenizer, 8000)
+    assert [s.max_new_tokens for s in own] == [32, 512] and [s.max_new_tokens for s in capped] == [8, 8]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        LongBench(max_new_tokens=0)
