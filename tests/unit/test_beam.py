@@ -90,3 +90,13 @@ def test_bad_beam_settings_are_one_line():
         Sampling(num_beams=0)
     with pytest.raises(ValueError, match="^generation: num_beams=2 is beam search, which is greedy here"):
         Sampling(num_beams=2, do_sample=True)
+@pytest.mark.parametrize("name,budget,kw", [("streamingllm_rolling", 16, {}), ("buzz", 24, {"logn": True}),
+                                            ("h2o", 16, {"variant": "kvcache_factory", "recent_size": 4})])
+def test_one_beam_is_greedy_with_pos_shift_and_the_paper_variants(name, budget, kw):
+    """positions=shift, BUZZ's log-n temperature and KVCache-Factory's H2O scores go through beam search too."""
+    model, ids = tiny_model(), prompt(N)
+    method = METHODS[name](**kw)
+    with AttentionCapture(model) as capture:
+        greedy = generate(model, None, method, capture, ids, budget, NEW, eos_ids=set(), positions="shift")
+        beam = beam_generate(model, None, method, capture, ids, budget, NEW, 1, eos_ids=set(), positions="shift")
+    assert beam.token_ids == greedy.token_ids and len(beam.token_ids) == NEW
