@@ -136,10 +136,12 @@ def missing_reason(spec: dict, row: dict, any_runs: bool) -> str:
     dataset = spec["dataset"]
     if any_runs:  # the table's dataset and a model ran here: this row's run is what is missing
         return "not run"
-    if not (CONFIGS / "dataset" / f"{dataset}.yaml").is_file():
+    config = CONFIGS / "dataset" / f"{dataset}.yaml"
+    if not config.is_file():
         return f"dataset not present (no configs/dataset/{dataset}.yaml yet)"
-    if dataset.startswith("longbench") and not Path("data/longbench").is_dir():
-        return "dataset not present (data/longbench: python scripts/download_longbench.py)"
+    root = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("root")
+    if root and not Path(root).exists():  # downloaded data (LongBench, CNN/DM, XSUM): the config names the script
+        return f"dataset not present ({root}: see configs/dataset/{dataset}.yaml)"
     if not (CONFIGS / "model" / f"{spec['model_config']}.yaml").is_file():
         return f"model not available (no configs/model/{spec['model_config']}.yaml)"
     return "not run"
