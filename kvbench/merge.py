@@ -53,12 +53,13 @@ def shard_count(run_dir: Path) -> int | None:
 
 def read_shards(run_dir: Path, count: int) -> list[ShardState]:
     from kvbench.report.runs import read_predictions
+    from kvbench.store import latest_per_id
 
     states = []
     for i in range(count):
         shard = Shard(i, count)
         path, mpath = run_dir / shard.predictions_name, run_dir / shard.manifest_name
-        records = read_predictions(path) if path.is_file() else []
+        records = latest_per_id(read_predictions(path)) if path.is_file() else []  # a retry replaces its failure
         manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
         states.append(ShardState(shard, records, manifest))
     return states

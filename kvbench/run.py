@@ -74,6 +74,7 @@ def setup(cfg: DictConfig):
     from hydra.utils import instantiate
 
     from kvbench import methods  # noqa: F401  (registers the built-in methods)
+    from kvbench.models.checks import check_source
     from kvbench.models.loader import ModelSpec, check_architecture
 
     def build(node, what):
@@ -88,6 +89,9 @@ def setup(cfg: DictConfig):
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ValueError(f"limit={cfg.limit!r} must be a positive number of samples, or null for all")
     if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
         raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
     if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
@@ -242,17 +246,49 @@ def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
     }
 
 
+def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: DictConfig, spec, sampling,
+                   defer=None) -> dict | None:
+    """The sample's record (a prediction, a perplexity, or a failure record if anything in it raises:
+    kvbench/failures.py). With `defer` (batched decoding), a sample to generate goes to `defer((sample, ids,
+    budget))` instead and None is returned."""
+    from kvbench.failures import attempt
+
+    context: dict = {}
+
+    def make() -> dict | None:
+        ids = prompt_ids(sample, tokenizer, spec)
+        budget = context["budget"] = sample_budget(cfg, len(ids))
+        context["prompt_tokens"] = len(ids)
+        if cfg.ratio is not None:
+            try:
+                method.check_budget(budget)
+            except ValueError as e:
+                raise ValueError(f"ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}") from None
+        if getattr(dataset, "kind", None) == "perplexity":  # teacher forcing, not generation
+            from kvbench.perplexity import perplexity_record
+
+            return perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
+                                     sample_seed(cfg, sample))
+        if defer is not None:
+            return defer((sample, ids, budget))
+        return run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling)
+
+    return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
+
+
 def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_name: str, method_name: str,
                  cfg: DictConfig, spec) -> dict:
     """scores.json over the records of this run's samples (written atomically); returns it."""
     from kvbench.store import aggregate, write_json_atomic
 
+    from kvbench.store import is_failure, latest_per_id
+
     ids_now = {s.id for s in samples}
-    finished = [r for r in records if r["id"] in ids_now]
+    finished = [r for r in latest_per_id(records) if r["id"] in ids_now]  # failure records included: n_failed
     summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
                "model": spec.name, "primary_metric": dataset.primary_metric,
                **aggregate(finished, getattr(dataset, "corpus_metrics", None)),
-               **dataset.summarize(finished)}
+               **dataset.summarize([r for r in finished if not is_failure(r)])}
     write_json_atomic(run_dir / "scores.json", summary)
     return summary
 
@@ -262,6 +298,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     from tqdm import tqdm
 
     from kvbench.cost import CostMeter, job_log_links
+    from kvbench.failures import stop_on_signals
     from kvbench.generation import Sampling
     from kvbench.models import AttentionCapture, load
     from kvbench.shard import Shard
@@ -294,6 +331,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
         info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
     if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
         info["paper"] = OmegaConf.to_container(cfg.paper_settings, resolve=True)
+    if getattr(dataset, "provenance", None):
+        info["dataset_provenance"] = dataset.provenance  # e.g. RULER's length tokenizer and its resolved revision
     if old is not None:
         if old.get("data_sha256") != data_sha:
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
@@ -302,44 +341,48 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     meter = CostMeter.resume(model, old, t0=t_start)  # the session's time includes loading the model
     store.write_json(manifest_name, {**info, **meter.fields()})
 
-    done = store.done_ids()
+    done = store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failed samples are retried
     todo = [s for s in samples if s.id not in done]
     logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
                 len(samples), len(samples) - len(todo))
     sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
     window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
-    with AttentionCapture(model, window=window) as capture:
-        jobs = []
-        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
-                           disable=cfg.batch_size > 1):
-            ids = prompt_ids(sample, tokenizer, spec)
-            budget = sample_budget(cfg, len(ids))
-            if cfg.ratio is not None:
+    try:
+        with stop_on_signals(), AttentionCapture(model, window=window) as capture:
+            jobs = []
+            for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
+                               disable=cfg.batch_size > 1):
+                record = guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg, spec, sampling,
+                                        defer=jobs.append if cfg.batch_size > 1 else None)
+                if record is not None:
+                    store.append(record)
+                    store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
+            if jobs:  # continuous batching (kvbench.batching); records arrive in completion order
+                from kvbench.batching import Request, generate_batched
+                from kvbench.failures import attempt, fail_remaining
+
+                device = next(model.parameters()).device
+                requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
+                written: set[str] = set()
                 try:
-                    method.check_budget(budget)
-                except ValueError as e:  # finished samples are already on disk
-                    sys.exit(f"kvbench: ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}")
-            if getattr(dataset, "kind", None) == "perplexity":  # teacher forcing, not generation
-                from kvbench.perplexity import perplexity_record
-
-                store.append(perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
-                                               sample_seed(cfg, sample)))
-                continue
-            if cfg.batch_size > 1:  # decoded together below, `batch_size` at a time
-                jobs.append((sample, ids, budget))
-                continue
-            store.append(run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling))
-            store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
-        if jobs:  # continuous batching (kvbench.batching); records arrive in completion order
-            from kvbench.batching import Request, generate_batched
-
-            device = next(model.parameters()).device
-            requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
-            for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
-                                                      sampling, cfg.positions), total=len(jobs), desc=method_name):
-                store.append(sample_record(dataset, *request.tag, request.budget, gen))
-                store.write_json(manifest_name, {**info, **meter.fields()})
-    store.close()
+                    for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests,
+                                                              cfg.batch_size, sampling, cfg.positions),
+                                             total=len(jobs), desc=method_name):
+                        sample, ids = request.tag
+                        store.append(attempt(sample, lambda: sample_record(dataset, sample, ids, request.budget, gen),
+                                             {"prompt_tokens": len(ids), "budget": request.budget}))
+                        written.add(sample.id)
+                        store.write_json(manifest_name, {**info, **meter.fields()})
+                except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
+                    capture.reset()
+                    for record in fail_remaining(jobs, written, e):
+                        store.append(record)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished record is already on disk
+        logger.warning("stopped with %d of %d samples in %s; rerun the same command to resume", len(store.done_ids()),
+                       len(samples), run_dir)
+        raise
+    finally:
+        store.close()
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))
     store.write_json(manifest_name, {**info, **meter.fields()})
@@ -355,8 +398,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
             write_run_report(run_dir)
         except Exception as e:  # a plotting problem must never cost the predictions
             logger.warning("report for %s failed: %s", run_dir, e)
-    logger.info("%s = %.4f over %d samples | KV bytes %.1f%% of full | %s", dataset.primary_metric,
-                summary["metrics"].get(dataset.primary_metric, float("nan")), summary["n"],
+    logger.info("%s = %.4f over %d samples (%d failed) | KV bytes %.1f%% of full | %s", dataset.primary_metric,
+                summary["metrics"].get(dataset.primary_metric, float("nan")), summary["n"], summary["n_failed"],
                 100 * (summary.get("kv_ratio") or 0), run_dir)
     return summary
 
@@ -377,15 +420,23 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, KeyError, FileNotFoundError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.exit(f"kvbench: {message}")
+    from kvbench.failures import Stopped
     from kvbench.store import RunDirBusy
 
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
     except RunDirBusy as e:
         sys.exit(f"kvbench: {e}")
+    except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
+        print(f"kvbench: {str(e) or 'interrupted'}; every finished sample is kept, rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
 
 
 if __name__ == "__main__":
     sys.argv = [a[1:] if a.startswith("+paper=") else a for a in sys.argv]  # paper is a default group (null)
+    from kvbench.validate import validate_or_exit
+
     check_group_overrides(sys.argv[1:])
+    validate_or_exit(sys.argv[1:])  # the whole command line, before Hydra creates a run directory
     main()

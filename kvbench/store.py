@@ -3,6 +3,9 @@
 `predictions.jsonl` gets one line per finished sample, flushed and fsynced at once, so a crash loses at most the
 sample in flight. On reopen, a torn last line (no newline, or not valid JSON) is cut off, and ids already present
 are skipped by the runner: rerunning the same command finishes the job with each id exactly once.
+
+A sample that raised gets a failure record (`"failed": true`, see kvbench/failures.py) instead of a prediction; a
+rerun appends the retry after it, and the last record of an id is the one that counts (`latest_per_id`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any, Iterable
 logger = logging.getLogger(__name__)
 
 PREDICTIONS = "predictions.jsonl"
+FAILURES_COUNTED_AS = "excluded"  # failed samples are in no mean (LongBench eval.py: missing predictions are skipped)
 
 
 class RunDirBusy(RuntimeError):
@@ -27,12 +31,30 @@ class RunDirBusy(RuntimeError):
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temp file and rename it over `path`: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt must not leave the temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def is_failure(record: dict) -> bool:
+    return record.get("failed") is True
+
+
+def latest_per_id(records: Iterable[dict]) -> list[dict]:
+    """One record per id in first-seen order: the last one written (a retry supersedes the failure before it), but
+    never a failure over a prediction."""
+    latest: dict[str, dict] = {}
+    for r in records:
+        if not (is_failure(r) and r["id"] in latest and not is_failure(latest[r["id"]])):
+            latest[r["id"]] = r
+    return list(latest.values())
 
 
 class RunStore:
@@ -68,12 +90,17 @@ class RunStore:
             try:
                 if not line.endswith(b"\n"):
                     raise ValueError("torn line")
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 logger.warning("%s: dropping a torn or invalid line after %d good records (crash mid-write?)",
                                self.predictions_path, len(records))
                 break
             good_bytes += len(line)
+            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                logger.warning("%s: skipping line %d, valid JSON but not a record with an 'id' (edited by hand?)",
+                               self.predictions_path, raw[:good_bytes].count(b"\n"))
+                continue
+            records.append(record)
         if good_bytes != len(raw):
             with open(self.predictions_path, "r+b") as f:
                 f.truncate(good_bytes)
@@ -83,8 +110,9 @@ class RunStore:
     def records(self) -> list[dict]:
         return list(self._records)
 
-    def done_ids(self) -> set[str]:
-        return {r["id"] for r in self._records}
+    def done_ids(self, include_failed: bool = False) -> set[str]:
+        """Ids whose latest record is a prediction (plus those that failed, if `include_failed`): resume skips them."""
+        return {r["id"] for r in latest_per_id(self._records) if include_failed or not is_failure(r)}
 
     def append(self, record: dict) -> None:
         if self._file is None:
@@ -121,12 +149,18 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
 
     `stats` adds each metric's standard error and n (kvbench.stats.metric_stats), and the dataset's corpus-level
     metrics (not means over samples) with a seeded bootstrap se; `metrics` stays {metric: mean} for old readers.
+    Failure records are left out of every mean and counted in `n_failed`: LongBench's eval.py scores whatever the
+    prediction file holds, so a sample without a prediction is excluded, not scored 0 (`failures_counted_as`).
     """
     from kvbench.stats import metric_stats
 
-    records = list(records)
+    records = latest_per_id(records)
+    failed = sorted(r["id"] for r in records if is_failure(r))
+    records = [r for r in records if not is_failure(r)]
+    if failed:
+        return {**aggregate(records, corpus_metrics), "n_failed": len(failed), "failed_ids": failed}
     if not records:
-        return {"n": 0, "metrics": {}}
+        return {"n": 0, "n_failed": 0, "failures_counted_as": FAILURES_COUNTED_AS, "metrics": {}}
 
     def mean(key: str) -> float:
         return sum(r[key] for r in records) / len(records)
@@ -135,7 +169,7 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
     stats = metric_stats(records, corpus_metrics)
     full = mean("full_kv_bytes")
     return {
-        "n": len(records),
+        "n": len(records), "n_failed": 0, "failures_counted_as": FAILURES_COUNTED_AS,
         "metrics": {m: sum(r["scores"][m] for r in records) / len(records) for m in metrics}
         | {m: s["mean"] for m, s in stats.items() if m not in metrics},
         "stats": stats,

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 DOWNLOAD_HINT = "run `python scripts/download_longbench.py` (needs the Hugging Face Hub) or set dataset.root"
 REQUIRED_FIELDS = {"input": str, "context": str, "answers": list, "length": int, "_id": str}
+CHECKED_FILES: set[tuple[str, int, int]] = set()  # (path, mtime, size) of task files `check()` found well-formed
 
 
 def newline_token(tokenizer) -> tuple[int]:
@@ -157,13 +158,20 @@ class LongBench(Dataset):
         return Path(self.root).expanduser() / f"{stem}.jsonl"
 
     def check(self) -> None:
-        """Raise a one-line FileNotFoundError if the folder or a task file is missing (before weights load)."""
+        """Raise a one-line error if the folder or a task file is missing or a record is malformed (before weights
+        load); a well-formed file is parsed once per process."""
         root = Path(self.root).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(f"longbench: no folder {root}/; {DOWNLOAD_HINT}=<folder with the jsonl files>.")
         missing = [f"{t}.jsonl" for t in self.tasks if not self.task_path(t).is_file()]
         if missing:
             raise FileNotFoundError(f"longbench: {root}/ lacks {', '.join(missing)}; {DOWNLOAD_HINT}.")
+        for stem in self.tasks:  # a malformed line or a repeated _id: one line now, not after the weights load
+            path = self.task_path(stem)
+            stat = path.stat()
+            if (str(path), stat.st_mtime_ns, stat.st_size) not in CHECKED_FILES:
+                self.read_task(stem)
+                CHECKED_FILES.add((str(path), stat.st_mtime_ns, stat.st_size))
 
     def read_task(self, stem: str) -> list[dict]:
         records = read_records(self.task_path(stem))

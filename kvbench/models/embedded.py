@@ -7,6 +7,7 @@ directory (keyed on the wheel version), after which a load takes well under a se
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -36,6 +37,12 @@ def embedded_gguf_path() -> Path:
 def cache_root() -> Path:
     """Where converted models live: $KVBENCH_CACHE, else ~/.cache/kvbench."""
     return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+
+
+def gguf_tag(gguf: Path) -> str:
+    """A user GGUF file's conversion key: its size and mtime (a changed file converts again)."""
+    stat = gguf.stat()
+    return hashlib.sha1(f"{stat.st_size}-{stat.st_mtime_ns}".encode()).hexdigest()[:8]
 
 
 def converted_dir(gguf: Path, tag: str) -> Path:

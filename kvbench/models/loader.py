@@ -8,7 +8,6 @@ the config alone, before any weights load (`check_architecture`).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,10 @@ from pathlib import Path
 import torch
 
 from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
-from kvbench.models.embedded import embedded_model_dir, ensure_converted
+from kvbench.models.checks import check_source
+from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.placement import DEVICE_MAPS
+from kvbench.pathnames import check_name
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ModelSpec:
     mem_gb: int | None = None  # host memory a cluster job asks for
 
     def __post_init__(self):
+        check_name("model: name", self.name)  # a folder of the run directory
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
             raise ValueError(f"model: dtype={self.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
         if self.device_map is not None and self.device_map not in DEVICE_MAPS:
@@ -102,6 +104,7 @@ def load(spec: ModelSpec):
     """Return (model in eval mode on its device, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_source(spec)  # one-line errors for a missing path, a bad GGUF header, remote code, an offline Hub id
     adapter = check_architecture(spec)
     dtype = getattr(torch, spec.dtype)
     device = resolve_device(spec.device)
@@ -118,14 +121,11 @@ def load(spec: ModelSpec):
         source = embedded_model_dir()
     elif spec.path.endswith(".gguf"):
         gguf = Path(spec.path).expanduser()
-        if not gguf.is_file():
-            raise FileNotFoundError(f"model: GGUF file {gguf} does not exist")
-        stat = gguf.stat()
-        source = ensure_converted(gguf, hashlib.sha1(f"{stat.st_size}-{stat.st_mtime_ns}".encode()).hexdigest()[:8])
+        source = ensure_converted(gguf, gguf_tag(gguf))
     else:
         source = Path(spec.path).expanduser()
         if not source.is_dir():
-            source = spec.path  # a Hub id
+            source = spec.path  # a Hub id (check_source rejected local paths that do not exist)
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     attn = spec.attn_implementation
     if adapter is not None and not adapter.sdpa and attn == "sdpa":

@@ -25,6 +25,18 @@ __all__ = ["find_run_dirs", "has_needle_grid", "load_runs", "needle_heatmap", "n
            "write_tables"]
 
 
+def failures_note(run_dir: Path) -> list[str]:
+    """summary.md lines for failed samples (excluded from the table's means; a rerun retries them)."""
+    from kvbench.store import is_failure, latest_per_id
+
+    failed = [r for r in latest_per_id(read_predictions(run_dir / "predictions.jsonl")) if is_failure(r)]
+    if not failed:
+        return ["", "n_failed: 0"]
+    return ["", f"n_failed: {len(failed)} (excluded from every mean; rerun the same command to retry them)", "",
+            "| id | error | where |", "|:---|:---|:---|",
+            *(f"| {r['id']} | {r['error_type']}: {r['error']} | {r['where']} |" for r in failed)]
+
+
 def write_run_report(run_dir: str | Path) -> None:
     """Write summary.md (and heatmap.png for NIAH records) into a finished run's directory.
 
@@ -47,5 +59,6 @@ def write_run_report(run_dir: str | Path) -> None:
         if has_needle_grid(df):
             needle_heatmap(df, run_dir / "heatmap.png")
             lines += ["", "![needle heatmap](heatmap.png)"]
+    lines += failures_note(run_dir)
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     logger.info("report: wrote %s", run_dir / "summary.md")

@@ -13,6 +13,8 @@ from typing import Iterable
 
 import pandas as pd
 
+from kvbench.store import is_failure, latest_per_id
+
 logger = logging.getLogger(__name__)
 
 PREDICTIONS = "predictions.jsonl"
@@ -41,7 +43,8 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def read_predictions(path: str | Path) -> list[dict]:
-    """Parse a predictions.jsonl; a torn last line (a crash mid-write) is skipped with a warning.
+    """Parse a predictions.jsonl; a torn last line (a crash mid-write) and valid JSON without an `id` (a hand edit)
+    are skipped with a warning.
 
     A bad line anywhere else means two writers or an append after a torn tail: that is corruption, so it raises
     with the line number instead of silently dropping samples.
@@ -55,13 +58,17 @@ def read_predictions(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             if i == len(lines):
                 logger.warning("report: %s: skipping a torn last line (%d chars): %s", path, len(line), e)
                 break
             raise ValueError(f"report: {path}:{i} is not valid JSON ({e}); only a torn last line is tolerated. "
                              f"Remove or repair that line.") from None
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+            logger.warning("report: %s:%d: skipping valid JSON that is not a record with an 'id'", path, i)
+            continue
+        records.append(record)
     return records
 
 
@@ -77,7 +84,11 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
     """One run's records, nested dicts flattened (`meta.context_length`, `scores.<metric>`), manifest columns added."""
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
-    records = read_predictions(run_dir / PREDICTIONS)
+    records = latest_per_id(read_predictions(run_dir / PREDICTIONS))
+    failed = [r["id"] for r in records if is_failure(r)]
+    if failed:  # excluded from every mean, as in scores.json (kvbench.store.aggregate)
+        logger.warning("report: %s: %d failed samples excluded (%s)", run_dir, len(failed), ", ".join(failed[:5]))
+        records = [r for r in records if not is_failure(r)]
     if not records:
         logger.warning("report: %s has no complete prediction records yet", run_dir)
     df = pd.json_normalize(records, sep=".") if records else pd.DataFrame()

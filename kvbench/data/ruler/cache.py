@@ -15,12 +15,15 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from kvbench.pathnames import check_inside
+
 logger = logging.getLogger(__name__)
 
 
 def cache_file(cache_dir: Path, version: str, task: str, length: int, seed: int, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / version / task / f"L{length}-s{seed}-{digest}.jsonl"
+    path = Path(cache_dir) / version / task / f"L{length}-s{seed}-{digest}.jsonl"
+    return check_inside(path, Path(cache_dir), "ruler: sample cache")  # version and task are config values
 
 
 def read_records(path: Path) -> list[dict]:
@@ -34,8 +37,12 @@ def read_records(path: Path) -> list[dict]:
 def write_records(path: Path, records: list[dict], key: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt must not leave the temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
     path.with_suffix(".key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -1,0 +1,267 @@
+"""Check a whole command line before Hydra creates a run directory and before any weights load.
+
+`python -m kvbench.run ...` calls `validate_or_exit(argv)` first. It parses the overrides with Hydra's own parser,
+expands a `-m` sweep into its jobs exactly as Hydra's basic sweeper will (the sweeper's `params` from the config,
+then the command line), composes each job's config with Hydra's compose API (~0.1 s a job), and runs the same
+`setup(cfg)` the job will run, plus the checks that need files but no weights: the model's files
+(kvbench/models/checks.py), datasets' `check_fits(tokenizer)` (RULER lengths), the run directory (inside
+`results_dir`, writable). Any problem ends the command with ONE line `kvbench: ...` and nothing written: no run
+directory, no `.hydra/`, no `run.log`. Flags other than `-m` (`--help`, `--cfg`, `-cn`, ...) go to Hydra unchecked.
+
+Like the launcher plugins under hydra_plugins/, this module is an exception to "only kvbench.run imports Hydra":
+it drives Hydra's compose API on kvbench.run's behalf.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbench.pathnames import check_inside
+from kvbench.registry import unknown_choice
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+RUN_FILES = ("predictions.jsonl", "manifest.json", "scores.json", "config.yaml", "run.log", ".lock", ".hydra")
+
+
+class BadInput(ValueError):
+    """A command-line problem, worded for the user (one line)."""
+
+
+# --- the command line -> jobs ---------------------------------------------------------------------------------
+def split_argv(argv: list[str]) -> tuple[bool, list[str]] | None:
+    """(multirun, overrides), or None when a flag other than -m asks Hydra for something else (help, --cfg...)."""
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f not in MULTIRUN_FLAGS for f in flags):
+        return None
+    return bool(flags), [a for a in argv if a not in MULTIRUN_FLAGS]
+
+
+def parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:  # one at a time, so the message names the argument
+        try:
+            parsed += parser.parse_overrides([text])
+        except HydraException as e:
+            raise BadInput(f"cannot parse the override {text!r}: {first_line(e)} "
+                           "(grammar: https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+    return parsed
+
+
+def expand(parsed: list, overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Each job's override list: the command line itself, or the product of a sweep as BasicSweeper forms it."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    if not multirun:
+        if sweeps:
+            o = sweeps[0]
+            raise BadInput(f"{o.input_line} gives several values: add -m to run one job per value, or write "
+                           f"{o.get_key_element()}=[...] for a list")
+        return [overrides]
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    base = compose_job(fixed, hydra=True)
+    sweeper = base.hydra.sweeper
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return [fixed]  # another sweeper (optuna, ...) picks values itself: check what is fixed
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    try:
+        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params + overrides), None)[0]
+    except Exception as e:  # e.g. a range sweep, which the basic sweeper rejects too
+        raise BadInput(f"cannot expand the sweep: {first_line(e)}") from None
+    return [list(job) for job in jobs]
+
+
+# --- composing one job ----------------------------------------------------------------------------------------
+def compose_job(overrides: list[str], hydra: bool = True) -> DictConfig:
+    """Hydra's composition of one job, its multi-line errors turned into one line."""
+    from hydra import compose
+    from hydra.errors import HydraException, MissingConfigException
+
+    try:
+        return compose("config", overrides=overrides, return_hydra_config=hydra)
+    except MissingConfigException as e:
+        raise BadInput(missing_option_message(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise BadInput(composition_message(e, overrides)) from None
+
+
+def missing_option_message(e: Exception) -> str:
+    text = str(e)
+    found = re.search(r"Could not find '(.+)/([^/']+)'", text)
+    options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+    if found and options:
+        return unknown_choice(found.group(1), found.group(2), options)
+    return first_line(e)
+
+
+def composition_message(e: Exception, overrides: list[str]) -> str:
+    text = str(e)
+    unknown = re.search(r"Could not override '([^']+)'", text)
+    if unknown:
+        return unknown_key_message(unknown.group(1), overrides)
+    if "Ambiguous value for argument" in text:
+        return f"{first_line(e).removeprefix('Ambiguous value for argument ')} gives several values: add -m to sweep"
+    cause = e.__cause__
+    return first_line(e) + (f" ({first_line(cause)})" if cause is not None else "")
+
+
+def unknown_key_message(key: str, overrides: list[str]) -> str:
+    """"method snapkv has no field 'windw'. Did you mean: window? Fields: ..." (any config node alike)."""
+    others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+    parent, _, leaf = key.rpartition(".")
+    try:
+        cfg = compose_job(others, hydra=True)
+    except BadInput:
+        return f"unknown config key '{key}'"
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return f"unknown config key '{key}': {parent} is not a group of keys"
+    keys = sorted(k for k in node.keys() if k not in ("_target_", "hydra"))
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    hint = f" Did you mean: {close[0]}?" if close else ""
+    if parent in ("method", "dataset", "model"):
+        return (f"{parent} {cfg.hydra.runtime.choices.get(parent)} has no field '{leaf}'.{hint} "
+                f"Fields: {', '.join(keys)}")
+    where = f"{parent} has no key" if parent else "Unknown config key"
+    return f"{where} '{leaf}'.{hint} Valid keys: {', '.join(keys)}" + ("" if parent else " (+key=value adds one)")
+
+
+# --- checks on a composed job ---------------------------------------------------------------------------------
+class Checker:
+    """Runs kvbench.run.setup and the file checks on each job, once per distinct model / dataset."""
+
+    def __init__(self, multirun: bool):
+        from kvbench.run import setup
+
+        self.setup, self.multirun = setup, multirun
+        self.fits_checked: set[str] = set()
+
+    def check(self, cfg: DictConfig, overrides: list[str]) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().set_config(cfg)  # the run-dir pattern reads hydra:runtime.choices
+        try:
+            check_budget_and_ratio(overrides)
+            _, dataset, spec = self.setup(cfg)
+            if hasattr(dataset, "check_fits"):
+                self.check_fits(dataset, spec, cfg.dataset)
+            check_run_dir(cfg, overrides, self.multirun)
+        except BadInput:
+            raise
+        except (ValueError, KeyError, FileNotFoundError, TypeError, OmegaConfBaseException) as e:
+            raise BadInput(message(e)) from e
+
+    def check_fits(self, dataset, spec, node: DictConfig) -> None:
+        """Datasets whose samples can be too long for their length setting (RULER) try them with the tokenizer."""
+        from kvbench.models.checks import tokenizer_source
+
+        source = tokenizer_source(spec)
+        key = json.dumps([OmegaConf.to_container(node, resolve=True), source], sort_keys=True, default=str)
+        if source is None or key in self.fits_checked:
+            return
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, revision=spec.revision)
+        except Exception:  # noqa: BLE001 - the run's load() reports a broken tokenizer; nothing to check here
+            return
+        dataset.check_fits(tokenizer)
+        self.fits_checked.add(key)
+
+
+def check_budget_and_ratio(overrides: list[str]) -> None:
+    given = dict(o.lstrip("+").partition("=")[::2] for o in overrides)
+    if "budget" in given and given.get("ratio", "null") != "null":
+        raise BadInput(f"budget={given['budget']} and ratio={given['ratio']} both given; ratio sets each sample's "
+                       "budget from its prompt length, so give one of them")
+
+
+def run_dir_of(cfg: DictConfig, multirun: bool) -> Path:
+    """The folder Hydra will create for this job (needs HydraConfig set to `cfg`)."""
+    hydra = cfg.hydra
+    return Path(hydra.sweep.dir) / hydra.sweep.subdir if multirun else Path(hydra.run.dir)
+
+
+def check_run_dir(cfg: DictConfig, overrides: list[str], multirun: bool) -> None:
+    """The run directory stays inside results_dir (unless hydra.run/sweep.dir is set by hand) and can be written."""
+    run_dir = run_dir_of(cfg, multirun)
+    if not any(o.lstrip("+").startswith(("hydra.run.", "hydra.sweep.")) for o in overrides):
+        check_inside(run_dir, Path(cfg.results_dir), f"the run directory (results_dir={cfg.results_dir})")
+    if run_dir.exists():
+        for path in [run_dir, *(run_dir / name for name in RUN_FILES)]:
+            if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+                raise BadInput(f"{path} is read-only; make it writable (chmod u+w) or set results_dir elsewhere")
+        return
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BadInput(f"results_dir={cfg.results_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BadInput(f"results_dir={cfg.results_dir} cannot be written ({existing} is read-only); set results_dir "
+                       "to a writable folder")
+
+
+# --- entry points ---------------------------------------------------------------------------------------------
+def validate(argv: list[str]) -> int:
+    """Raise BadInput (one line) on the first problem in any job of this command line; return the number of jobs
+    checked (0 when the command is not a run, e.g. --help)."""
+    from hydra import initialize_config_dir
+
+    from kvbench.run import CONFIG_DIR
+
+    split = split_argv(argv)
+    if split is None:
+        return 0
+    multirun, overrides = split
+    parsed = parse(overrides)
+    with quiet(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
+        jobs = expand(parsed, overrides, multirun)
+        checker = Checker(multirun)
+        for job in jobs:
+            checker.check(compose_job(job), job)
+    return len(jobs)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings while checking: the run itself logs them, and a rejected command prints one line only."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def validate_or_exit(argv: list[str]) -> None:
+    try:
+        validate(argv)
+    except BadInput as e:
+        sys.exit(f"kvbench: {e}")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def message(e: BaseException) -> str:
+    return e.args[0] if isinstance(e, KeyError) and e.args else first_line(e)

@@ -1,0 +1,41 @@
+"""Components built for tests (instantiated through `_target_` on the command line): a NIAH dataset whose scorer
+raises on one sample, and a SnapKV whose scoring runs out of CUDA memory once. Each fails once per flag file: it
+removes the file as it raises, so a rerun of the same command (same config, same run directory) succeeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbench.data.niah import NeedleHaystack
+from kvbench.methods.snapkv import SnapKV
+
+
+def consume(flag: str) -> bool:
+    path = Path(flag)
+    if flag and path.exists():
+        path.unlink()
+        return True
+    return False
+
+
+@dataclass
+class FaultyNeedle(NeedleHaystack):
+    fail_id: str = ""     # the sample whose scoring raises
+    fail_flag: str = ""   # ... while this file exists
+
+    def score(self, sample, prediction):
+        if sample.id == self.fail_id and consume(self.fail_flag):
+            raise ValueError("a scorer edge case\nwith a second line that must not reach the record")
+        return super().score(sample, prediction)
+
+
+@dataclass
+class OutOfMemorySnapKV(SnapKV):
+    oom_flag: str = ""    # the first scoring call while this file exists runs out of memory
+
+    def scores(self, view):
+        if consume(self.oom_flag):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
+        return super().scores(view)

@@ -1,0 +1,119 @@
+"""One failing sample never stops a run: failure records, n_failed, retry on rerun, clean stops on SIGTERM / Ctrl-C.
+
+Through the command line on the tiny random model, with components built to fail (tests/unit/faulty.py)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbench.store import RunStore, aggregate, write_json_atomic
+from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
+
+THREE = ["dataset.context_lengths=[300]", "dataset.depth_percents=[0,50,100]"]
+
+
+def faulty_args(tmp_path: Path) -> list[str]:
+    return ["model=tiny_llama", "method=snapkv", "budget=64", *THREE,
+            "method._target_=tests.unit.faulty.OutOfMemorySnapKV", f"+method.oom_flag={tmp_path / 'oom'}",
+            "dataset._target_=tests.unit.faulty.FaultyNeedle", "+dataset.fail_id=niah-L300-d50",
+            f"+dataset.fail_flag={tmp_path / 'fail'}"]
+
+
+def test_failed_samples_are_recorded_counted_and_retried(tmp_path):
+    results = tmp_path / "results"
+    (tmp_path / "oom").touch()   # the first sample (d0) runs out of memory during compression
+    (tmp_path / "fail").touch()  # the second (d50) raises in its scorer; the third finishes
+    first = kvbench(*faulty_args(tmp_path), results=results)
+    assert first.returncode == 0, first.stderr
+    (run_dir,) = run_dirs(results)
+    recs = {r["id"]: r for r in records(run_dir)}
+    oom, bad, good = recs["niah-L300-d0"], recs["niah-L300-d50"], recs["niah-L300-d100"]
+    assert oom["failed"] is True and oom["error_type"] == "OutOfMemoryError"
+    assert oom["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB (test)"
+    assert oom["where"].startswith("kvbench/") and oom["prompt_tokens"] > 64 and oom["budget"] == 64
+    assert bad["failed"] is True and bad["error_type"] == "ValueError" and bad["error"] == "a scorer edge case"
+    assert "failed" not in good and 0 <= good["score"] <= 1
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["n"] == 1 and scores["n_failed"] == 2 and scores["failed_ids"] == ["niah-L300-d0", "niah-L300-d50"]
+    assert scores["metrics"]["pyramidkv_recall"] == good["score"]  # failures are excluded, not scored 0
+    assert "over 1 samples (2 failed)" in (run_dir / "run.log").read_text().strip().splitlines()[-1]
+    assert "n_failed: 2" in (run_dir / "summary.md").read_text()
+
+    kept = kvbench(*faulty_args(tmp_path), "retry_failed=false", results=results)
+    assert kept.returncode == 0, kept.stderr
+    assert len(records(run_dir)) == 3 and json.loads((run_dir / "scores.json").read_text())["n_failed"] == 2
+
+    with open(run_dir / "predictions.jsonl", "a") as f:
+        f.write('{"note": "a line edited by hand, valid JSON without an id"}\n')
+    retried = kvbench(*faulty_args(tmp_path), results=results)
+    assert retried.returncode == 0, retried.stderr
+    assert "valid JSON but not a record with an 'id'" in retried.stdout + retried.stderr
+    lines = records(run_dir)
+    assert [r.get("id") for r in lines[4:]] == ["niah-L300-d0", "niah-L300-d50"]
+    assert not any(r.get("failed") for r in lines[4:])
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["n"] == 3 and scores["n_failed"] == 0 and scores["failures_counted_as"] == "excluded"
+
+
+def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_path):
+    """SIGTERM (what SLURM sends before a kill) and SIGINT (Ctrl-C), to two runs at once: exit 143 / 130 with one
+    line, every record written so far whole, no temp files, the run-dir lock released."""
+    depths = ",".join(str(d) for d in range(0, 101, 4))
+    procs = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        results = tmp_path / signal.Signals(signum).name
+        args = ["model=tiny_llama", "method=snapkv", "budget=64", "dataset.context_lengths=[1500]",
+                f"dataset.depth_percents=[{depths}]", f"results_dir={results}"]
+        procs[signum] = (results, subprocess.Popen([sys.executable, "-m", "kvbench.run", *args], cwd=ROOT, env=ENV,
+                                                   stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True))
+    for signum, (results, proc) in procs.items():
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            found = list(results.rglob("predictions.jsonl"))
+            if found and found[0].read_text().count("\n") >= 1:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signum)
+    for signum, (results, proc) in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signum, stderr
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("kvbench: stopped by SIGTERM" if signum == signal.SIGTERM else "kvbench: interrupted")
+        assert last.endswith("every finished sample is kept, rerun the same command to resume")
+        (run_dir,) = run_dirs(results)
+        recs = records(run_dir)  # every line whole: json.loads would raise on a torn one
+        assert 1 <= len(recs) < 26 and not (run_dir / "scores.json").exists()
+        assert not [p for p in run_dir.iterdir() if ".tmp" in p.name]
+        RunStore(run_dir).close()  # the lock was released
+
+
+def test_failure_records_in_the_store_and_aggregate(tmp_path):
+    def rec(i, score):
+        return {"id": f"s{i}", "score": score, "scores": {"m": score}, "kv_bytes": 10, "full_kv_bytes": 40,
+                "effective_budget": 4.0, "prefill_s": 1.0, "decode_tok_s": 2.0}
+
+    failed = {"id": "s1", "failed": True, "error_type": "ValueError", "error": "x", "where": "?"}
+    store = RunStore(tmp_path)
+    for r in (rec(0, 1.0), failed, rec(2, 0.0)):
+        store.append(r)
+    assert store.done_ids() == {"s0", "s2"} and store.done_ids(include_failed=True) == {"s0", "s1", "s2"}
+    store.append(rec(1, 0.5))  # the retry supersedes the failure
+    store.close()
+    summary = aggregate(RunStore(tmp_path).records)
+    assert summary["n"] == 3 and summary["n_failed"] == 0 and summary["metrics"] == {"m": 0.5}
+    summary = aggregate([rec(0, 1.0), failed, rec(2, 0.0)])
+    assert summary["n"] == 2 and summary["n_failed"] == 1 and summary["failed_ids"] == ["s1"]
+    assert summary["metrics"] == {"m": 0.5} and summary["failures_counted_as"] == "excluded"
+
+
+def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path):
+    (tmp_path / "scores.json").mkdir()  # os.replace onto a directory fails after the temp file is written
+    with pytest.raises(OSError):
+        write_json_atomic(tmp_path / "scores.json", {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["scores.json"]

@@ -1,0 +1,149 @@
+"""Bad input fails in ONE line `kvbench: ...`, before any weights load and before Hydra writes anything.
+
+Most rows of issue #16's table run in-process through `kvbench.validate.validate` (what `python -m kvbench.run`
+calls first; nothing in it loads weights: models are checked by their config.json / GGUF header only); a handful
+run through the real command line, concurrently, to show the whole path: exit code 1, one stderr line, no files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.data.ruler import cache
+from kvbench.pathnames import check_inside, check_name
+from kvbench.validate import BadInput, validate
+from tests.unit.test_cli import ENV, ROOT
+
+LONGBENCH = ROOT / "tests" / "fixtures" / "longbench"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Broken inputs a user may point kvbench at."""
+    tmp = tmp_path_factory.mktemp("inputs")
+    (tmp / "not_a_model").mkdir()
+    (tmp / "not_a_model" / "weights.bin").write_bytes(b"\0" * 16)
+    (tmp / "remote").mkdir()
+    (tmp / "remote" / "config.json").write_text(json.dumps(
+        {"model_type": "my_own_arch", "auto_map": {"AutoConfig": "modeling.MyConfig",
+                                                   "AutoModelForCausalLM": "modeling.MyModel"}}))
+    (tmp / "corrupt.gguf").write_bytes(b"GGML" + b"\0" * 60)
+    (tmp / "longbench").mkdir()
+    lines = (LONGBENCH / "hotpotqa.jsonl").read_text().splitlines()
+    (tmp / "longbench" / "hotpotqa.jsonl").write_text("\n".join([lines[0], '{"input": "half a rec', *lines[1:]]))
+    return tmp
+
+
+def rows(t: str) -> list:
+    return [
+        (["foo=1"], "key", "Unknown config key 'foo'. Valid keys: budget, dataset, generation, limit"),
+        (["method=snapkv", "method.windw=8"], "field",
+         "method snapkv has no field 'windw'. Did you mean: window? Fields: gqa_reduce, granularity, kernel, "
+         "pooling, window"),
+        (["budget=[1"], "syntax", "cannot parse the override 'budget=[1'"),
+        (["model=hf", f"model.path={t}/no/such/dir"], "path",
+         f"model: path='{t}/no/such/dir' does not exist (a local path is never taken for a Hub id)"),
+        (["model=hf", f"model.path={t}/missing.gguf"], "gguf", f"model: GGUF file {t}/missing.gguf does not exist"),
+        (["model=hf", f"model.path={t}/corrupt.gguf"], "bad-gguf",
+         f"model: {t}/corrupt.gguf is not a GGUF file (it starts with b'GGML', expected b'GGUF')"),
+        (["model=hf", f"model.path={t}/not_a_model"], "no-config", f"model: {t}/not_a_model has no config.json"),
+        (["model=hf", f"model.path={t}/remote"], "remote", "needs remote code (config.json auto_map: AutoConfig, "
+         "AutoModelForCausalLM; model_type='my_own_arch' is not built into transformers); kvbench never runs it "
+         "unless you set model.trust_remote_code=true"),
+        (["model=hf", "model.path=some-org/not-cached-model"], "offline",
+         "model: 'some-org/not-cached-model' is a Hub id, the Hub is off (HF_HUB_OFFLINE=1)"),
+        (["dataset=longbench", f"dataset.root={t}/longbench", "dataset.tasks=[hotpotqa]"], "longbench",
+         f"longbench: {t}/longbench/hotpotqa.jsonl:2: not valid JSON"),
+        (["dataset=ruler", "dataset.length=600", "dataset.tasks=[niah_single_1,vt]", f"dataset.cache_dir={t}/cache"],
+         "ruler", "ruler: dataset.length=600 is too small for vt (its template alone is"),
+        (["budget=128", "ratio=0.5"], "both", "budget=128 and ratio=0.5 both given"),
+        (["limit=0"], "limit0", "limit=0 must be a positive number of samples, or null for all"),
+        (["limit=-1"], "limit-1", "limit=-1 must be a positive number of samples"),
+        (["model.name=../../../x"], "name", "model: name='../../../x' becomes a folder name, so it must be a plain"),
+        (["dataset=ruler", "dataset.version=2024-12.1/../../x"], "version",
+         "ruler: version='2024-12.1/../../x' becomes a folder name"),
+        (["budget=64,128"], "sweep", "budget=64,128 gives several values: add -m"),
+        (["-m", "method=snapkv", "budget=64,16"], "sweep-job", "snapkv: window=32 must be < budget=16"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(rows(""))), ids=[r[1] for r in rows("")])
+def test_each_bad_input_is_one_line_before_anything_is_written(inputs, tmp_path, monkeypatch, smollm2_dir, index):
+    args, _, expected = rows(str(inputs))[index]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = [] if any(a.startswith("model=") for a in args) else ["model=tiny_llama"]
+    with pytest.raises(BadInput) as error:
+        validate([*model, *args, f"results_dir={tmp_path / 'results'}"])
+    text = str(error.value)
+    assert expected in text and "\n" not in text, text
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_good_sweep_passes_and_counts_its_jobs(tmp_path):
+    args = ["-m", "model=tiny_llama", "method=full,snapkv", "budget=64,128", f"results_dir={tmp_path}"]
+    assert validate(args) == 4 and not list(tmp_path.iterdir())
+    assert validate(["--help"]) == 0  # Hydra's own flags are left to Hydra
+
+
+def test_path_components_stay_plain_names(tmp_path):
+    for bad in ("../x", "a/b", ".hidden", "", "a\\b", "..", "x/../../y"):
+        with pytest.raises(ValueError, match="must be a plain name"):
+            check_name("model: name", bad)
+    assert check_name("model: name", "llama-3.1-8b_instruct+v2") == "llama-3.1-8b_instruct+v2"
+    with pytest.raises(ValueError, match="outside"):
+        cache.cache_file(tmp_path, "../../elsewhere", "vt", 4096, 42, {})
+    with pytest.raises(ValueError, match="outside"):
+        check_inside(tmp_path / "a" / ".." / ".." / "b", tmp_path, "run directory")
+
+
+# --- through the command line ---------------------------------------------------------------------------------
+def read_only(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+
+
+def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
+    """Five bad commands at once (each process pays ~5 s of imports); root drops its file-permission override
+    (setpriv) so that read-only folders are read-only to it as well."""
+    as_user = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root without setpriv cannot see read-only folders as read-only")
+        as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    ro_results = tmp_path / "ro_results"
+    ro_results.mkdir()
+    existing = tmp_path / "existing"
+    run_dir = existing / "niah" / "tiny-llama" / "full" / "b64-x"
+    run_dir.mkdir(parents=True)
+    (run_dir / "predictions.jsonl").write_text('{"id": "niah-L300-d0"}\n')
+    read_only(ro_results)
+    read_only(existing)
+    commands = {
+        "syntax": (["budget=[1"], tmp_path / "r1", "cannot parse the override 'budget=[1'"),
+        "field": (["method=snapkv", "method.windw=8"], tmp_path / "r2", "method snapkv has no field 'windw'"),
+        "path": (["model=hf", f"model.path={inputs}/no/such/dir"], tmp_path / "r3", "does not exist"),
+        "ro-results": ([], ro_results, f"results_dir={ro_results} cannot be written"),
+        "ro-run-dir": (["method=full", "budget=64", f"hydra.run.dir={run_dir}"], existing, "is read-only"),
+    }
+    procs = {name: subprocess.Popen(
+        [*as_user, sys.executable, "-m", "kvbench.run", "model=tiny_llama", *args, f"results_dir={results}"],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (args, results, _) in commands.items()}
+    before = {name: sorted(results.rglob("*")) for name, (_, results, _) in commands.items()}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            lines = stderr.strip().splitlines()
+            assert proc.returncode == 1 and not stdout.strip(), (name, stdout, stderr)
+            assert len(lines) == 1 and lines[0].startswith("kvbench: ") and commands[name][2] in lines[0], (name, stderr)
+            assert sorted(commands[name][1].rglob("*")) == before[name], name  # nothing created
+    finally:
+        for path in (ro_results, existing):
+            for p in [path, *path.rglob("*")]:
+                p.chmod(0o755)
