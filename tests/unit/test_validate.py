@@ -42,7 +42,7 @@ def inputs(tmp_path_factory) -> Path:
 
 def rows(t: str) -> list:
     return [
-        (["foo=1"], "key", "Unknown config key 'foo'. Valid keys: budget, dataset, generation, limit"),
+        (["budgt=1"], "key", "Unknown config key 'budgt'. Did you mean: budget? Valid keys: "),
         (["method=snapkv", "method.windw=8"], "field",
          "method snapkv has no field 'windw'. Did you mean: window? Fields: gqa_reduce, granularity, kernel, "
          "pooling, window"),
@@ -147,3 +147,17 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
         for path in (ro_results, existing):
             for p in [path, *path.rglob("*")]:
                 p.chmod(0o755)
+
+
+def test_ruler_length_tokenizer_revision_is_pinned_and_recorded(smollm2_dir, smollm2_tokenizer):
+    from kvbench.data.ruler import Ruler
+    from kvbench.data.ruler.length import tokenizer_fingerprint
+
+    ruler = Ruler(tasks=["niah_single_1"], length_tokenizer=str(smollm2_dir))
+    counter = ruler.counter_tokenizer(smollm2_tokenizer)
+    assert ruler.provenance["length_tokenizer"] == {
+        "name": str(smollm2_dir), "revision": None, "resolved_commit": None,  # a local folder has no commit
+        "fingerprint": tokenizer_fingerprint(smollm2_tokenizer)} and counter is not smollm2_tokenizer
+    pinned = Ruler(tasks=["niah_single_1"], length_tokenizer="some-org/not-cached", length_tokenizer_revision="abc123")
+    with pytest.raises(ValueError, match="ruler: cannot load length_tokenizer='some-org/not-cached'"):
+        pinned.counter_tokenizer(smollm2_tokenizer)
