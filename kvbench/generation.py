@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvbench import layerwise
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
@@ -57,6 +58,7 @@ class Generation:
     kv_bytes_per_layer_final: list[int] = field(default_factory=list)  # and at the end of decoding
     host_kv_bytes: int = 0  # offloaded to host memory (TailorKV's sparse layers)
     transfers: dict | None = None  # the byte ledger's summary, for offloading methods
+    peak_kv_bytes: int = 0  # the most K/V bytes held at once, prefill and decoding included
 
     @property
     def kept_per_layer(self) -> list[float]:
@@ -83,38 +85,51 @@ def prefill(model, input_ids: Tensor, cache: KVCache) -> Tensor:
 
 @torch.no_grad()
 def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: int | None,
-             state: EvictionState | None = None, inv_freq: Tensor | None = None) -> TransferLedger | None:
+             state: EvictionState | None = None, inv_freq: Tensor | None = None,
+             layers_done: bool = False) -> TransferLedger | None:
     """Apply the method's per-layer budgets and selections to the cache; evicted entries are freed.
 
     Accumulated-attention methods (`state` given) evict from their prefill scores here and are hooked into every
     decode step. With `inv_freq` (positions=shift), every layer then hands attention its keys at cache slots.
-    Storage methods (TailorKV) rebuild the layers themselves and return the ledger of bytes they move."""
+    Storage methods (TailorKV) rebuild the layers themselves and return the ledger of bytes they move.
+    `layers_done`: each layer was already evicted inside the prefill forward (`kvbench.layerwise`)."""
     if not method.compresses:
         return None
     if hasattr(method, "attach"):
         ledger = method.attach(cache, capture, budget)
         capture.trim_window_layers(cache)  # sliding-window layers keep what the model's window still shows
         return ledger
-    if state is not None:
+    if not layers_done:
+        n_layers = len(cache.layers)
+        budgets = method.layer_budgets(cache.layers[0].keys.shape[-2], n_layers, budget)
+        for layer_idx, n_keep in enumerate(budgets):
+            compress_layer(method, cache, capture, layer_idx, n_layers, n_keep, state)
+    capture.reset()  # the window queries are no longer needed
+    capture.cache = cache
+    if state is not None and method.evicts_while_decoding:
         fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
-        for layer_idx, layer in enumerate(cache.layers):
-            if layer_idx not in fixed:
-                state.prefill(layer_idx, layer, capture.column_sums.get(layer_idx))
-        capture.reset()
-        capture.cache = cache
-        if method.evicts_while_decoding:
-            capture.decode_hook = lambda i, query, key, scaling, bias=None: (
-                None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
-                                                     capture.softcap.get(i)))
-        capture.trim_window_layers(cache)
-        enable_shift(cache, inv_freq)
-        return None
-    n_layers = len(cache.layers)
-    prompt_len = cache.layers[0].keys.shape[-2]
-    budgets = method.layer_budgets(prompt_len, n_layers, budget)
-    for layer_idx, (layer, n_keep) in enumerate(zip(cache.layers, budgets)):
-        if n_keep >= prompt_len or layer_idx in capture.window_layers:
-            continue
+        capture.decode_hook = lambda i, query, key, scaling, bias=None: (
+            None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
+                                                 capture.softcap.get(i)))
+    capture.trim_window_layers(cache)
+    enable_shift(cache, inv_freq)
+    return None
+
+
+@torch.no_grad()
+def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, layer_idx: int, n_layers: int,
+                   n_keep: int, state: EvictionState | None = None) -> None:
+    """One layer's prefill eviction: the method's selection of `n_keep` entries per head, or a decoding method's
+    eviction from its column sums. Needs only this layer's K/V and capture, so it can run inside the forward."""
+    if layer_idx in capture.window_layers:  # sliding-window layers keep the model's own window semantics
+        return
+    layer = cache.layers[layer_idx]
+    held = layer.nbytes()
+    if state is not None:
+        state.prefill(layer_idx, layer, capture.column_sums.pop(layer_idx, None))
+    else:
+        if n_keep >= layer.keys.shape[-2]:
+            return
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx))
@@ -123,11 +138,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
             layer.keep(idx)
         else:  # one index tensor per head, of different lengths: store flattened (Ada-KV)
             cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
-    capture.reset()  # the window queries are no longer needed
-    capture.cache = cache
-    capture.trim_window_layers(cache)
-    enable_shift(cache, inv_freq)
-    return None
+    if cache.layers[layer_idx].nbytes() != held:
+        cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
 
 
 def enable_shift(cache: KVCache, inv_freq: Tensor | None) -> None:
@@ -214,6 +226,7 @@ class Prepared:
     ledger: TransferLedger | None
     timings: dict[str, float]
     state: EvictionState | None = None  # a decode-time method's per-sample state (beam search reorders it)
+    held_elsewhere: int = 0  # KV bytes held beside this cache (a grid sweep's shared prefilled cache)
 
     def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float) -> Generation:
         """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds)."""
@@ -222,54 +235,87 @@ class Prepared:
         return Generation(tokens, text, self.prompt_len, self.kv_bytes, self.full_kv_bytes, self.cache.nbytes(),
                           self.kept_per_head, timings, self.kv_bytes_per_layer,
                           [layer.nbytes() for layer in self.cache.layers], self.cache.host_nbytes(),
-                          self.ledger.summary() if self.ledger is not None else None)
+                          self.ledger.summary() if self.ledger is not None else None,
+                          self.cache.peak_nbytes + self.held_elsewhere)
+
+
+@dataclass
+class Prefilled:
+    """A prompt prefilled once for several configurations (a grid sweep): `prepare` compresses a copy of `cache`.
+    The capture must already hold this configuration's prefill statistics (window queries, column sums)."""
+
+    cache: KVCache
+    logits: Tensor
+    prefill_s: float
+    state: EvictionState | None = None  # a decoding method's state, started before the prefill that scored it
 
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
-            max_new_tokens: int, positions: str = "original", seed: int = 0) -> Prepared:
-    """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`."""
+            max_new_tokens: int, positions: str = "original", seed: int = 0, compress_after: str = "layer",
+            prefilled: Prefilled | None = None) -> Prepared:
+    """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`.
+
+    `compress_after`: "layer" evicts each layer inside the prefill forward where the method allows it
+    (`kvbench.layerwise`), "prefill" after the whole prefill; the kept entries are the same. `prefilled`: skip the
+    prefill and compress a copy of a shared one (the grid launcher)."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
     if positions == "shift" and hasattr(method, "attach"):
         raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
-    cache, prompt_len = KVCache(), input_ids.shape[1]
-    capture.reset()
-    state = None
-    if isinstance(method, DecodingMethod):
-        state = method.start(prompt_len, budget, max_new_tokens, seed)
-        if "column_scores" in method.needs:
-            capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
-            capture.column_block = method.causal_block(state.budget)
+    if compress_after not in ("layer", "prefill"):
+        raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
+    prompt_len = input_ids.shape[1]
     capture.logit_scale = getattr(method, "logit_scale", None)  # BUZZ log n: a temperature on every layer
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
-    sync()
-    t0 = time.perf_counter()
-    logits = prefill(model, input_ids, cache)
-    sync()
-    t1 = time.perf_counter()
-    full_bytes = cache.nbytes()
-    ledger = compress(method, cache, capture, budget, state, inv_freq)
+    if prefilled is not None:  # a shared prefill: this configuration compresses its own copy
+        cache, logits, state = prefilled.cache.clone(), prefilled.logits, prefilled.state
+        held_elsewhere = full_bytes = prefilled.cache.nbytes()
+        sync()
+        t1 = time.perf_counter()
+        t0 = t1 - prefilled.prefill_s
+        ledger = compress(method, cache, capture, budget, state, inv_freq)
+    else:
+        cache, state, held_elsewhere = KVCache(), None, 0
+        capture.reset()
+        if isinstance(method, DecodingMethod):
+            state = method.start(prompt_len, budget, max_new_tokens, seed)
+            if "column_scores" in method.needs:
+                capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
+                capture.column_block = method.causal_block(state.budget)
+        in_forward = compress_after == "layer" and layerwise.applies(method)
+        with layerwise.compress_each_layer(capture, method, cache, budget, prompt_len, state,
+                                           active=in_forward) as done:
+            sync()
+            t0 = time.perf_counter()
+            logits = prefill(model, input_ids, cache)
+            sync()
+            t1 = time.perf_counter()
+        full_bytes = done.full_nbytes if in_forward else cache.nbytes()
+        ledger = compress(method, cache, capture, budget, state, inv_freq, layers_done=in_forward)
+        t1 -= done.compress_s  # evictions inside the forward count as compression time
     sync()
     t2 = time.perf_counter()
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger,
-                    {"prefill_s": t1 - t0, "compress_s": t2 - t1}, state)
+                    {"prefill_s": t1 - t0, "compress_s": t2 - t1}, state, held_elsewhere)
 
 
 def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
              budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
              sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
              positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
-             min_new_tokens: int = 0) -> Generation:
+             min_new_tokens: int = 0, compress_after: str = "layer",
+             prefilled: Prefilled | None = None) -> Generation:
     """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
 
     `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
     sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
-    randomness of a method (Keyformer's Gumbel noise)."""
+    randomness of a method (Keyformer's Gumbel noise). `compress_after` and `prefilled`: see `prepare`."""
     if eos_ids is None:
         eos_ids = eos_token_ids(model, tokenizer)
-    run = prepare(model, method, capture, input_ids, budget, max_new_tokens, positions, seed)
+    run = prepare(model, method, capture, input_ids, budget, max_new_tokens, positions, seed, compress_after,
+                  prefilled)
     t2 = time.perf_counter()
     tokens, text, n_steps = decode(model, run.cache, run.logits, run.prompt_len, max_new_tokens, eos_ids, stop,
                                    tokenizer, sampling, on_logits, positions, stop_token_ids, min_new_tokens)

@@ -41,7 +41,12 @@ def config_hash(*nodes) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def budget_tag(budget, ratio) -> str:
+FULL_TARGET = "kvbench.methods.full.Full"  # keeps everything: one run per (model, dataset), whatever the budget
+
+
+def budget_tag(budget, ratio, method_target: str = "") -> str:
+    if method_target == FULL_TARGET:
+        return "all"
     return f"r{ratio}" if ratio is not None else f"b{budget}"
 
 
@@ -110,6 +115,10 @@ def setup(cfg: DictConfig):
         if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
+    if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
+        raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
+    if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
+        cfg.budget = cfg.ratio = None
     if cfg.ratio is not None:
         if not 0 <= cfg.ratio < 1:
             raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
@@ -203,8 +212,9 @@ def sample_seed(cfg: DictConfig, sample) -> int:
 
 
 def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
-               sampling) -> dict:
-    """Generate one sample and score it: the prediction record that goes into predictions.jsonl."""
+               sampling, prefilled=None) -> dict:
+    """Generate one sample and score it: the prediction record that goes into predictions.jsonl.
+    `prefilled` (`generation.Prefilled`): a prefill shared with other configurations (the grid launcher)."""
     import torch
 
     from kvbench.generation import generate
@@ -222,7 +232,8 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
     else:
         gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
                        sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
-                       stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens)
+                       stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens,
+                       compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled)
     return sample_record(dataset, sample, ids, budget, gen)
 
 
@@ -242,6 +253,7 @@ def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
         "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
         "host_kv_bytes": gen.host_kv_bytes,
         "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
+        "peak_kv_bytes": gen.peak_kv_bytes,
         **({"transfers": gen.transfers} if gen.transfers is not None else {}),
     }
 
@@ -293,8 +305,9 @@ def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_n
     return summary
 
 
-def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
-    """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated."""
+def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
+    """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated,
+    `choices` the group options picked (default: Hydra's for the running job)."""
     from tqdm import tqdm
 
     from kvbench.cost import CostMeter, job_log_links
@@ -305,7 +318,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None) -> dict:
     from kvbench.store import RunStore, sha256_text
 
     method, dataset, spec = job or setup(cfg)
-    choices = _choices()
+    choices = choices or _choices()
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     shard = Shard.parse(cfg.get("shard"))
     manifest_name = shard.manifest_name if shard else "manifest.json"

@@ -15,6 +15,8 @@ cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
@@ -81,6 +83,13 @@ class KVLayer(DynamicLayer):
         self.positions = self.positions[batch, head, idx].contiguous()
         self.repeat *= rep
 
+    def clone(self) -> "KVLayer":
+        """An independent copy (tensors copied): a prefilled layer that several methods each compress (grid sweeps)."""
+        twin = copy.copy(self)
+        if self.is_initialized:
+            twin.keys, twin.values, twin.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+        return twin
+
     # --- accounting -------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of K and V physically held (positions are bookkeeping and reported separately)."""
@@ -113,6 +122,25 @@ class KVCache(Cache):
 
     def __init__(self):
         super().__init__(layer_class_to_replicate=KVLayer)
+        self.peak_nbytes = 0  # the most K/V bytes held at once so far (`note_peak`)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if key_states.shape[-2] > 1 or layer_idx == len(self.layers) - 1:  # each prefill layer; each decode step
+            self.note_peak()
+        return out
+
+    def note_peak(self, extra: int = 0) -> None:
+        """Sample the bytes held (+ `extra` held transiently, e.g. a layer's old and new tensors during a gather)."""
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes() + extra)
+
+    def clone(self) -> "KVCache":
+        """A copy whose tensors are independent of this cache's (every layer must be a plain `KVLayer`)."""
+        if any(type(layer) is not KVLayer for layer in self.layers):
+            raise ValueError("cache: only an uncompressed (prefilled) cache can be cloned")
+        twin = copy.copy(self)
+        twin.layers = [layer.clone() for layer in self.layers]
+        return twin
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

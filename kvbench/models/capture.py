@@ -7,8 +7,8 @@ is patched: another model in the same process keeps its attention untouched.
 What it records at prefill, per layer: the last `window` post-RoPE queries `[B, H_q, w, D]` and the softmax scale.
 That is all SnapKV-style scoring needs, so the n x n attention matrix is never built. For accumulated-attention
 policies (H2O, Keyformer, BUZZ) it also computes, when `column_score` is given, the column sums of a row-wise score
-of the causal prefill logits, `[B, H_q, n]`, in chunks of query rows (memory chunk x n, never n x n). During
-decoding, `decode_hook(layer_idx, query, key, scaling)` runs after each layer's attention, so a policy can score the
+of the causal prefill logits, `[B, H_q, n]`, in chunks of query rows (memory chunk x n, never n x n); a grid sweep
+adds named scorers (`column_scores`, sums in `named_column_sums`) that share each chunk's logits. During decoding, `decode_hook(layer_idx, query, key, scaling)` runs after each layer's attention, so a policy can score the
 new query over the cache and evict before the next step, and `input_hook(layer_idx, hidden, position_embeddings)`
 runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
 next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
@@ -56,6 +56,8 @@ class AttentionCapture:
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
         self.column_sums: dict[int, Tensor] = {}
+        self.column_scores: dict[str, Callable[[Tensor], Tensor]] = {}  # more named scorers, one prefill (grid)
+        self.named_column_sums: dict[str, dict[int, Tensor]] = {}  # their column sums, by name then layer
         self.scaling: dict[int, float] = {}
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
@@ -70,6 +72,8 @@ class AttentionCapture:
         self.window_queries.clear()
         self.window_bias.clear()
         self.column_sums.clear()
+        self.column_scores = {}
+        self.named_column_sums = {}
         self.scaling.clear()
         self.cache = None
         self.decode_hook = None  # per-sample hooks are set again by the next sample's `generate`
@@ -152,8 +156,15 @@ class AttentionCapture:
                     self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
                     if score_bias is not None:
                         self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
-                if self.column_score is not None:
-                    self.column_sums[layer_idx] = self._column_sums(query, key, scaling, score_bias, softcap)
+                scorers = dict(self.column_scores)
+                if self.column_score is not None:  # the run's own method
+                    scorers[None] = self.column_score
+                if scorers:
+                    sums = self._column_sums(query, key, scaling, scorers, score_bias, softcap)
+                    if None in sums:
+                        self.column_sums[layer_idx] = sums.pop(None)
+                    for name, total in sums.items():
+                        self.named_column_sums.setdefault(name, {})[layer_idx] = total
             else:
                 window_mask = self._window_mask(layer_idx, key, query.shape[1], kwargs.get("sliding_window"))
                 if window_mask is not None or (attention_mask is not None
@@ -216,14 +227,15 @@ class AttentionCapture:
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 
     @torch.no_grad()
-    def _column_sums(self, query: Tensor, key: Tensor, scaling: float, score_bias=None,
-                     softcap: float | None = None) -> Tensor:
-        """Sum over the n prompt queries of `column_score(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows.
-        The logits are shaped as the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
+    def _column_sums(self, query: Tensor, key: Tensor, scaling: float, scorers: dict, score_bias=None,
+                     softcap: float | None = None) -> dict:
+        """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows (a
+        chunk's logits are computed once for all scorers). The logits are shaped as the model shapes them:
+        `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
         b, h_q, n, d = query.shape
         h_kv = key.shape[1]
         keys = key.float()
-        total = query.new_zeros(b, h_q, n, dtype=torch.float32)
+        totals = {name: query.new_zeros(b, h_q, n, dtype=torch.float32) for name in scorers}
         for start in range(0, n, self.chunk):
             rows = query[:, :, start:start + self.chunk].float()
             c = rows.shape[2]
@@ -237,8 +249,10 @@ class AttentionCapture:
             future = torch.arange(n, device=query.device)[None, :] > rows_at
             if self.column_block is not None:  # earlier rows see every key, future ones included
                 future = future & (rows_at >= n - self.column_block)
-            total += self.column_score(logits.masked_fill(future, float("-inf"))).sum(dim=2)
-        return total
+            masked = logits.masked_fill(future, float("-inf"))
+            for name, score in scorers.items():
+                totals[name] += score(masked).sum(dim=2)
+        return totals
 
 
 def window_bias(score_bias, window: int, n_keys: int, device) -> Callable:

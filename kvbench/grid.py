@@ -1,0 +1,269 @@
+"""Sample-major execution of a sweep (`hydra/launcher=grid`): one prefill per sample for every method x budget.
+
+A sweep's configurations that share everything the prefill depends on (model, dataset, `limit`) form a group. The
+group loads the model once and walks the samples: each sample is prefilled once with full attention while the
+capture records what every pending configuration needs (the widest window of queries, and the column sums of each
+accumulated-attention scorer: plain-softmax scorers (H2O, BUZZ) share one sum, Keyformer's noisy score gets its own
+from that configuration's own noise generator). Then each configuration compresses its own copy of the prefilled
+cache and decodes (`generation.Prefilled`), and its record goes into its own run directory through the same seams
+as the basic launcher (`run.prompt_ids`, `run.run_sample`, `run.write_scores`, `store.RunStore`): same run dirs,
+records, resume (per run dir, per sample id), manifest and scores.json.
+
+Records equal the basic launcher's except for timings and memory (`prefill_s` is the shared prefill's time, and
+`peak_kv_bytes` counts the shared prefill held next to the configuration's copy); `prefill_shared_by` says how many
+configurations used that prefill. A sample pending for one configuration only runs as a plain sample (compressed
+inside the prefill forward where the method allows). TailorKV shares the prefill (its storage layers are built
+from a copy of the prefilled cache). Configurations whose prefill differs run their own, in the same sample loop:
+BUZZ with `logn` (a temperature on the model's attention) and KVCache-Factory's H2O (its scores use their own
+mask). Jobs the grid does not run sample-major go through `run.run` unchanged, after the groups: perplexity
+datasets (teacher forcing), beam search and sharded jobs. No Hydra here: the launcher hands plain configs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench import run as runner
+from kvbench.cache import KVCache
+from kvbench.generation import Prefilled, Sampling, prefill
+from kvbench.methods.decoding import DecodingMethod
+from kvbench.store import RunStore, sha256_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GridJob:
+    """One configuration of the sweep, as the launcher resolved it."""
+
+    cfg: DictConfig  # the job's config, without the `hydra` node
+    run_dir: Path
+    choices: dict[str, str]  # the group options picked (method, dataset, model): names in paths and manifests
+
+
+@dataclass
+class ConfigRun:
+    """A configuration being run inside its group: its objects, its run directory and what it still has to do."""
+
+    job: GridJob
+    method: object
+    dataset: object
+    spec: object
+    scorer: str | None = None  # the name of its column scorer in the shared capture (accumulated-attention methods)
+    store: RunStore | None = None
+    info: dict = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+    sampling: Sampling | None = None
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.job.cfg
+
+    @property
+    def name(self) -> str:
+        return getattr(self.method, "label", self.job.choices["method"])  # e.g. tailorkv-2
+
+    @property
+    def window(self) -> int:
+        return getattr(self.method, "window", 0) if "window_queries" in self.method.needs else 0
+
+
+def prefill_key(cfg: DictConfig) -> str:
+    """Configurations with the same key see the same prompts and the same prefill."""
+    return runner.config_hash(cfg.model, cfg.dataset, cfg.limit)
+
+
+def runs_alone(cfg: DictConfig, dataset) -> str | None:
+    """Why a job cannot run sample-major (it then runs as the basic launcher runs it), or None."""
+    if getattr(dataset, "kind", None) == "perplexity":
+        return "teacher-forced perplexity"
+    if cfg.generation.get("num_beams", 1) > 1:
+        return "beam search"
+    if cfg.get("shard"):
+        return "a shard"
+    return None
+
+
+def shares_prefill(config: ConfigRun, budget: int | None) -> bool:
+    """False where the method changes the prefill itself or scores it under its own mask."""
+    method = config.method
+    if getattr(method, "logit_scale", None) is not None:  # BUZZ log n: a temperature on the model's attention
+        return False
+    return not (isinstance(method, DecodingMethod) and method.causal_block(budget) is not None)
+
+
+def plan(jobs: list[GridJob]) -> tuple[list[list[ConfigRun]], list[ConfigRun]]:
+    """Validate every job (before any weights load), merge jobs that share a run dir (`full` across budgets) and
+    group the rest by prefill key, in sweep order; also returns the jobs that run alone. Raises ValueError /
+    KeyError / FileNotFoundError on bad input."""
+    groups: dict[str, list[ConfigRun]] = {}
+    alone, seen = [], set()
+    for job in jobs:
+        method, dataset, spec = runner.setup(job.cfg)
+        if job.run_dir in seen:
+            continue
+        seen.add(job.run_dir)
+        config = ConfigRun(job, method, dataset, spec)
+        if runs_alone(job.cfg, dataset):
+            alone.append(config)
+        else:
+            groups.setdefault(prefill_key(job.cfg), []).append(config)
+    for configs in groups.values():
+        for i, config in enumerate(configs):
+            if isinstance(config.method, DecodingMethod) and "column_scores" in config.method.needs:
+                plain = type(config.method).row_score is DecodingMethod.row_score
+                config.scorer = "softmax" if plain else f"config{i}"  # a plain softmax sum serves H2O and BUZZ alike
+    return list(groups.values()), alone
+
+
+def run_grid(jobs: list[GridJob]) -> dict[Path, dict]:
+    """Run (or resume) every job; returns each run dir's scores.json content."""
+    groups, alone = plan(jobs)
+    summaries = {}
+    for configs in groups:
+        summaries.update(run_group(configs))
+    for config in alone:
+        logger.info("grid: %s runs on its own (%s)", config.job.run_dir, runs_alone(config.cfg, config.dataset))
+        summaries[config.job.run_dir] = runner.run(config.cfg, config.job.run_dir,
+                                                   (config.method, config.dataset, config.spec), config.job.choices)
+    return {job.run_dir: summaries[job.run_dir] for job in jobs}
+
+
+def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
+    from tqdm import tqdm
+
+    from kvbench.models import AttentionCapture, load
+
+    t_start = time.perf_counter()
+    spec, first = configs[0].spec, configs[0]
+    logger.info("grid: %d configurations share each prefill (%s on %s) | git %s", len(configs), spec.name,
+                first.job.choices["dataset"], runner.git_sha())
+    model, tokenizer = load(spec)
+    samples = first.dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
+    if first.cfg.limit is not None:
+        samples = samples[: first.cfg.limit]
+    data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
+    for config in configs:
+        open_run(config, model, tokenizer, data_sha, len(samples))
+    todo = [s for s in samples if any(s.id not in c.done for c in configs)]
+    logger.info("grid: %d samples x %d configurations, %d samples still pending for some", len(samples),
+                len(configs), len(todo))
+    device = next(model.parameters()).device
+    with AttentionCapture(model) as capture:
+        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc="grid"):
+            pending = [c for c in configs if sample.id not in c.done]
+            ids = runner.prompt_ids(sample, tokenizer, spec)
+            budgets = [config_budget(c, len(ids)) for c in pending]
+            input_ids = torch.tensor([ids], device=device)
+            together = [i for i, (c, b) in enumerate(zip(pending, budgets)) if shares_prefill(c, b)]
+            shared = {}
+            if len(together) > 1:
+                shared = dict(zip(together, share_prefill(model, capture, [pending[i] for i in together],
+                                                          [budgets[i] for i in together], input_ids, sample)))
+            for i, (config, budget) in enumerate(zip(pending, budgets)):
+                prefilled = shared.get(i)
+                if prefilled is None:  # nothing to share: the plain path (compressed inside the forward)
+                    capture.window = config.window
+                else:
+                    restore_capture(capture, config, prefilled)
+                record = runner.run_sample(model, tokenizer, config.method, capture, config.dataset, sample, ids,
+                                           budget, config.cfg, config.sampling,
+                                           prefilled=prefilled[0] if prefilled else None)
+                record["prefill_shared_by"] = len(together) if prefilled else 1
+                config.store.append(record)
+                config.done.add(sample.id)
+    wall_s = round(time.perf_counter() - t_start, 2)
+    return {c.job.run_dir: close_run(c, samples, wall_s, len(configs)) for c in configs}
+
+
+def config_budget(config: ConfigRun, prompt_len: int) -> int | None:
+    budget = runner.sample_budget(config.cfg, prompt_len)
+    if config.cfg.ratio is not None:
+        try:
+            config.method.check_budget(budget)
+        except ValueError as e:  # finished samples are already on disk
+            raise ValueError(f"ratio={config.cfg.ratio} on a {prompt_len}-token prompt gives {e}") from e
+    return budget
+
+
+# --- the shared prefill ---------------------------------------------------------------------------------------
+def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input_ids, sample) -> list[tuple]:
+    """Prefill once for every pending configuration; returns, per configuration, (Prefilled, capture statistics)."""
+    capture.reset()
+    capture.window = max(c.window for c in pending)
+    states = {}
+    for config, budget in zip(pending, budgets):
+        if config.scorer is not None:  # started now: Keyformer's prefill noise comes from this state's generator
+            state = config.method.start(input_ids.shape[1], budget, sample.max_new_tokens,
+                                        runner.sample_seed(config.cfg, sample))
+            states[id(config)] = state
+            capture.column_scores.setdefault(config.scorer, partial(config.method.row_score, state=state,
+                                                                    decoding=False))
+    cache = KVCache()
+    t0 = time.perf_counter()
+    logits = prefill(model, input_ids, cache)
+    prefill_s = time.perf_counter() - t0
+    stats = (dict(capture.window_queries), dict(capture.window_bias), dict(capture.scaling),
+             capture.named_column_sums)
+    return [(Prefilled(cache, logits, prefill_s, states.get(id(c))), stats) for c in pending]
+
+
+def restore_capture(capture, config: ConfigRun, prefilled: tuple) -> None:
+    """Put the shared prefill's statistics back where `generation.compress` reads them (it clears them after use)."""
+    _, (window_queries, window_bias, scaling, named_sums) = prefilled
+    capture.reset()
+    capture.window_queries.update(window_queries)
+    capture.window_bias.update(window_bias)
+    capture.scaling.update(scaling)
+    if config.scorer is not None:
+        capture.column_sums.update(named_sums[config.scorer])
+
+
+# --- run directories, as `run.run` writes them ------------------------------------------------------------------
+def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int) -> None:
+    cfg, run_dir = config.cfg, config.job.run_dir
+    config.store = RunStore(run_dir)
+    prepared = config.method.prepare(model, tokenizer) if hasattr(config.method, "prepare") else None
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    old = config.store.read_json("manifest.json")
+    info = runner.manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
+                           n_samples)
+    info["launcher"] = "grid"
+    if prepared is not None:
+        info["method_prepared"] = prepared
+    if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
+        info["paper"] = OmegaConf.to_container(cfg.paper_settings, resolve=True)
+    if old is not None:
+        if old.get("data_sha256") != data_sha:
+            logger.warning("the data differ from the earlier run in %s; finished ids are kept", run_dir)
+        info["started_utc"] = old.get("started_utc", info["started_utc"])
+    config.store.write_json("manifest.json", info)
+    config.info, config.done = info, config.store.done_ids()
+    config.sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+
+
+def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:
+    cfg, run_dir, store = config.cfg, config.job.run_dir, config.store
+    store.close()
+    summary = runner.write_scores(run_dir, store.records, samples, config.dataset, config.job.choices["dataset"],
+                                  config.name, cfg, config.spec)
+    config.info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=wall_s,
+                       grid_configs=n_configs)  # wall_s: the whole group's, shared by its configurations
+    store.write_json("manifest.json", config.info)
+    if cfg.report:
+        try:
+            from kvbench.report import write_run_report
+
+            write_run_report(run_dir)
+        except Exception as e:  # a plotting problem must never cost the predictions
+            logger.warning("report for %s failed: %s", run_dir, e)
+    logger.info("%s = %.4f over %d samples | %s", config.dataset.primary_metric,
+                summary["metrics"].get(config.dataset.primary_metric, float("nan")), summary["n"], run_dir)
+    return summary

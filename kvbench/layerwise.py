@@ -1,0 +1,61 @@
+"""Compress each layer inside the prefill forward, as soon as its attention has run (`compress_after=layer`).
+
+A prefill-time selection needs one layer's keys and that layer's window queries (or, for the accumulated-attention
+methods, its column sums), and both exist once the layer's attention has run. Compressing there, instead of after
+the last layer, bounds the KV held during prefill by the compressed layers so far plus one layer's full K/V, where
+the whole prompt cache was held before (16 GB at 128k on an 8B model). The choice is made by the same function,
+`generation.compress_layer`, on the same tensors, so the kept entries are those of `compress_after=prefill`.
+
+Storage methods (`attach`: TailorKV, whose layer roles need the whole cache) and `full` keep the old order.
+A forward hook on each attention module of this model instance (removed on exit) runs after the module returns,
+when its local references to the full K/V are gone, so the gather really frees them.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from kvbench.cache import KVCache
+from kvbench.methods.base import Method
+
+
+def applies(method: Method) -> bool:
+    """Whether `method` can compress one layer at a time (eviction methods, not storage methods or `full`)."""
+    return method.compresses and not hasattr(method, "attach")
+
+
+@dataclass
+class LayerwiseStats:
+    full_nbytes: int = 0  # what the uncompressed prompt cache would have held (each layer before its eviction)
+    compress_s: float = 0.0  # time spent in the per-layer evictions
+
+
+@contextmanager
+def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | None, prompt_len: int, state=None,
+                        active: bool = True) -> Iterator[LayerwiseStats]:
+    """While active, every prefill attention module's output triggers its layer's eviction in `cache`."""
+    stats = LayerwiseStats()
+    if not active:
+        yield stats
+        return
+    from kvbench.generation import compress_layer  # generation imports this module
+
+    modules = capture.attention_modules
+    n_layers = len(modules)
+    budgets = method.layer_budgets(prompt_len, n_layers, budget)
+
+    def after_attention(module, args, output) -> None:
+        t0 = time.perf_counter()
+        idx = module.layer_idx
+        stats.full_nbytes += cache.layers[idx].nbytes()
+        compress_layer(method, cache, capture, idx, n_layers, budgets[idx], state)
+        stats.compress_s += time.perf_counter() - t0
+
+    handles = [m.register_forward_hook(after_attention) for m in modules.values()]
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
