@@ -9,7 +9,7 @@ export MPLBACKEND ?= Agg
 
 .PHONY: reproduce-pyramidkv reproduce-adakv reproduce-tailorkv reproduce-keyformer reproduce-buzz reproduce-smoke \
 	reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -43,22 +43,22 @@ gpu-check: setup  ## on a GPU machine (pip install -e .[gpu] first): GPU tests +
 	$(PYTHON) -m pytest -q tests/gpu
 	$(PYTHON) scripts/bench_gpu.py
 
-sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 on the embedded model, then the report
-	$(PYTHON) -m kvbench.run -m method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
+sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 (grid launcher: one prefill per sample), then the report
+	$(PYTHON) -m kvbench.run -m hydra/launcher=grid method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
 	$(PYTHON) -m kvbench.report results/niah --out results/report
 
 longbench-data:  ## download LongBench data.zip into data/longbench (needs the Hub)
 	$(PYTHON) scripts/download_longbench.py
 
 longbench: setup  ## LongBench 16-task sweep (full/snapkv/pyramidkv x 64,128,256) + the paper table
-	$(PYTHON) -m kvbench.run -m dataset=longbench method=full,snapkv,pyramidkv budget=64,128,256
+	$(PYTHON) -m kvbench.run -m hydra/launcher=grid dataset=longbench method=full,snapkv,pyramidkv budget=64,128,256
 	$(PYTHON) -m kvbench.report results/longbench --out results/report
 
 longbench-configs:  ## regenerate configs/dataset/longbench*.yaml from the task table
 	$(PYTHON) scripts/gen_longbench_configs.py
 
 ruler: setup  ## RULER 4k on the embedded model: full vs snapkv/pyramidkv at 128/512, then the report
-	$(PYTHON) -m kvbench.run -m dataset=ruler dataset.length=4096 method=full,snapkv,pyramidkv budget=128,512
+	$(PYTHON) -m kvbench.run -m hydra/launcher=grid dataset=ruler dataset.length=4096 method=full,snapkv,pyramidkv budget=128,512
 	$(PYTHON) -m kvbench.report results/ruler --out results/report
 
 ruler-data:  ## SQuAD v2 dev + HotpotQA dev for RULER qa_1/qa_2 (needs the sources' hosts)
@@ -72,6 +72,12 @@ report: setup  ## tables + heatmaps over every run under results/
 
 bench: setup  ## prefill / compress / decode time and KV bytes per method at 4k and 8k (prints a table)
 	$(PYTHON) scripts/bench_methods.py
+
+bench-sweep: setup  ## the same 8-config sweep through the basic and the grid launcher: time ratio, same predictions
+	$(PYTHON) scripts/bench_sweep.py
+
+bench-memory: setup  ## peak KV bytes and peak RSS at 4k: compress inside the prefill forward vs after it
+	$(PYTHON) scripts/bench_memory.py
 
 tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy, device/host bytes, H2D bytes per token
 	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \

@@ -82,7 +82,10 @@ def test_multirun_sweeps_methods_and_budgets(tmp_path):
                   "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", results=tmp_path)
     assert out.returncode == 0, out.stderr
     names = {(d.parent.name, d.name.split("-")[0]) for d in run_dirs(tmp_path)}
-    assert names == {("full", "b32"), ("full", "b64"), ("streamingllm", "b32"), ("streamingllm", "b64")}
+    assert names == {("full", "all"), ("streamingllm", "b32"), ("streamingllm", "b64")}  # full: one run, no budget
+    (full,) = [d for d in run_dirs(tmp_path) if d.parent.name == "full"]
+    assert [r["budget"] for r in records(full)] == [None]
+    assert json.loads((full / "scores.json").read_text())["budget"] is None
 
 
 def test_submitit_launcher_runs_each_configuration_as_a_job(tmp_path):
@@ -117,6 +120,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
     (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
     (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),
     (["method=snapkv", "budget=16"], "snapkv: window=32 must be < budget=16"),
+    (["-m", "hydra/launcher=grid", "method=full,snapkv", "budget=16"], "snapkv: window=32 must be < budget=16"),
     (["method=pyramidkv", "budget=-3"], "pyramidkv: budget=-3 must be a positive integer"),
     (["method=streamingllm", "budget=4"], "streamingllm: budget=4 must be > n_sink=4"),
     (["method=snapkv", "method.pooling=mean"], "pooling='mean' is not one of max, avg, none"),

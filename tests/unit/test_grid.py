@@ -1,0 +1,120 @@
+"""The grid launcher: one shared prefill per sample gives each configuration exactly what its own run gives.
+
+In process: every registered method (two budgets, Keyformer's noise included) decoding from a copy of one shared
+prefill sees bit-identical logits at every step to its own `generate`. On the command line: a 3-method x 2-budget
+sweep through `hydra/launcher=grid`, killed with SIGKILL in the middle and rerun, leaves the same run directories,
+records and scores as Hydra's basic launcher (timings and memory aside).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.generation import generate
+from kvbench.grid import ConfigRun, GridJob, restore_capture, share_prefill
+from kvbench.models import AttentionCapture
+from kvbench.run import sample_seed
+from tests.unit.test_contract import configured
+from tests.unit.tiny import prompt, tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+N, NEW = 150, 6
+NAMES = ["full", "snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz", "tailorkv"]
+
+
+def test_shared_prefill_gives_every_method_its_own_logits():
+    model, ids = tiny_model("llama", layers=3), prompt(N)
+    cfg, sample = OmegaConf.create({"seed": 3}), SimpleNamespace(id="s1", max_new_tokens=NEW)
+    configs, budgets = [], []
+    for name in NAMES:
+        for budget in (32, 48):
+            method = configured(name)
+            if name == "pyramidkv":
+                method.window = 4  # windows of different widths come from one capture of the widest
+            configs.append(ConfigRun(GridJob(cfg, Path(name), {"method": name}), method, None, None))
+            budgets.append(budget)
+    for i, config in enumerate(configs):  # as `grid.plan` names them: softmax sums shared, Keyformer's own
+        if config.job.choices["method"] in ("h2o", "buzz"):
+            config.scorer = "softmax"
+        elif config.job.choices["method"] == "keyformer":
+            config.scorer = f"config{i}"
+
+    def logits_of(config, budget, prefilled=None):
+        seen = []
+        with AttentionCapture(model, window=config.window) as capture:
+            if prefilled is not None:
+                restore_capture(capture, config, prefilled)
+            generate(model, None, config.method, capture, ids, budget, NEW, eos_ids=set(), seed=sample_seed(cfg, sample),
+                     on_logits=lambda t, x: seen.append(x.clone()), prefilled=prefilled and prefilled[0])
+        return seen
+
+    own = [logits_of(c, b) for c, b in zip(configs, budgets)]
+    with AttentionCapture(model) as capture:
+        shared = share_prefill(model, capture, configs, budgets, ids, sample)
+    assert len({id(p[0].cache) for p in shared}) == 1  # one prefill for all 18 configurations
+    for config, budget, prefilled, expected in zip(configs, budgets, shared, own):
+        got = logits_of(config, budget, prefilled)
+        assert len(got) == NEW and all(torch.equal(a, b) for a, b in zip(got, expected)), config.job.choices
+    assert not torch.equal(own[2][-1], own[0][-1])  # compression changes the logits: the comparison can fail
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+SWEEP = ["-m", "model=tiny_llama", "method=full,pyramidkv,keyformer", "budget=40,64", "report=false",
+         "dataset.context_lengths=[300,400]", "dataset.depth_percents=[0,50,100]"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+VOLATILE = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes", "peak_kv_bytes",
+            "prefill_shared_by", "prefill_s_mean", "decode_tok_s_mean"}
+
+
+def command(results: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kvbench.run", *SWEEP, *extra, f"results_dir={results}"]
+
+
+def outputs(results: Path) -> dict[str, tuple[list[dict], dict]]:
+    """Per run dir (relative): its records in file order and scores.json, without timings and memory."""
+    out = {}
+    for path in sorted(results.rglob("predictions.jsonl")):
+        recs = [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
+                for line in path.read_text().splitlines()]
+        scores = {k: v for k, v in json.loads((path.parent / "scores.json").read_text()).items() if k not in VOLATILE}
+        out[str(path.parent.relative_to(results))] = (sorted(recs, key=lambda r: r["id"]), scores)
+    return out
+
+
+def count_lines(results: Path) -> int:
+    return sum(len(p.read_bytes().splitlines()) for p in results.rglob("predictions.jsonl"))
+
+
+def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
+    basic, grid = tmp_path / "basic", tmp_path / "grid"
+    done = subprocess.run(command(basic), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    expected = outputs(basic)
+    assert len(expected) == 5 and {d.split("/")[2] for d in expected} == {"full", "pyramidkv", "keyformer"}
+    assert all(len(recs) == 6 for recs, _ in expected.values())  # full once, not once per budget
+
+    proc = subprocess.Popen(command(grid, "hydra/launcher=grid"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while count_lines(grid) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # a hard kill: no cleanup, maybe a torn line
+    proc.wait()
+    partial = count_lines(grid)
+    assert 3 <= partial < 30, partial  # killed in the middle of the grid
+    again = subprocess.run(command(grid, "hydra/launcher=grid"), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert outputs(grid) == expected
+    manifest = json.loads(next(grid.rglob("keyformer/b40-*/manifest.json")).read_text())
+    assert manifest["launcher"] == "grid" and manifest["finished_utc"] and manifest["n_samples"] == 6
