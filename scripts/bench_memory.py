@@ -68,7 +68,8 @@ def main() -> None:
     for order in ("prefill", "layer"):
         cmd = [sys.executable, __file__, "--child", order, "--length", str(args.length), "--budget", str(args.budget),
                "--new-tokens", str(args.new_tokens), "--methods", *args.methods]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}  # this checkout's kvbench
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if out.returncode:
             sys.exit(f"bench_memory: the {order} run failed:\n{out.stderr[-3000:]}")
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
