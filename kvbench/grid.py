@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import run as runner
 from kvbench.cache import KVCache
+from kvbench.failures import attempt, stop_on_signals
 from kvbench.generation import Prefilled, Sampling, prefill
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.store import RunStore, sha256_text
@@ -156,7 +157,7 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     logger.info("grid: %d samples x %d configurations, %d samples still pending for some", len(samples),
                 len(configs), len(todo))
     device = next(model.parameters()).device
-    with AttentionCapture(model) as capture:
+    with stop_on_signals(), AttentionCapture(model) as capture:
         for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc="grid"):
             pending = [c for c in configs if sample.id not in c.done]
             ids = runner.prompt_ids(sample, tokenizer, spec)
@@ -165,17 +166,22 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
             together = [i for i, (c, b) in enumerate(zip(pending, budgets)) if shares_prefill(c, b)]
             shared = {}
             if len(together) > 1:
-                shared = dict(zip(together, share_prefill(model, capture, [pending[i] for i in together],
-                                                          [budgets[i] for i in together], input_ids, sample)))
+                try:
+                    shared = dict(zip(together, share_prefill(model, capture, [pending[i] for i in together],
+                                                              [budgets[i] for i in together], input_ids, sample)))
+                except Exception as e:  # noqa: BLE001 - each configuration then tries (and records) its own
+                    logger.warning("grid: the shared prefill of %s failed (%s); each configuration runs its own",
+                                   sample.id, e)
             for i, (config, budget) in enumerate(zip(pending, budgets)):
                 prefilled = shared.get(i)
                 if prefilled is None:  # nothing to share: the plain path (compressed inside the forward)
                     capture.window = config.window
                 else:
                     restore_capture(capture, config, prefilled)
-                record = runner.run_sample(model, tokenizer, config.method, capture, config.dataset, sample, ids,
-                                           budget, config.cfg, config.sampling,
-                                           prefilled=prefilled[0] if prefilled else None)
+                record = attempt(sample, partial(runner.run_sample, model, tokenizer, config.method, capture,
+                                                 config.dataset, sample, ids, budget, config.cfg, config.sampling,
+                                                 prefilled=prefilled[0] if prefilled else None),
+                                 {"prompt_tokens": len(ids), "budget": budget}, on_failure=capture.reset)
                 record["prefill_shared_by"] = len(together) if prefilled else 1
                 config.store.append(record)
                 config.done.add(sample.id)
@@ -245,7 +251,8 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
             logger.warning("the data differ from the earlier run in %s; finished ids are kept", run_dir)
         info["started_utc"] = old.get("started_utc", info["started_utc"])
     config.store.write_json("manifest.json", info)
-    config.info, config.done = info, config.store.done_ids()
+    config.info = info
+    config.done = config.store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failures are retried
     config.sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
 
 

@@ -67,6 +67,10 @@ class GridLauncher(Launcher):
             sys.exit(f"kvbench: {message}")
         except RuntimeError as e:  # e.g. a run dir held by another process (store.RunDirBusy)
             sys.exit(f"kvbench: {e}")
+        except KeyboardInterrupt:  # every finished sample is on disk: a rerun resumes
+            print("kvbench: interrupted; every finished sample is kept, rerun the same command to resume",
+                  file=sys.stderr)
+            sys.exit(130)
         for ret, job in zip(returns, jobs):
             ret.return_value, ret.status = summaries[job.run_dir], JobStatus.COMPLETED
         return returns

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
