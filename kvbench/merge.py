@@ -12,7 +12,6 @@ import argparse
 import fcntl
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from types import SimpleNamespace
 
 from kvbench.cost import totals
 from kvbench.shard import SHARD_FILE, Shard, assign
-from kvbench.store import PREDICTIONS, write_json_atomic
+from kvbench.store import PREDICTIONS, write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 SHARD_ONLY = ("shard", "sample_ids", "n_shard_samples", "dataset_skipped", "cost")
@@ -135,10 +134,8 @@ def merge(run_dir: str | Path) -> dict:
         if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
             dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
         manifest = merged_manifest(states, len(ids))
-        tmp = run_dir / f".{PREDICTIONS}.tmp{os.getpid()}"
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records),
-                       encoding="utf-8")
-        os.replace(tmp, run_dir / PREDICTIONS)
+        write_text_atomic(run_dir / PREDICTIONS,
+                          "".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records))
         summary = write_scores(run_dir, records, [SimpleNamespace(id=i) for i in ids], dataset,
                                manifest["dataset"], manifest["method"], cfg, spec)
         write_json_atomic(run_dir / "manifest.json", manifest)

@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -382,8 +383,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
                                                               cfg.batch_size, sampling, cfg.positions),
                                              total=len(jobs), desc=method_name):
                         sample, ids = request.tag
-                        store.append(attempt(sample, lambda: sample_record(dataset, sample, ids, request.budget, gen),
-                                             {"prompt_tokens": len(ids), "budget": request.budget}))
+                        record = partial(sample_record, dataset, sample, ids, request.budget, gen)
+                        store.append(attempt(sample, record, {"prompt_tokens": len(ids), "budget": request.budget}))
                         written.add(sample.id)
                         store.write_json(manifest_name, {**info, **meter.fields()})
                 except Exception as e:  # the batch itself failed: the samples it had not finished fail with it

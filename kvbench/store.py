@@ -28,15 +28,20 @@ class RunDirBusy(RuntimeError):
     """Another process holds the run directory."""
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file and rename it over `path`: readers never see half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temp file and rename it over `path`: readers never see half a file, and a failed write (a full
+    disk, an interrupt) removes its temp file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
-    except BaseException:  # a full disk or an interrupt must not leave the temp file behind
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def sha256_text(text: str) -> str:
@@ -135,9 +140,7 @@ class RunStore:
 
     def write_text(self, name: str, text: str) -> None:
         """Atomic, like `write_json`: shards of one run rewrite config.yaml side by side."""
-        tmp = self.dir / f".{name}.tmp{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, self.dir / name)
+        write_text_atomic(self.dir / name, text)
 
     def read_json(self, name: str) -> dict | None:
         path = self.dir / name

@@ -104,7 +104,7 @@ def compose_job(overrides: list[str], hydra: bool = True) -> DictConfig:
 def missing_option_message(e: Exception) -> str:
     text = str(e)
     found = re.search(r"Could not find '(.+)/([^/']+)'", text)
-    options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+    options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
     if found and options:
         return unknown_choice(found.group(1), found.group(2), options)
     return first_line(e)
@@ -132,7 +132,7 @@ def unknown_key_message(key: str, overrides: list[str]) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig):
         return f"unknown config key '{key}': {parent} is not a group of keys"
-    keys = sorted(k for k in node.keys() if k not in ("_target_", "hydra"))
+    keys = sorted(k for k in node if k not in ("_target_", "hydra"))
     close = difflib.get_close_matches(leaf, keys, n=1)
     hint = f" Did you mean: {close[0]}?" if close else ""
     if parent in ("method", "dataset", "model"):

@@ -112,6 +112,22 @@ def test_failure_records_in_the_store_and_aggregate(tmp_path):
     assert summary["metrics"] == {"m": 0.5} and summary["failures_counted_as"] == "excluded"
 
 
+def test_a_failed_decoding_batch_records_its_unfinished_samples():
+    from kvbench.data.base import Sample
+    from kvbench.failures import fail_remaining
+
+    samples = [Sample(id=f"s{i}", prompt="p", answers=["a"], max_new_tokens=4, meta={"i": i}) for i in range(3)]
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+    except RuntimeError as e:
+        error = e
+    records = fail_remaining([(s, [1] * (10 + i), 8) for i, s in enumerate(samples)], {"s1"}, error)
+    assert [(r["id"], r["prompt_tokens"], r["budget"], r["meta"]) for r in records] == [
+        ("s0", 10, 8, {"i": 0}), ("s2", 12, 8, {"i": 2})]
+    assert all(r["failed"] and r["error"] == "CUDA error: an illegal memory access" for r in records)
+    assert records[0]["where"].startswith("tests/unit/test_failures.py:")  # no kvbench frame: the innermost one
+
+
 def test_a_failed_atomic_write_leaves_no_temp_file(tmp_path):
     (tmp_path / "scores.json").mkdir()  # os.replace onto a directory fails after the temp file is written
     with pytest.raises(OSError):
