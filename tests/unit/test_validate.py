@@ -17,7 +17,7 @@ import pytest
 
 from kvbench.data.ruler import cache
 from kvbench.pathnames import check_inside, check_name
-from kvbench.validate import BadInput, validate
+from kvbench.validate import BadInput, validate, validate_or_exit
 from tests.unit.test_cli import ENV, ROOT
 
 LONGBENCH = ROOT / "tests" / "fixtures" / "longbench"
@@ -85,10 +85,14 @@ def test_each_bad_input_is_one_line_before_anything_is_written(inputs, tmp_path,
     assert not (tmp_path / "results").exists()
 
 
-def test_a_good_sweep_passes_and_counts_its_jobs(tmp_path):
+def test_a_good_sweep_passes_and_counts_its_jobs(tmp_path, monkeypatch):
     args = ["-m", "model=tiny_llama", "method=full,snapkv", "budget=64,128", f"results_dir={tmp_path}"]
     assert validate(args) == 4 and not list(tmp_path.iterdir())
     assert validate(["--help"]) == 0  # Hydra's own flags are left to Hydra
+    with pytest.raises(SystemExit, match="kvbench: model: path='/no/such' does not exist"):
+        validate_or_exit(["model=hf", "model.path=/no/such", f"results_dir={tmp_path}"])
+    monkeypatch.setenv("KVBENCH_SKIP_CHECKS", "1")  # paths that exist only on a cluster's compute nodes
+    validate_or_exit(["model=hf", "model.path=/no/such", f"results_dir={tmp_path}"])
 
 
 def test_path_components_stay_plain_names(tmp_path):
@@ -158,6 +162,6 @@ def test_ruler_length_tokenizer_revision_is_pinned_and_recorded(smollm2_dir, smo
     assert ruler.provenance["length_tokenizer"] == {
         "name": str(smollm2_dir), "revision": None, "resolved_commit": None,  # a local folder has no commit
         "fingerprint": tokenizer_fingerprint(smollm2_tokenizer)} and counter is not smollm2_tokenizer
-    pinned = Ruler(tasks=["niah_single_1"], length_tokenizer="some-org/not-cached", length_tokenizer_revision="abc123")
-    with pytest.raises(ValueError, match="ruler: cannot load length_tokenizer='some-org/not-cached'"):
-        pinned.counter_tokenizer(smollm2_tokenizer)
+    missing = Ruler(tasks=["niah_single_1"], length_tokenizer="/no/such/tokenizer", length_tokenizer_revision="abc1")
+    with pytest.raises(ValueError, match="ruler: cannot load length_tokenizer='/no/such/tokenizer'"):
+        missing.counter_tokenizer(smollm2_tokenizer)
