@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import run as runner
 from kvbench.cache import KVCache
-from kvbench.failures import attempt, stop_on_signals
+from kvbench.failures import attempt, failure_record, stop_on_signals
 from kvbench.generation import Prefilled, Sampling, prefill
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.store import RunStore, sha256_text
@@ -159,9 +159,16 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     device = next(model.parameters()).device
     with stop_on_signals(), AttentionCapture(model) as capture:
         for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc="grid"):
-            pending = [c for c in configs if sample.id not in c.done]
             ids = runner.prompt_ids(sample, tokenizer, spec)
-            budgets = [config_budget(c, len(ids)) for c in pending]
+            pending, budgets = [], []
+            for config in (c for c in configs if sample.id not in c.done):
+                try:
+                    budgets.append(config_budget(config, len(ids)))
+                    pending.append(config)
+                except ValueError as e:  # a ratio too small for this prompt: that sample fails, as in run.run
+                    config.store.append(failure_record(sample, e, prompt_tokens=len(ids),
+                                                       budget=runner.sample_budget(config.cfg, len(ids))))
+                    config.done.add(sample.id)
             input_ids = torch.tensor([ids], device=device)
             together = [i for i, (c, b) in enumerate(zip(pending, budgets)) if shares_prefill(c, b)]
             shared = {}
@@ -194,8 +201,8 @@ def config_budget(config: ConfigRun, prompt_len: int) -> int | None:
     if config.cfg.ratio is not None:
         try:
             config.method.check_budget(budget)
-        except ValueError as e:  # finished samples are already on disk
-            raise ValueError(f"ratio={config.cfg.ratio} on a {prompt_len}-token prompt gives {e}") from e
+        except ValueError as e:
+            raise ValueError(f"ratio={config.cfg.ratio} on a {prompt_len}-token prompt gives {e}") from None
     return budget
 
 
