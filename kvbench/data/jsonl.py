@@ -19,8 +19,10 @@ def find_file(root: str | Path, stem: str) -> Path | None:
     return None
 
 
-def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]], who: str) -> list[dict]:
-    """Records of a jsonl file in file order; each must be an object with `required` fields of the given types."""
+def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]], who: str,
+               line_key: str | None = None) -> list[dict]:
+    """Records of a jsonl file in file order; each must be an object with `required` fields of the given types.
+    With `line_key`, each record also gets its line number under that key (for later one-line errors)."""
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
     with opener(path, "rt", encoding="utf-8") as f:
@@ -38,6 +40,8 @@ def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]], who: st
                 if not isinstance(value, kind) or isinstance(value, bool):
                     names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
                     raise ValueError(f"{who}: {path}:{lineno}: field '{key}' must be a {names}, got {value!r:.40}")
+            if line_key is not None:
+                record[line_key] = lineno
             records.append(record)
     return records
 

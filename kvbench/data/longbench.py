@@ -27,7 +27,6 @@ samsum under `longbench` stops at the *token* `encode("\\n")[-1]` and forbids it
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.data.base import Dataset, Sample
+from kvbench.data.jsonl import read_jsonl
 from kvbench.data.longbench_prompts import (
     CATEGORIES, CHAT_SKIP, DATASET2MAXLEN, DATASET2PROMPT, E_BUCKETS, FIRST_LINE_TASKS, KV16, TASKS, base_task,
     length_bucket,
@@ -71,28 +71,14 @@ PROTOCOLS = {
 
 def read_records(path: Path) -> list[dict]:
     """The records of one jsonl file; a bad line raises a one-line error naming the file and line."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"longbench: {path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"longbench: {path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            for key, kind in REQUIRED_FIELDS.items():
-                if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
-                    raise ValueError(f"longbench: {path}:{lineno}: field '{key}' must be a {kind.__name__}, "
-                                     f"got {record.get(key)!r:.40}")
-            if not all(isinstance(a, str) for a in record["answers"]) or not record["answers"]:
-                raise ValueError(f"longbench: {path}:{lineno}: 'answers' must be a non-empty list of strings")
-            classes = record.get("all_classes")
-            if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
-                raise ValueError(f"longbench: {path}:{lineno}: 'all_classes' must be null or a list of strings")
-            record["_line"] = lineno
-            records.append(record)
+    records = read_jsonl(path, REQUIRED_FIELDS, "longbench", line_key="_line")
+    for record in records:
+        where = f"longbench: {path}:{record['_line']}"
+        if not all(isinstance(a, str) for a in record["answers"]) or not record["answers"]:
+            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings")
+        classes = record.get("all_classes")
+        if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+            raise ValueError(f"{where}: 'all_classes' must be null or a list of strings")
     return records
 
 
