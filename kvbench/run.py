@@ -306,6 +306,30 @@ def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_n
     return summary
 
 
+def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
+                    desc: str = ""):
+    """Decode `jobs` ((sample, ids, budget) each) with continuous batching and yield one record per sample, in
+    completion order. A failure of the batch itself fails the samples it had not finished (failure records)."""
+    from tqdm import tqdm
+
+    from kvbench.batching import Request, generate_batched
+    from kvbench.failures import attempt, fail_remaining
+
+    device = next(model.parameters()).device
+    requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
+    written: set[str] = set()
+    try:
+        for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
+                                                  sampling, cfg.positions), total=len(jobs), desc=desc):
+            sample, ids = request.tag
+            record = partial(sample_record, dataset, sample, ids, request.budget, gen)
+            written.add(sample.id)
+            yield attempt(sample, record, {"prompt_tokens": len(ids), "budget": request.budget})
+    except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
+        capture.reset()
+        yield from fail_remaining(jobs, written, e)
+
+
 def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
     """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated,
     `choices` the group options picked (default: Hydra's for the running job)."""
@@ -372,25 +396,10 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
                     store.append(record)
                     store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
             if jobs:  # continuous batching (kvbench.batching); records arrive in completion order
-                from kvbench.batching import Request, generate_batched
-                from kvbench.failures import attempt, fail_remaining
-
-                device = next(model.parameters()).device
-                requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
-                written: set[str] = set()
-                try:
-                    for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests,
-                                                              cfg.batch_size, sampling, cfg.positions),
-                                             total=len(jobs), desc=method_name):
-                        sample, ids = request.tag
-                        record = partial(sample_record, dataset, sample, ids, request.budget, gen)
-                        store.append(attempt(sample, record, {"prompt_tokens": len(ids), "budget": request.budget}))
-                        written.add(sample.id)
-                        store.write_json(manifest_name, {**info, **meter.fields()})
-                except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
-                    capture.reset()
-                    for record in fail_remaining(jobs, written, e):
-                        store.append(record)
+                for record in batched_records(model, tokenizer, method, capture, dataset, jobs, cfg, sampling,
+                                              desc=method_name):
+                    store.append(record)
+                    store.write_json(manifest_name, {**info, **meter.fields()})
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished record is already on disk
         logger.warning("stopped with %d of %d samples in %s; rerun the same command to resume", len(store.done_ids()),
                        len(samples), run_dir)
