@@ -29,12 +29,10 @@ from kvbench.batching import PrefilledOnce, Request
 from kvbench.generation import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
+from shapes import LLAMA3_1_8B  # scripts/shapes.py
 
 SHAPES = {  # Llama-3.1-8B-Instruct's config (rope scaling included), and a tiny stand-in for CPU smoke runs
-    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama3.1-8b": LLAMA3_1_8B,
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=131072),
 }
