@@ -85,6 +85,19 @@ def passkey(pred: str, label, scorer: str) -> bool:  # also number_string
     return _first(label) == first_int(pred)
 
 
+def _after_prefix(pred: str, prefixes: tuple[str, ...], options) -> bool | None:
+    """The official scorers' answer-after-a-cue rule: at the first cue found (in `prefixes` order), whether the text
+    one character after it starts with an option; None when no cue occurs."""
+    for prefix in prefixes:
+        idx = pred.find(prefix)
+        if idx == -1:
+            continue
+        if len(pred) < idx + len(prefix) + 1:
+            return False
+        return any(pred[idx + len(prefix) + 1:].startswith(o) for o in options)
+    return None
+
+
 def code_debug(pred: str, label, scorer: str) -> bool:
     pred = pred.strip()
     letter, fn_name = label[1], label[0]
@@ -97,15 +110,7 @@ def code_debug(pred: str, label, scorer: str) -> bool:
     pred = _squeeze(_blank(pred.strip(), ["\n", "`", "'", '"', "-", "*", "Option", "option"]))
     if scorer == "tailorkv" and (pred.startswith(letter) or pred.startswith(fn_name)):
         return True
-    for prefix in ("answer is:", "is:", "answer:", "correct option is:"):
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        rest = pred[idx + len(prefix) + 1:]
-        return any(rest.startswith(s) for s in (letter, fn_name))
-    return False
+    return bool(_after_prefix(pred, ("answer is:", "is:", "answer:", "correct option is:"), (letter, fn_name)))
 
 
 def math_find(pred: str, label, scorer: str) -> bool:
@@ -144,14 +149,9 @@ def longbook_choice_eng(pred: str, label, scorer: str) -> bool:
     if pred in label:
         return True
     pred = _squeeze(_blank(pred, ["\n", '"', "'", ".", ",", "?", "!", "{", "}"]))
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        rest = pred[idx + len(prefix) + 1:]
-        return any(rest.startswith(s) for s in label)
+    found = _after_prefix(pred, ("answer is:", "answer:", "answer is", "option is"), label)
+    if found is not None:
+        return found
     for word in pred.split():
         if word in "ABCD":
             return word in label
