@@ -7,7 +7,10 @@ over that sample's own cache through the capture's attention function, i.e. exac
 sdpa, Ada-KV's varlen layers, TailorKV's quantized and offloaded layers, and the decode-time eviction hooks of
 H2O / Keyformer / BUZZ, each with the sample's own state. So caches differ in length per sample, per layer and per
 head, with no padding and no mask. A sample that finishes leaves at once and the next prompt is prefilled and
-joins (continuous batching), so one long generation does not hold the others back.
+joins (continuous batching), so one long generation does not hold the others back. A request may bring its own
+`Decoding` (method, sampling, positions) and a prefill shared with other requests (`generation.Prefilled`): the
+grid launcher decodes the configurations of a sweep together this way. A sample whose prefill, compression or
+batched step raises comes back as its exception; the others go on.
 
 Equality with batch 1. Attention, sampling, eviction and positions (`prompt_len_i + t`) are per sample and
 bit-identical to batch 1. The linear layers are not: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order
@@ -17,7 +20,7 @@ models and the embedded model at fp32 no flip occurred (tests/unit/test_batching
 
 On CUDA the per-sample attention launches one kernel per sample and layer (the same kernels as batch 1; Ada-KV
 layers use flash-attn varlen for fp16/bf16); packing all samples into one varlen call is not done yet.
-Per-sample failures, sharding and the record layout stay in `kvbench.run`; this module only generates.
+Failure records, sharding and the record layout stay in `kvbench.run`; this module only generates.
 """
 from __future__ import annotations
 
@@ -33,11 +36,21 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvbench.generation import Generation, Prepared, Sampling, eos_token_ids, next_token, prepare
+from kvbench.generation import Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare
 from kvbench.methods.base import Method
 from kvbench.models.capture import AttentionCapture
 
 _ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Decoding:
+    """How a request is generated: its method, sampling, positions and where compression happens."""
+
+    method: Method
+    sampling: Sampling = field(default_factory=Sampling)
+    positions: str = "original"
+    compress_after: str = "layer"
 
 
 @dataclass(eq=False)
@@ -52,12 +65,15 @@ class Request:
     min_new_tokens: int = 0
     seed: int = 0  # per-sample method randomness (Keyformer's noise), as `generate(seed=...)`
     tag: object = None
+    decoding: Decoding | None = None  # None: the decoder's; a grid sweep mixes its configurations in one batch
+    prefilled: Prefilled | None = None  # a prefill shared with other requests: compress a copy (`generation.prepare`)
 
     @classmethod
-    def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device) -> Request:
-        """A dataset `Sample` with its token ids; the tag is `(sample, ids)`."""
+    def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
+        """A dataset `Sample` with its token ids; the tag is `(sample, ids)` unless `fields` give another."""
+        fields.setdefault("tag", (sample, ids))
         return cls(torch.tensor([ids], device=device), budget, sample.max_new_tokens, tuple(sample.stop),
-                   tuple(sample.stop_token_ids), sample.min_new_tokens, seed, (sample, ids))
+                   tuple(sample.stop_token_ids), sample.min_new_tokens, seed, **fields)
 
 
 @dataclass(eq=False)
@@ -65,9 +81,11 @@ class Slot:
     """A sample in the batch: its prepared cache, the capture hooks its method set, and its decode progress."""
 
     request: Request
+    decoding: Decoding
     run: Prepared
     decode_hook: object
     input_hook: object
+    logit_scale: object  # BUZZ log n: a temperature on this sample's attention
     generator: torch.Generator | None
     logits: Tensor  # [1, V]: the distribution of the next token
     tokens: list[int] = field(default_factory=list)
@@ -101,7 +119,8 @@ class BatchedDecoder:
     """Continuous batching over one model and one capture; see the module docstring. Use `run(requests)`."""
 
     def __init__(self, model, tokenizer, method: Method, capture: AttentionCapture, batch_size: int,
-                 sampling: Sampling = Sampling(), positions: str = "original", eos_ids: set[int] | None = None):
+                 sampling: Sampling = Sampling(), positions: str = "original", eos_ids: set[int] | None = None,
+                 compress_after: str = "layer"):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if capture is not None and batch_size > 1:
@@ -109,21 +128,33 @@ class BatchedDecoder:
             if capture.adapter.replaces is not None or capture.window_layers:  # their masks/attention bypass us
                 raise ValueError(f"batch_size={batch_size}: {family} (attention outside transformers' "
                                  "AttentionInterface, or sliding-window layers) decodes at batch_size=1 only")
-        self.model, self.tokenizer, self.method, self.capture = model, tokenizer, method, capture
-        self.batch_size, self.sampling, self.positions = batch_size, sampling, positions
+        self.model, self.tokenizer, self.capture, self.batch_size = model, tokenizer, capture, batch_size
+        self.decoding = Decoding(method, sampling, positions, compress_after)
         self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)
         self.name = f"kvbench_batched_{next(_ids)}"
         self.cache: BatchedCache | None = None
 
+    @property
+    def method(self) -> Method:
+        return self.decoding.method
+
     # --- the loop ---------------------------------------------------------------------------------------------
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Request, Generation]]:
-        """Yield (request, generation) as each sample finishes (completion order, not request order)."""
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Request, Generation | Exception]]:
+        """Yield (request, generation) as each sample finishes (completion order, not request order). A request
+        whose prefill or compression raised yields its exception instead, and so does every sample of a batched
+        step that raised; the others go on (one failing sample must not stop the rest)."""
         pending, active = iter(requests), deque()
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
                 while len(active) < self.batch_size and (request := next(pending, None)) is not None:
-                    active.append(self._join(request))
+                    try:
+                        active.append(self._join(request))
+                    except Exception as e:  # noqa: BLE001 - this sample's failure, reported to the caller
+                        self.capture.reset()
+                        yield request, e
+                    finally:
+                        request.prefilled = None  # its copy is made (or failed): the shared prefill may go
                 if not active:
                     return
                 stepping = []
@@ -135,18 +166,29 @@ class BatchedDecoder:
                     else:
                         stepping.append((slot, token))
                 if stepping:
-                    self._forward(stepping)
+                    try:
+                        self._forward(stepping)
+                    except Exception as e:  # noqa: BLE001 - the step's samples fail together; the rest go on
+                        for slot, _ in stepping:
+                            active.remove(slot)
+                            yield slot.request, e
         finally:
             AttentionInterface._global_mapping.pop(self.name, None)
             self.capture.logit_scale = None  # set per method by `prepare`, as `generate` leaves it
 
     def _join(self, request: Request) -> Slot:
-        """Prefill and compress one prompt alone; keep the hooks its method set on the capture."""
-        run = prepare(self.model, self.method, self.capture, request.input_ids, request.budget,
-                      request.max_new_tokens, self.positions, request.seed)
-        generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.do_sample else None
-        slot = Slot(request, run, self.capture.decode_hook, self.capture.input_hook, generator, run.logits)
+        """Prefill and compress one prompt alone (or a copy of its shared prefill); keep the hooks its method set
+        on the capture."""
+        decoding = request.decoding or self.decoding
+        run = prepare(self.model, decoding.method, self.capture, request.input_ids, request.budget,
+                      request.max_new_tokens, decoding.positions, request.seed, decoding.compress_after,
+                      request.prefilled)
+        sampling = decoding.sampling
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.do_sample else None
+        slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
+                    self.capture.logit_scale, generator, run.logits)
         self.capture.reset()
+        self.capture.logit_scale = None
         return slot
 
     def _choose(self, slot: Slot) -> Tensor | None:
@@ -158,7 +200,7 @@ class BatchedDecoder:
         if slot.t < request.min_new_tokens and enders:
             logits = logits.clone()
             logits[:, sorted(enders)] = float("-inf")
-        token = next_token(logits, self.sampling, slot.generator)
+        token = next_token(logits, slot.decoding.sampling, slot.generator)
         slot.t += 1
         value = token.item()  # one device->host read per sample and step
         if value in enders:
@@ -182,7 +224,7 @@ class BatchedDecoder:
     # --- one batched forward ----------------------------------------------------------------------------------
     def _position(self, slot: Slot) -> int:
         """The new token's position: prompt_len + t (original), or right after the kept entries (shift)."""
-        if self.positions == "shift":
+        if slot.decoding.positions == "shift":
             cache = slot.run.cache
             position = cache.layers[0].keys.shape[-2]
             for layer in cache.layers:
@@ -233,9 +275,11 @@ class BatchedDecoder:
         outputs = []
         for i, (slot, (keys, values)) in enumerate(zip(self.cache.slots, self.cache.updated[module.layer_idx])):
             self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
+            self.capture.logit_scale = slot.logit_scale
             sliced = {k: v[i:i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == batch else v
                       for k, v in kwargs.items()}
             outputs.append(capture_fn(module, query[i:i + 1], keys, values, None, **sliced)[0])
+        self.capture.logit_scale = None
         return torch.cat(outputs), None
 
 
@@ -254,16 +298,18 @@ class PrefilledOnce(BatchedDecoder):
         t0 = time.perf_counter()
         if request.tag not in self.memo:
             self.memo[request.tag] = super()._join(request)
-        slot = copy.deepcopy(self.memo[request.tag])
-        slot.request = request
+        original = self.memo[request.tag]
+        slot = copy.deepcopy(original, {id(original.request): request, id(original.decoding): original.decoding})
         self.join_s += time.perf_counter() - t0
         return slot
 
 
 def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture, requests: Iterable[Request],
                      batch_size: int, sampling: Sampling = Sampling(), positions: str = "original",
-                     eos_ids: set[int] | None = None) -> Iterator[tuple[Request, Generation]]:
+                     eos_ids: set[int] | None = None, compress_after: str = "layer",
+                     ) -> Iterator[tuple[Request, Generation | Exception]]:
     """`generate` for many prompts, `batch_size` decoding at once; yields (request, generation) in completion
-    order. `capture` must be active on `model`."""
-    decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids)
+    order, or (request, exception) for a sample that failed. `capture` must be active on `model`."""
+    decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids,
+                             compress_after)
     yield from decoder.run(requests)

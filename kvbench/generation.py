@@ -241,13 +241,25 @@ class Prepared:
 
 @dataclass
 class Prefilled:
-    """A prompt prefilled once for several configurations (a grid sweep): `prepare` compresses a copy of `cache`.
-    The capture must already hold this configuration's prefill statistics (window queries, column sums)."""
+    """A prompt prefilled once for several configurations (a grid sweep): `prepare` compresses a copy of `cache`
+    from this configuration's view of the shared capture (the widest window's queries, its own column sums)."""
 
     cache: KVCache
     logits: Tensor
     prefill_s: float
     state: EvictionState | None = None  # a decoding method's state, started before the prefill that scored it
+    window_queries: dict[int, Tensor] = field(default_factory=dict)
+    window_bias: dict[int, Tensor] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+    column_sums: dict[int, Tensor] = field(default_factory=dict)  # this configuration's scorer's, if any
+
+    def restore(self, capture: AttentionCapture) -> None:
+        """Put the shared prefill's statistics where `compress` reads them (it clears them after use)."""
+        capture.reset()
+        capture.window_queries.update(self.window_queries)
+        capture.window_bias.update(self.window_bias)
+        capture.scaling.update(self.scaling)
+        capture.column_sums.update(self.column_sums)
 
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
@@ -269,6 +281,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
     if prefilled is not None:  # a shared prefill: this configuration compresses its own copy
+        prefilled.restore(capture)
         cache, logits, state = prefilled.cache.clone(), prefilled.logits, prefilled.state
         held_elsewhere = full_bytes = prefilled.cache.nbytes()
         sync()
@@ -278,6 +291,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     else:
         cache, state, held_elsewhere = KVCache(), None, 0
         capture.reset()
+        capture.window = method.query_window
         if isinstance(method, DecodingMethod):
             state = method.start(prompt_len, budget, max_new_tokens, seed)
             if "column_scores" in method.needs:

@@ -5,9 +5,11 @@ group loads the model once and walks the samples: each sample is prefilled once 
 capture records what every pending configuration needs (the widest window of queries, and the column sums of each
 accumulated-attention scorer: plain-softmax scorers (H2O, BUZZ) share one sum, Keyformer's noisy score gets its own
 from that configuration's own noise generator). Then each configuration compresses its own copy of the prefilled
-cache and decodes (`generation.Prefilled`), and its record goes into its own run directory through the same seams
-as the basic launcher (`run.prompt_ids`, `run.run_sample`, `run.write_scores`, `store.RunStore`): same run dirs,
-records, resume (per run dir, per sample id), manifest and scores.json.
+cache (`generation.Prefilled`) and decodes through `kvbench.batching`: `batch_size` generations at once, whatever
+configuration or sample they belong to (at the default 1, one at a time, exactly as `generate`). Each record goes
+into its configuration's own run directory through the same seams as the basic launcher (`run.prompt_ids`,
+`run.generated_record`, `run.write_scores`, `store.RunStore`): same run dirs, records, resume (per run dir, per
+sample id), manifest and scores.json.
 
 Records equal the basic launcher's except for timings and memory (`prefill_s` is the shared prefill's time, and
 `peak_kv_bytes` counts the shared prefill held next to the configuration's copy); `prefill_shared_by` says how many
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
@@ -32,7 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import run as runner
 from kvbench.cache import KVCache
-from kvbench.failures import attempt, failure_record, stop_on_signals
+from kvbench.batching import BatchedDecoder, Decoding, Request
+from kvbench.failures import failure_record, stop_on_signals
 from kvbench.generation import Prefilled, Sampling, prefill
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.store import RunStore, sha256_text
@@ -61,7 +65,7 @@ class ConfigRun:
     store: RunStore | None = None
     info: dict = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
-    sampling: Sampling | None = None
+    decoding: Decoding | None = None  # its method, sampling and positions, for the batched decoder
 
     @property
     def cfg(self) -> DictConfig:
@@ -70,10 +74,6 @@ class ConfigRun:
     @property
     def name(self) -> str:
         return getattr(self.method, "label", self.job.choices["method"])  # e.g. tailorkv-2
-
-    @property
-    def window(self) -> int:
-        return getattr(self.method, "window", 0) if "window_queries" in self.method.needs else 0
 
 
 def prefill_key(cfg: DictConfig) -> str:
@@ -144,8 +144,9 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
 
     t_start = time.perf_counter()
     spec, first = configs[0].spec, configs[0]
-    logger.info("grid: %d configurations share each prefill (%s on %s) | git %s", len(configs), spec.name,
-                first.job.choices["dataset"], runner.git_sha())
+    batch_size = max(c.cfg.batch_size for c in configs)
+    logger.info("grid: %d configurations share each prefill (%s on %s), %d decoding at once | git %s",
+                len(configs), spec.name, first.job.choices["dataset"], batch_size, runner.git_sha())
     model, tokenizer = load(spec)
     samples = first.dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if first.cfg.limit is not None:
@@ -154,46 +155,62 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     for config in configs:
         open_run(config, model, tokenizer, data_sha, len(samples))
     todo = [s for s in samples if any(s.id not in c.done for c in configs)]
-    logger.info("grid: %d samples x %d configurations, %d samples still pending for some", len(samples),
-                len(configs), len(todo))
-    device = next(model.parameters()).device
+    n_pending = sum(s.id not in c.done for s in todo for c in configs)
+    logger.info("grid: %d samples x %d configurations, %d samples (%d generations) still pending", len(samples),
+                len(configs), len(todo), n_pending)
     with stop_on_signals(), AttentionCapture(model) as capture:
-        for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc="grid"):
-            ids = runner.prompt_ids(sample, tokenizer, spec)
-            pending, budgets = [], []
-            for config in (c for c in configs if sample.id not in c.done):
-                try:
-                    budgets.append(config_budget(config, len(ids)))
-                    pending.append(config)
-                except ValueError as e:  # a ratio too small for this prompt: that sample fails, as in run.run
-                    config.store.append(failure_record(sample, e, prompt_tokens=len(ids),
-                                                       budget=runner.sample_budget(config.cfg, len(ids))))
-                    config.done.add(sample.id)
-            input_ids = torch.tensor([ids], device=device)
-            together = [i for i, (c, b) in enumerate(zip(pending, budgets)) if shares_prefill(c, b)]
-            shared = {}
-            if len(together) > 1:
-                try:
-                    shared = dict(zip(together, share_prefill(model, capture, [pending[i] for i in together],
-                                                              [budgets[i] for i in together], input_ids, sample)))
-                except Exception as e:  # noqa: BLE001 - each configuration then tries (and records) its own
-                    logger.warning("grid: the shared prefill of %s failed (%s); each configuration runs its own",
-                                   sample.id, e)
-            for i, (config, budget) in enumerate(zip(pending, budgets)):
-                prefilled = shared.get(i)
-                if prefilled is None:  # nothing to share: the plain path (compressed inside the forward)
-                    capture.window = config.window
-                else:
-                    restore_capture(capture, config, prefilled)
-                record = attempt(sample, partial(runner.run_sample, model, tokenizer, config.method, capture,
-                                                 config.dataset, sample, ids, budget, config.cfg, config.sampling,
-                                                 prefilled=prefilled[0] if prefilled else None),
-                                 {"prompt_tokens": len(ids), "budget": budget}, on_failure=capture.reset)
-                record["prefill_shared_by"] = len(together) if prefilled else 1
-                config.store.append(record)
-                config.done.add(sample.id)
+        decoder = BatchedDecoder(model, tokenizer, first.method, capture, batch_size)
+        for request, gen in tqdm(decoder.run(sample_requests(model, tokenizer, capture, configs, todo)),
+                                 total=n_pending, desc="grid"):
+            config, sample, ids, shared_by = request.tag
+            record = runner.generated_record(config.dataset, sample, ids, request.budget, gen)
+            record["prefill_shared_by"] = shared_by
+            config.store.append(record)
+            config.done.add(sample.id)
     wall_s = round(time.perf_counter() - t_start, 2)
     return {c.job.run_dir: close_run(c, samples, wall_s, len(configs)) for c in configs}
+
+
+def sample_requests(model, tokenizer, capture, configs: list[ConfigRun], todo: list) -> Iterator[Request]:
+    """Sample-major: each sample's prefill, shared by the configurations that can share it, then one request per
+    configuration still pending for that sample. Lazy, so a sample is prefilled when its first request joins the
+    batch; a configuration whose budget cannot apply to the prompt gets its failure record here."""
+    device = next(model.parameters()).device
+    spec = configs[0].spec
+    for sample in todo:
+        shared = None  # the previous sample's prefill goes before this one's is made
+        pending = [c for c in configs if sample.id not in c.done]
+        try:
+            ids = runner.prompt_ids(sample, tokenizer, spec)
+        except Exception as e:  # noqa: BLE001 - e.g. a prompt the tokenizer cannot encode: this sample fails
+            for config in pending:
+                config.store.append(failure_record(sample, e))
+                config.done.add(sample.id)
+            continue
+        budgets = {}
+        for config in pending:
+            try:
+                budgets[id(config)] = config_budget(config, len(ids))
+            except ValueError as e:  # a ratio too small for this prompt: that sample fails, as in run.run
+                config.store.append(failure_record(sample, e, prompt_tokens=len(ids),
+                                                   budget=runner.sample_budget(config.cfg, len(ids))))
+                config.done.add(sample.id)
+        pending = [c for c in pending if id(c) in budgets]
+        input_ids = torch.tensor([ids], device=device)
+        together = [c for c in pending if shares_prefill(c, budgets[id(c)])]
+        if len(together) > 1:
+            try:
+                shared = dict(zip(map(id, together), share_prefill(model, capture, together,
+                                                                   [budgets[id(c)] for c in together],
+                                                                   input_ids, sample)))
+            except Exception as e:  # noqa: BLE001 - each configuration then tries (and records) its own
+                logger.warning("grid: the shared prefill of %s failed (%s); each configuration runs its own",
+                               sample.id, e)
+        for config in pending:
+            prefilled = (shared or {}).get(id(config))
+            yield Request.from_sample(sample, ids, budgets[id(config)], runner.sample_seed(config.cfg, sample),
+                                      device, tag=(config, sample, ids, len(together) if prefilled else 1),
+                                      decoding=config.decoding, prefilled=prefilled)
 
 
 def config_budget(config: ConfigRun, prompt_len: int) -> int | None:
@@ -207,10 +224,10 @@ def config_budget(config: ConfigRun, prompt_len: int) -> int | None:
 
 
 # --- the shared prefill ---------------------------------------------------------------------------------------
-def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input_ids, sample) -> list[tuple]:
-    """Prefill once for every pending configuration; returns, per configuration, (Prefilled, capture statistics)."""
+def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input_ids, sample) -> list[Prefilled]:
+    """Prefill once for every pending configuration; returns each configuration's view of it."""
     capture.reset()
-    capture.window = max(c.window for c in pending)
+    capture.window = max(c.method.query_window for c in pending)
     states = {}
     for config, budget in zip(pending, budgets):
         if config.scorer is not None:  # started now: Keyformer's prefill noise comes from this state's generator
@@ -223,20 +240,11 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     prefill_s = time.perf_counter() - t0
-    stats = (dict(capture.window_queries), dict(capture.window_bias), dict(capture.scaling),
-             capture.named_column_sums)
-    return [(Prefilled(cache, logits, prefill_s, states.get(id(c))), stats) for c in pending]
-
-
-def restore_capture(capture, config: ConfigRun, prefilled: tuple) -> None:
-    """Put the shared prefill's statistics back where `generation.compress` reads them (it clears them after use)."""
-    _, (window_queries, window_bias, scaling, named_sums) = prefilled
+    seen = dict(capture.window_queries), dict(capture.window_bias), dict(capture.scaling)
+    named_sums = capture.named_column_sums
     capture.reset()
-    capture.window_queries.update(window_queries)
-    capture.window_bias.update(window_bias)
-    capture.scaling.update(scaling)
-    if config.scorer is not None:
-        capture.column_sums.update(named_sums[config.scorer])
+    return [Prefilled(cache, logits, prefill_s, states.get(id(c)), *seen, named_sums.get(c.scorer, {}))
+            for c in pending]
 
 
 # --- run directories, as `run.run` writes them ------------------------------------------------------------------
@@ -260,7 +268,8 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
     config.store.write_json("manifest.json", info)
     config.info = info
     config.done = config.store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failures are retried
-    config.sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+    sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+    config.decoding = Decoding(config.method, sampling, cfg.positions, cfg.get("compress_after", "layer"))
 
 
 def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:

@@ -101,8 +101,7 @@ class KVBenchLM(TemplateLM):
         self.positions, self.seed, self.add_bos_token = positions, int(seed), bool(add_bos_token)
         self.max_gen_toks = int(max_gen_toks)
         self.model, self.tokenizer = load(build_spec(model, path))
-        self.capture = AttentionCapture(self.model, window=getattr(self.method, "window", 0)
-                                        if "window_queries" in self.method.needs else 0).__enter__()
+        self.capture = AttentionCapture(self.model, window=self.method.query_window).__enter__()
 
     # --- lm-eval's tokenizer hooks ----------------------------------------------------------------------------
     @property

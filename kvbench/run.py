@@ -17,7 +17,6 @@ import sys
 import time
 import warnings
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -309,25 +308,39 @@ def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_n
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
                     desc: str = ""):
     """Decode `jobs` ((sample, ids, budget) each) with continuous batching and yield one record per sample, in
-    completion order. A failure of the batch itself fails the samples it had not finished (failure records)."""
+    completion order: a sample that failed gets its failure record and the others go on. Should the batching loop
+    itself raise, the samples it had not finished get failure records."""
     from tqdm import tqdm
 
     from kvbench.batching import Request, generate_batched
-    from kvbench.failures import attempt, fail_remaining
+    from kvbench.failures import fail_remaining
 
     device = next(model.parameters()).device
     requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
     written: set[str] = set()
     try:
         for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
-                                                  sampling, cfg.positions), total=len(jobs), desc=desc):
+                                                  sampling, cfg.positions,
+                                                  compress_after=cfg.get("compress_after", "layer")),
+                                 total=len(jobs), desc=desc):
             sample, ids = request.tag
-            record = partial(sample_record, dataset, sample, ids, request.budget, gen)
             written.add(sample.id)
-            yield attempt(sample, record, {"prompt_tokens": len(ids), "budget": request.budget})
+            yield generated_record(dataset, sample, ids, request.budget, gen)
     except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
         capture.reset()
         yield from fail_remaining(jobs, written, e)
+
+
+def generated_record(dataset, sample, ids: list[int], budget, gen) -> dict:
+    """The record of a sample that batched decoding finished: its prediction, or the failure it yielded."""
+    from kvbench.failures import attempt
+
+    def make() -> dict:
+        if isinstance(gen, Exception):
+            raise gen
+        return sample_record(dataset, sample, ids, budget, gen)
+
+    return attempt(sample, make, {"prompt_tokens": len(ids), "budget": budget})
 
 
 def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
@@ -384,7 +397,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
                 len(samples), len(samples) - len(todo))
     sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     try:
         with stop_on_signals(), AttentionCapture(model, window=window) as capture:
             jobs = []

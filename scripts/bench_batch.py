@@ -50,7 +50,7 @@ def main() -> None:
     device = next(model.parameters()).device
     ids = prompts(tok, args.n, args.min_len, args.max_len, device)
     method = METHODS[args.method]()
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     print(f"# device={device} threads={torch.get_num_threads()} method={args.method} budget={args.budget} "
           f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
     best, same, reference, memo = {}, {}, None, {}

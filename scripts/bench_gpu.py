@@ -142,7 +142,7 @@ def main() -> None:
         for method_name in args.methods:
             method = METHODS[method_name]()
             method_budget = None if method_name == "full" else budget
-            window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+            window = method.query_window
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)

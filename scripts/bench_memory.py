@@ -43,7 +43,7 @@ def child(order: str, args) -> None:
     for name in args.methods:
         method = METHODS[name]()
         before = rss_peak()
-        window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+        window = method.query_window
         with AttentionCapture(model, window=window) as capture:
             gen = generate(model, tok, method, capture, ids, args.budget, args.new_tokens, eos_ids=set(),
                            compress_after=order)

@@ -60,7 +60,7 @@ def main() -> None:
         for _ in range(args.reps):
             for name, kw in METHOD_ARGS.items():  # interleaved: a burst of noise hits every method alike
                 method = METHODS[name](**kw)
-                window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+                window = method.query_window
                 with AttentionCapture(model, window=window) as capture:
                     gen = generate(model, tok, method, capture, ids, args.budget, args.new_tokens, eos_ids=set())
                 steps = max(len(gen.token_ids) - 1, 1)

@@ -115,7 +115,7 @@ def summarisation(model, tok, runs, n_tokens: int) -> None:
     texts, rows = {}, []
     for name, budget in runs:
         method = build_method(name, model, tok)
-        window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+        window = method.query_window
         with AttentionCapture(model, window=window) as capture:
             gen = generate(model, tok, method, capture, ids, budget, n_tokens, eos_ids=set())
         texts[(name, budget)] = gen.text

@@ -58,6 +58,11 @@ class Method:
     def compresses(self) -> bool:
         return True
 
+    @property
+    def query_window(self) -> int:
+        """How many of the prompt's last queries the capture records for this method at prefill (0: none)."""
+        return getattr(self, "window", 0) if "window_queries" in self.needs else 0
+
     def check_budget(self, budget: int | None) -> None:
         """Raise ValueError (one line, naming the fix) if `budget` makes no sense for this method."""
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:

@@ -22,7 +22,7 @@ N, NEW, BUDGET = 300, 8, 64
 
 
 def run(model, method, ids, budget=BUDGET):
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         return generate(model, None, method, capture, ids, budget, NEW, eos_ids=set())
 
@@ -52,7 +52,7 @@ def test_batched_decoding_on_cuda_keeps_the_batch_1_accounting(name):
     model = tiny_model("llama", layers=2).to("cuda", torch.bfloat16)
     method = configured(name)
     prompts = [prompt(n, seed=i).cuda() for i, n in enumerate([300, 180, 250, 120])]
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         alone = [generate(model, None, method, capture, ids, BUDGET, NEW, eos_ids=set()) for ids in prompts]
         done = {r.tag: g for r, g in generate_batched(model, None, method, capture,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
@@ -30,7 +31,7 @@ def batch_one_and_batched(model, method, budget, batch_size, sampling=Sampling()
                           eos_ids=frozenset(), stop=(), tokenizer=None, min_new_tokens=0):
     """Each prompt through `generate` alone, then all through `generate_batched`; both lists in request order."""
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         alone = [generate(model, tokenizer, method, capture, ids, budget, new, stop, sampling, set(eos_ids),
                           positions=positions, seed=100 + i, min_new_tokens=min_new_tokens)
@@ -93,6 +94,23 @@ def test_finished_samples_leave_and_new_ones_join():
     assert max(decode) == 2 and sum(decode) == sum(n - 1 for n in NEW)  # every decode forward, none wasted
     assert len(decode) < sum(n - 1 for n in NEW)  # and they were shared
     assert order == [1, 0, 2, 4, 3]  # the short sample 1 left first; 2 took its slot before 0 finished
+
+
+def test_a_sample_that_fails_fails_alone(tmp_path):
+    """A sample whose compression raises (CUDA out of memory, once) comes back as its exception; the others decode
+    as they do alone."""
+    from tests.unit.faulty import OutOfMemorySnapKV
+
+    model = tiny_model("llama", layers=2)
+    alone, _ = batch_one_and_batched(model, METHODS["snapkv"](window=8), 48, batch_size=1)
+    (tmp_path / "oom").touch()
+    method = OutOfMemorySnapKV(window=8, oom_flag=str(tmp_path / "oom"))
+    requests = [Request(prompt(n, seed=i), 48, new, seed=100 + i, tag=i)
+                for i, (n, new) in enumerate(zip(LENGTHS, NEW))]
+    with AttentionCapture(model) as capture:
+        done = dict((r.tag, g) for r, g in generate_batched(model, None, method, capture, requests, 3, eos_ids=set()))
+    assert isinstance(done.pop(0), torch.cuda.OutOfMemoryError)
+    assert_same([alone[i] for i in sorted(done)], [done[i] for i in sorted(done)])
 
 
 def test_cli_batch_size_gives_the_same_records(tmp_path):

@@ -26,7 +26,7 @@ def half_model(request):
 
 def run(model, method, budget, positions="original"):
     """`generate`'s steps, keeping the cache: (generation, dtypes of every tensor the layers hold)."""
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         prepared = prepare(model, method, capture, prompt(N), budget, NEW, positions)
         tokens, text, steps = decode(model, prepared.cache, prepared.logits, N, NEW, set(), positions=positions)

@@ -1,9 +1,10 @@
 """The grid launcher: one shared prefill per sample gives each configuration exactly what its own run gives.
 
 In process: every registered method (two budgets, Keyformer's noise included) decoding from a copy of one shared
-prefill sees bit-identical logits at every step to its own `generate`. On the command line: a 3-method x 2-budget
-sweep through `hydra/launcher=grid`, killed with SIGKILL in the middle and rerun, leaves the same run directories,
-records and scores as Hydra's basic launcher (timings and memory aside).
+prefill sees bit-identical logits at every step to its own `generate`, and configurations decoding together in one
+batch get their own tokens. On the command line: a 3-method x 2-budget
+sweep through `hydra/launcher=grid`, killed with SIGKILL in the middle and rerun with batched decoding, leaves the
+same run directories, records and scores as Hydra's basic launcher (timings and memory aside).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.generation import generate
-from kvbench.grid import ConfigRun, GridJob, restore_capture, share_prefill
+from kvbench.batching import BatchedDecoder, Decoding, Request
+from kvbench.generation import Sampling
+from kvbench.grid import ConfigRun, GridJob, share_prefill
 from kvbench.models import AttentionCapture
 from kvbench.run import sample_seed
 from tests.unit.test_contract import configured
@@ -50,21 +53,60 @@ def test_shared_prefill_gives_every_method_its_own_logits():
 
     def logits_of(config, budget, prefilled=None):
         seen = []
-        with AttentionCapture(model, window=config.window) as capture:
-            if prefilled is not None:
-                restore_capture(capture, config, prefilled)
-            generate(model, None, config.method, capture, ids, budget, NEW, eos_ids=set(), seed=sample_seed(cfg, sample),
-                     on_logits=lambda t, x: seen.append(x.clone()), prefilled=prefilled and prefilled[0])
+        with AttentionCapture(model) as capture:
+            generate(model, None, config.method, capture, ids, budget, NEW, eos_ids=set(),
+                     seed=sample_seed(cfg, sample), on_logits=lambda t, x: seen.append(x.clone()), prefilled=prefilled)
         return seen
 
     own = [logits_of(c, b) for c, b in zip(configs, budgets)]
     with AttentionCapture(model) as capture:
         shared = share_prefill(model, capture, configs, budgets, ids, sample)
-    assert len({id(p[0].cache) for p in shared}) == 1  # one prefill for all 18 configurations
+    assert len({id(p.cache) for p in shared}) == 1  # one prefill for all 18 configurations
     for config, budget, prefilled, expected in zip(configs, budgets, shared, own):
         got = logits_of(config, budget, prefilled)
         assert len(got) == NEW and all(torch.equal(a, b) for a, b in zip(got, expected)), config.job.choices
     assert not torch.equal(own[2][-1], own[0][-1])  # compression changes the logits: the comparison can fail
+
+
+def test_configurations_decoding_together_match_their_own_runs():
+    """The grid's batched decoding: nine configurations of one sample in one continuous batch (4 at a time), from
+    one shared prefill or their own, each with its own method state, sampling, positions and attention temperature,
+    give the tokens and cache accounting of their own `generate`. Query and key weights are scaled up so attention
+    is peaked: the tokens then depend on positions and temperature (a plain tiny model's barely do)."""
+    model, ids, new = tiny_model("llama", layers=2), prompt(N), 10
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    cfg, sample = OmegaConf.create({"seed": 3}), SimpleNamespace(id="s1", max_new_tokens=new)
+    buzz_logn = configured("buzz")
+    buzz_logn.logn = True  # a temperature on the model's attention: its own prefill, its own decode scaling
+    settings = [(configured(name), Sampling(), "original") for name in ("snapkv", "adakv", "h2o", "keyformer",
+                                                                          "tailorkv", "full")]
+    settings += [(buzz_logn, Sampling(), "original"), (configured("streamingllm"), Sampling(), "shift"),
+                 (configured("pyramidkv"), Sampling(do_sample=True, temperature=2.0, seed=5), "original")]
+    configs = [ConfigRun(GridJob(cfg, Path(str(i)), {"method": m.registry_name}), m, None, None,
+                         decoding=Decoding(m, sampling, positions))
+               for i, (m, sampling, positions) in enumerate(settings)]
+    for i, config in enumerate(configs):
+        if config.job.choices["method"] == "h2o":
+            config.scorer = "softmax"
+        elif config.job.choices["method"] == "keyformer":
+            config.scorer = f"config{i}"
+    budget, seed = 40, sample_seed(cfg, sample)
+    with AttentionCapture(model) as capture:
+        alone = [generate(model, None, c.method, capture, ids, budget, new, sampling=c.decoding.sampling,
+                          eos_ids=set(), positions=c.decoding.positions, seed=seed) for c in configs]
+        shared = share_prefill(model, capture, configs[:6], [budget] * 6, ids, sample)
+        requests = [Request(ids, budget, new, seed=seed, tag=i, decoding=c.decoding,
+                            prefilled=shared[i] if i < 6 else None) for i, c in enumerate(configs)]
+        decoder = BatchedDecoder(model, None, configs[0].method, capture, 4, eos_ids=set())
+        done = {r.tag: g for r, g in decoder.run(requests)}
+    assert all(r.prefilled is None for r in requests)  # the shared prefill is let go once each copy is made
+    for i, expected in enumerate(alone):
+        assert done[i].token_ids == expected.token_ids, configs[i].job.choices
+        assert done[i].kept_per_head == expected.kept_per_head and done[i].kv_bytes_final == expected.kv_bytes_final
+    assert len({tuple(g.token_ids) for g in alone}) > 2  # the configurations really differ: the check can fail
 
 
 # --- the command line -------------------------------------------------------------------------------------------
@@ -111,8 +153,9 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
     proc.wait()
     partial = count_lines(grid)
     assert 3 <= partial < 30, partial  # killed in the middle of the grid
-    again = subprocess.run(command(grid, "hydra/launcher=grid"), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                           timeout=600)
+    # the rerun decodes 3 generations at once (configurations of a sample together): the same records
+    again = subprocess.run(command(grid, "hydra/launcher=grid", "batch_size=3"), cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert outputs(grid) == expected
     manifest = json.loads(next(grid.rglob("keyformer/b40-*/manifest.json")).read_text())

@@ -39,7 +39,7 @@ def run(model, ids, name, knobs, budget, positions, order):
         if t == 0 and capture.cache is not None:  # the compressed cache, before the first decode step
             kept.extend(p.clone() for p in kept_positions(capture.cache))
 
-    window = getattr(method, "window", 0) if "window_queries" in method.needs else 0
+    window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         gen = generate(model, None, method, capture, ids, budget, NEW, eos_ids=set(), on_logits=on_logits,
                        positions=positions, seed=7, compress_after=order)
