@@ -36,7 +36,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvbench.generation import Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare
+from kvbench.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
+                                sampling_generator)
 from kvbench.methods.base import Method
 from kvbench.models.capture import AttentionCapture
 
@@ -157,14 +158,16 @@ class BatchedDecoder:
                         request.prefilled = None  # its copy is made (or failed): the shared prefill may go
                 if not active:
                     return
+                chosen = [(slot, self._choose(slot)) for slot in active]
+                picked = [token for _, token in chosen if token is not None]
+                values = iter(torch.cat(picked).view(-1).tolist() if picked else [])  # one device->host read
                 stepping = []
-                for slot in list(active):
-                    token = self._choose(slot)
-                    if token is None:
+                for slot, token in chosen:
+                    if token is not None and self._accept(slot, next(values)):
+                        stepping.append((slot, token))
+                    else:
                         active.remove(slot)
                         yield slot.request, self._finish(slot)
-                    else:
-                        stepping.append((slot, token))
                 if stepping:
                     try:
                         self._forward(stepping)
@@ -183,8 +186,7 @@ class BatchedDecoder:
         run = prepare(self.model, decoding.method, self.capture, request.input_ids, request.budget,
                       request.max_new_tokens, decoding.positions, request.seed, decoding.compress_after,
                       request.prefilled)
-        sampling = decoding.sampling
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.do_sample else None
+        generator = sampling_generator(decoding.sampling, run.logits.device)
         slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
                     self.capture.logit_scale, generator, run.logits)
         self.capture.reset()
@@ -192,7 +194,8 @@ class BatchedDecoder:
         return slot
 
     def _choose(self, slot: Slot) -> Tensor | None:
-        """Pick the slot's next token as `generation.decode` does; None when the sample is finished."""
+        """The slot's next token `[1, 1]` as `generation.decode` picks it (left on the device); None when the
+        sample has generated all it may."""
         request, logits = slot.request, slot.logits
         if slot.t >= request.max_new_tokens:
             return None
@@ -200,21 +203,22 @@ class BatchedDecoder:
         if slot.t < request.min_new_tokens and enders:
             logits = logits.clone()
             logits[:, sorted(enders)] = float("-inf")
-        token = next_token(logits, slot.decoding.sampling, slot.generator)
+        return next_token(logits, slot.decoding.sampling, slot.generator)
+
+    def _accept(self, slot: Slot, value: int) -> bool:
+        """Take the chosen token's id; False when the sample ends with it (EOS, a stop string, the length)."""
+        request = slot.request
         slot.t += 1
-        value = token.item()  # one device->host read per sample and step
-        if value in enders:
-            return None
+        if value in self.eos_ids or value in request.stop_token_ids:
+            return False
         slot.tokens.append(value)
         if request.stop and self.tokenizer is not None:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
             cut = min((slot.text.find(s) for s in request.stop if s in slot.text), default=-1)
             if cut >= 0:
                 slot.text, slot.stopped = slot.text[:cut], True
-                return None
-        if slot.t == request.max_new_tokens:
-            return None
-        return token
+                return False
+        return slot.t < request.max_new_tokens
 
     def _finish(self, slot: Slot) -> Generation:
         if not slot.stopped:

@@ -152,6 +152,12 @@ def enable_shift(cache: KVCache, inv_freq: Tensor | None) -> None:
         layer.shift_inv_freq = inv_freq
 
 
+def sampling_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
+    """The seeded generator of a sampled decode (None when greedy), on the logits' device: `multinomial` needs its
+    generator there, so a CUDA run samples from a CUDA stream (seeded alike, but not the CPU's numbers)."""
+    return torch.Generator(device=device).manual_seed(sampling.seed) if sampling.do_sample else None
+
+
 def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
     """`[B, V]` logits -> `[B, 1]` token ids."""
     if not sampling.do_sample:
@@ -178,7 +184,7 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
 
     Returns (token ids, text, number of decode forwards). `on_logits(t, logits)` sees each step's logits.
     """
-    generator = torch.Generator().manual_seed(sampling.seed) if sampling.do_sample else None
+    generator = sampling_generator(sampling, first_logits.device)
     logits, tokens, text, n_forward = first_logits, [], "", 0
     enders = set(eos_ids) | set(stop_token_ids)
     for t in range(max_new_tokens):
@@ -188,9 +194,10 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
             logits = logits.clone()
             logits[:, sorted(enders)] = float("-inf")
         token = next_token(logits, sampling, generator)
-        if token.item() in enders:
+        value = token.item()  # the one device->host read of the step
+        if value in enders:
             break
-        tokens.append(token.item())
+        tokens.append(value)
         if stop and tokenizer is not None:
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             cut = min((text.find(s) for s in stop if s in text), default=-1)

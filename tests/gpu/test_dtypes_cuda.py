@@ -61,3 +61,22 @@ def test_batched_decoding_on_cuda_keeps_the_batch_1_accounting(name):
     for i, one in enumerate(alone):
         assert done[i].token_ids[0] == one.token_ids[0] and len(done[i].token_ids) == NEW
         assert done[i].kept_per_head[0] == one.kept_per_head[0] and done[i].kv_bytes == one.kv_bytes
+
+
+def test_sampling_on_cuda_draws_from_a_device_generator():
+    """Sampled decoding on CUDA (multinomial needs its generator on the logits' device): seeded runs repeat, and
+    batched sampling in fp32 gives batch 1's tokens (the same per-sample CUDA stream)."""
+    from kvbench.generation import Sampling
+
+    model = tiny_model("llama", layers=2).cuda()
+    method, sampling = configured("snapkv"), Sampling(do_sample=True, temperature=1.5, seed=7)
+    prompts = [prompt(n, seed=i).cuda() for i, n in enumerate([300, 180, 250])]
+    with AttentionCapture(model) as capture:
+        alone = [generate(model, None, method, capture, ids, BUDGET, NEW, sampling=sampling, eos_ids=set())
+                 for ids in prompts]
+        again = generate(model, None, method, capture, prompts[0], BUDGET, NEW, sampling=sampling, eos_ids=set())
+        done = {r.tag: g for r, g in generate_batched(model, None, method, capture,
+                                                      [Request(x, BUDGET, NEW, tag=i) for i, x in enumerate(prompts)],
+                                                      3, sampling, eos_ids=set())}
+    assert again.token_ids == alone[0].token_ids
+    assert [done[i].token_ids for i in range(3)] == [g.token_ids for g in alone]
