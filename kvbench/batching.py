@@ -158,16 +158,17 @@ class BatchedDecoder:
                         request.prefilled = None  # its copy is made (or failed): the shared prefill may go
                 if not active:
                     return
-                chosen = [(slot, self._choose(slot)) for slot in active]
-                picked = [token for _, token in chosen if token is not None]
+                chosen = [(slot, self._try(self._choose, slot)) for slot in active]
+                picked = [token for _, token in chosen if isinstance(token, Tensor)]
                 values = iter(torch.cat(picked).view(-1).tolist() if picked else [])  # one device->host read
                 stepping = []
-                for slot, token in chosen:
-                    if token is not None and self._accept(slot, next(values)):
+                for slot, token in chosen:  # going on: True; ended: False, None or the exception that ended it
+                    going = self._try(self._accept, slot, next(values)) if isinstance(token, Tensor) else token
+                    if going is True:
                         stepping.append((slot, token))
-                    else:
-                        active.remove(slot)
-                        yield slot.request, self._finish(slot)
+                        continue
+                    active.remove(slot)
+                    yield slot.request, going if isinstance(going, Exception) else self._try(self._finish, slot)
                 if stepping:
                     try:
                         self._forward(stepping)
@@ -192,6 +193,15 @@ class BatchedDecoder:
         self.capture.reset()
         self.capture.logit_scale = None
         return slot
+
+    @staticmethod
+    def _try(step, *args):
+        """`step(*args)`, or the exception it raised: a sample's own failure (e.g. a NaN distribution to sample
+        from, a token its tokenizer cannot decode) ends that sample only."""
+        try:
+            return step(*args)
+        except Exception as e:  # noqa: BLE001 - reported to the caller as this sample's outcome
+            return e
 
     def _choose(self, slot: Slot) -> Tensor | None:
         """The slot's next token `[1, 1]` as `generation.decode` picks it (left on the device); None when the

@@ -34,8 +34,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import run as runner
-from kvbench.cache import KVCache
 from kvbench.batching import BatchedDecoder, Decoding, Request
+from kvbench.cache import KVCache
 from kvbench.failures import failure_record, stop_on_signals
 from kvbench.generation import Prefilled, Sampling, prefill
 from kvbench.methods.decoding import DecodingMethod

@@ -1,6 +1,6 @@
 """Components built for tests (instantiated through `_target_` on the command line): a NIAH dataset whose scorer
-raises on one sample, and a SnapKV whose scoring runs out of CUDA memory once. Each fails once per flag file: it
-removes the file as it raises, so a rerun of the same command (same config, same run directory) succeeds."""
+raises on one sample and a SnapKV whose scoring runs out of CUDA memory once, each once per flag file (removed as
+it raises, so a rerun of the same command succeeds); and an H2O that fails one sample's decode step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvbench.data.niah import NeedleHaystack
+from kvbench.methods.h2o import H2O
 from kvbench.methods.snapkv import SnapKV
 
 
@@ -39,3 +40,16 @@ class OutOfMemorySnapKV(SnapKV):
         if consume(self.oom_flag):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
         return super().scores(view)
+
+
+@dataclass
+class StepFailingH2O(H2O):
+    """An H2O whose decode-time eviction raises on the third decode step of the sample with `fail_prompt_len`
+    prompt tokens (a failure inside a batched forward)."""
+
+    fail_prompt_len: int = 0
+
+    def evict(self, state, layer_idx, scores, prefill):
+        if not prefill and state.prompt_len == self.fail_prompt_len and state.step == 3:
+            raise RuntimeError("a decode step failed (test)")
+        return super().evict(state, layer_idx, scores, prefill)

@@ -113,6 +113,23 @@ def test_a_sample_that_fails_fails_alone(tmp_path):
     assert_same([alone[i] for i in sorted(done)], [done[i] for i in sorted(done)])
 
 
+def test_a_failing_step_fails_the_samples_in_it_and_no_others():
+    """A decode step that raises inside the batched forward fails the samples of that step (it cannot tell whose
+    it was); the samples that joined later decode as they do alone."""
+    from tests.unit.faulty import StepFailingH2O
+
+    model = tiny_model("llama", layers=2)
+    alone, _ = batch_one_and_batched(model, METHODS["h2o"](), 48, batch_size=1)
+    method = StepFailingH2O(fail_prompt_len=LENGTHS[0])
+    requests = [Request(prompt(n, seed=i), 48, new, seed=100 + i, tag=i)
+                for i, (n, new) in enumerate(zip(LENGTHS, NEW))]
+    with AttentionCapture(model) as capture:
+        done = dict((r.tag, g) for r, g in generate_batched(model, None, method, capture, requests, 2, eos_ids=set()))
+    failed = sorted(i for i, g in done.items() if isinstance(g, Exception))
+    assert failed == [0, 1]  # sample 0's third step was sample 1's third (and last) one too
+    assert_same(alone[2:], [done[i] for i in range(2, len(LENGTHS))])
+
+
 def test_cli_batch_size_gives_the_same_records(tmp_path):
     """One multirun over batch_size=1,3 (one process; results_dir per batch size, as batch_size does not change
     the run's identity): the same records, timings aside."""
