@@ -2,25 +2,32 @@
 
 Each prompt is prefilled and compressed alone (`generation.prepare`: exact, no padding inside a prompt). Decoding
 then runs one model forward per step for every active sample: embeddings, norms, RoPE, MLPs and the LM head see an
-`[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention runs per sample
-over that sample's own cache through the capture's attention function, i.e. exactly the batch-1 code path: dense
-sdpa, Ada-KV's varlen layers, TailorKV's quantized and offloaded layers, and the decode-time eviction hooks of
-H2O / Keyformer / BUZZ, each with the sample's own state. So caches differ in length per sample, per layer and per
-head, with no padding and no mask. A sample that finishes leaves at once and the next prompt is prefilled and
-joins (continuous batching), so one long generation does not hold the others back. A request may bring its own
-`Decoding` (method, sampling, positions) and a prefill shared with other requests (`generation.Prefilled`): the
-grid launcher decodes the configurations of a sweep together this way. A sample whose prefill, compression or
-batched step raises comes back as its exception; the others go on.
+`[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention: a sample's
+plain dense layers (no decode-time eviction, temperature, prefetch or position shift: SnapKV, PyramidKV,
+StreamingLLM, full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are
+written in place and one call per layer attends every row, masked to each row's length. Every other layer (Ada-KV's
+varlen layers, TailorKV's quantized and offloaded layers, the layers of H2O / Keyformer / BUZZ with their decode-time
+eviction hooks) runs the capture's attention function per sample over that sample's own cache, exactly the batch-1
+code path, with the sample's own state. So caches differ in length per sample, per layer and per head. A sample
+that finishes leaves at once and the next prompt is prefilled and joins (continuous batching), so one long
+generation does not hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and
+a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
+sweep together this way. A sample whose prefill, compression, token choice or batched step raises comes back as
+its exception; the others go on.
 
-Equality with batch 1. Attention, sampling, eviction and positions (`prompt_len_i + t`) are per sample and
-bit-identical to batch 1. The linear layers are not: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order
-differs from the `[1, d]` GEMV of batch 1 (about 1e-7 relative in fp32 on the CPU, more in bf16/fp16), so a greedy
-argmax can flip where the two best logits are that close; after a flip the continuations differ. On the tiny test
-models and the embedded model at fp32 no flip occurred (tests/unit/test_batching.py checks token identity).
+Equality with batch 1. Sampling, eviction, positions (`prompt_len_i + t`) and the per-sample attention are
+per sample and bit-identical to batch 1. The linear layers are not: an `[N, d] x [d, m]` matmul runs a GEMM whose
+reduction order differs from the `[1, d]` GEMV of batch 1 (about 1e-7 relative in fp32 on the CPU, more in
+bf16/fp16), and neither is attention over shared rows (sdpa over several rows rounds differently from one row at a
+time, ~1e-7 in fp32). So a greedy argmax can flip where the two best logits are that close; after a flip the
+continuations differ. On the tiny test models and the embedded model at fp32 no flip occurred
+(tests/unit/test_batching.py checks token identity; scripts/bench_batch.py checks it on the embedded model).
 
-On CUDA the per-sample attention launches one kernel per sample and layer (the same kernels as batch 1; Ada-KV
-layers use flash-attn varlen for fp16/bf16); packing all samples into one varlen call is not done yet.
-Failure records, sharding and the record layout stay in `kvbench.run`; this module only generates.
+No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices),
+so CUDA streams are not synchronized by it; tokens are read to the host once per step for all samples. On CUDA the
+per-sample attention (non-plain layers) launches one kernel per sample and layer; flash-attn varlen over all
+samples is not used. Failure records, sharding and the record layout stay in `kvbench.run`; this module only
+generates.
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
@@ -103,13 +112,24 @@ class BatchedCache:
 
     def __init__(self, slots: list[Slot]):
         self.slots = slots
-        self.updated: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self.updated: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}  # layer -> sample -> its keys, values
         self.is_compileable = False
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        self.updated[layer_idx] = [
-            slot.run.cache.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx)
-            for i, slot in enumerate(self.slots)]
+        in_rows: dict[int, list[tuple[int, RowLayer]]] = {}
+        for i, slot in enumerate(self.slots):
+            layer = slot.run.cache.layers[layer_idx]
+            if isinstance(layer, RowLayer):
+                in_rows.setdefault(id(layer.rows), []).append((i, layer))
+            else:
+                self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
+                    key_states[i:i + 1], value_states[i:i + 1], layer_idx)
+        for members in in_rows.values():
+            append([layer for _, layer in members], [key_states[i] for i, _ in members],
+                   [value_states[i] for i, _ in members])
+            for i, _ in members:  # (their attention reads the rows, not `updated`)
+                if layer_idx == len(self.slots[i].run.cache.layers) - 1:
+                    self.slots[i].run.cache.note_peak()
         return key_states, value_states  # placeholders: the attention below reads `updated`
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -134,6 +154,7 @@ class BatchedDecoder:
         self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)
         self.name = f"kvbench_batched_{next(_ids)}"
         self.cache: BatchedCache | None = None
+        self.rows: dict[tuple, Rows] = {}  # the plain dense layers of the active samples, per layer and capacity
 
     @property
     def method(self) -> Method:
@@ -150,7 +171,7 @@ class BatchedDecoder:
             while True:
                 while len(active) < self.batch_size and (request := next(pending, None)) is not None:
                     try:
-                        active.append(self._join(request))
+                        active.append(self._into_rows(self._join(request)))
                     except Exception as e:  # noqa: BLE001 - this sample's failure, reported to the caller
                         self.capture.reset()
                         yield request, e
@@ -168,17 +189,21 @@ class BatchedDecoder:
                         stepping.append((slot, token))
                         continue
                     active.remove(slot)
-                    yield slot.request, going if isinstance(going, Exception) else self._try(self._finish, slot)
+                    outcome = going if isinstance(going, Exception) else self._try(self._finish, slot)
+                    self._leave_rows(slot)
+                    yield slot.request, outcome
                 if stepping:
                     try:
                         self._forward(stepping)
                     except Exception as e:  # noqa: BLE001 - the step's samples fail together; the rest go on
                         for slot, _ in stepping:
                             active.remove(slot)
+                            self._leave_rows(slot)
                             yield slot.request, e
         finally:
             AttentionInterface._global_mapping.pop(self.name, None)
             self.capture.logit_scale = None  # set per method by `prepare`, as `generate` leaves it
+            self.rows = {}
 
     def _join(self, request: Request) -> Slot:
         """Prefill and compress one prompt alone (or a copy of its shared prefill); keep the hooks its method set
@@ -193,6 +218,35 @@ class BatchedDecoder:
         self.capture.reset()
         self.capture.logit_scale = None
         return slot
+
+    def _into_rows(self, slot: Slot) -> Slot:
+        """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`):
+        no decode-time eviction, temperature, prefetch or position shift. Rows are per layer and capacity, so
+        samples of one budget share them and a long full cache does not widen the others'."""
+        if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
+                or slot.logit_scale is not None:
+            return slot
+        layers = slot.run.cache.layers
+        try:
+            for i, layer in enumerate(layers):
+                if type(layer) is KVLayer and layer.is_initialized and layer.shift_inv_freq is None:
+                    capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
+                    key = (i, capacity, layer.keys.shape[1], layer.keys.shape[-1], layer.keys.dtype,
+                           layer.keys.device)
+                    if key not in self.rows:
+                        self.rows[key] = Rows(layer, capacity)
+                    layers[i] = self.rows[key].take(layer)
+        except BaseException:
+            self._leave_rows(slot)
+            raise
+        return slot
+
+    def _leave_rows(self, slot: Slot) -> None:
+        """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger)."""
+        for layer in slot.run.cache.layers:
+            if isinstance(layer, RowLayer):
+                layer.release()
+        self.rows = {key: rows for key, rows in self.rows.items() if any(o is not None for o in rows.owners)}
 
     @staticmethod
     def _try(step, *args):
@@ -283,20 +337,49 @@ class BatchedDecoder:
                 slot.input_hook(layer_idx, hidden[i:i + 1], (cos[i:i + 1], sin[i:i + 1]))
 
     def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-        """Per sample, the capture's attention function over that sample's cache (the batch-1 path). One padded
-        call for several samples is not used: on the CPU, sdpa over a batch of rows rounds differently (~1e-7 in
-        fp32) from one row at a time, and measured no faster here."""
+        """The capture's attention function: one call per set of shared rows (every sample whose layer sits in
+        them), and one per sample for the others, over that sample's own cache (the batch-1 path)."""
         capture_fn = ALL_ATTENTION_FUNCTIONS[self.capture.name]
-        batch = query.shape[0]
-        outputs = []
-        for i, (slot, (keys, values)) in enumerate(zip(self.cache.slots, self.cache.updated[module.layer_idx])):
-            self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
-            self.capture.logit_scale = slot.logit_scale
-            sliced = {k: v[i:i + 1] if isinstance(v, Tensor) and v.dim() and v.shape[0] == batch else v
-                      for k, v in kwargs.items()}
-            outputs.append(capture_fn(module, query[i:i + 1], keys, values, None, **sliced)[0])
-        self.capture.logit_scale = None
+        layer_idx, batch = module.layer_idx, query.shape[0]
+        outputs: list[Tensor | None] = [None] * batch
+        shared: dict[int, tuple[Rows, list[tuple[int, int]]]] = {}
+        for i, slot in enumerate(self.cache.slots):
+            layer = slot.run.cache.layers[layer_idx]
+            if isinstance(layer, RowLayer):
+                shared.setdefault(id(layer.rows), (layer.rows, []))[1].append((i, layer.row))
+        for rows, members in shared.values():
+            self.capture.cache = self.cache.slots[members[0][0]].run.cache
+            n_rows, slot_idx, row_idx = len(rows.owners), *map(list, zip(*members))
+            if slot_idx == row_idx == list(range(batch)) and n_rows == batch:  # the batch is the rows, in order
+                return capture_fn(module, query, *rows.attention_inputs(), **kwargs)
+            out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows), *rows.attention_inputs(),
+                             **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
+                                for k, v in kwargs.items()})[0]
+            for i, r in members:
+                outputs[i] = out[r:r + 1]
+        for i, slot in enumerate(self.cache.slots):
+            if outputs[i] is None:
+                keys, values = self.cache.updated[layer_idx][i]
+                self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
+                self.capture.logit_scale = slot.logit_scale
+                outputs[i] = capture_fn(module, query[i:i + 1], keys, values, None,
+                                        **{k: v[i:i + 1] if per_row(v, batch) else v for k, v in kwargs.items()})[0]
+                self.capture.decode_hook = self.capture.logit_scale = None
         return torch.cat(outputs), None
+
+
+def per_row(value, batch: int) -> bool:
+    """An attention kwarg with one entry per sample of the batch (e.g. position_ids)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch
+
+
+def scattered(tensor: Tensor, slot_idx: list[int], row_idx: list[int], n_rows: int) -> Tensor:
+    """The batch's rows `slot_idx` of `tensor` placed at rows `row_idx` of an `n_rows` tensor (the others zero);
+    row by row, so no index tensor goes to the device."""
+    out = tensor.new_zeros(n_rows, *tensor.shape[1:])
+    for i, r in zip(slot_idx, row_idx):
+        out[r] = tensor[i]
+    return out
 
 
 class PrefilledOnce(BatchedDecoder):
