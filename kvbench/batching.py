@@ -221,11 +221,11 @@ class BatchedDecoder:
 
     def _into_rows(self, slot: Slot) -> Slot:
         """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`):
-        no decode-time eviction, temperature, prefetch or position shift. Rows are per layer and capacity, so
+        no decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and capacity, so
         samples of one budget share them and a long full cache does not widen the others'."""
         if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
-                or slot.logit_scale is not None:
-            return slot
+                or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
+            return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
         layers = slot.run.cache.layers
         try:
             for i, layer in enumerate(layers):

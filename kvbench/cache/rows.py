@@ -6,7 +6,7 @@ entries, then each decoded token written in place, and one attention call reads 
 length. The sample's `RowLayer` is a view of its row, so its accounting (`nbytes`, entries per head) is what its
 own tensors would give; the rows' spare capacity (at most the tokens still to decode, rounded up to `ROUND`) is not
 counted per sample. Only plain dense layers move into rows (`kvbench.batching` decides): no decode-time eviction,
-no per-sample attention temperature, no position shift.
+no per-sample attention temperature, no position shift, no sliding window.
 """
 from __future__ import annotations
 

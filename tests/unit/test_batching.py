@@ -67,6 +67,16 @@ def test_gqa_family_with_shift_positions_and_prefill_only_h2o():
         assert_same(*batch_one_and_batched(model, method, 40, batch_size=4, positions=positions))
 
 
+def test_a_uniform_sliding_window_is_applied_per_sample():
+    """Mistral v0.1 / Phi-3-mini: one window over every layer, applied by each kept key's original position. Prompts
+    and budgets reach past the window, so a mask built for one sample and used for all would change the tokens."""
+    model = tiny_model("mistral", layers=2)
+    model.config.sliding_window = 32
+    for name in ("snapkv", "full"):
+        method = configured(name)
+        assert_same(*batch_one_and_batched(model, method, None if name == "full" else 64, batch_size=3))
+
+
 def test_sampling_eos_and_min_new_tokens_follow_batch_1():
     model = tiny_model("mistral", layers=2)
     sampling = Sampling(do_sample=True, temperature=1.5, top_k=20, seed=3)
