@@ -1,5 +1,5 @@
 """Benchmark (not a test): decode tokens/s at batch 1, 4 and 8 on the embedded SmolLM2 (budget 128, prompts spread
-over 1k-4k tokens), through `kvbench.batching`. Every batch size runs the same prompts in one process, so the
+over 1k-4k tokens), through `kvbench.engine.batching`. Every batch size runs the same prompts in one process, so the
 ratios are comparable on a noisy shared machine. Each prompt is prefilled and compressed once (that happens one
 sample at a time at every batch size, so it is not what batching changes); every batch size decodes from a copy of
 that compressed cache, and decode time is the run's wall time minus the time spent handing those copies over.
@@ -16,7 +16,7 @@ import time
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.batching import PrefilledOnce, Request
+from kvbench.engine.batching import PrefilledOnce, Request
 from kvbench.data.niah import NeedleHaystack
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS

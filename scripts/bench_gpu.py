@@ -6,7 +6,7 @@ weights (no download), per prompt length and method at one budget:
 - decode ms/token at batch 1 and its ratio to the bytes-read bound: (weights read per token + KV bytes held) /
   memory bandwidth, the bandwidth measured here with a device-to-device copy (or given with --bandwidth-gbs);
 - peak device memory of the method's batch-1 run (CUDA);
-- batched decode tokens/s at batch 1/8/32 (`kvbench.batching`, after one more prefill), every sample decoding from
+- batched decode tokens/s at batch 1/8/32 (`kvbench.engine.batching`, after one more prefill), every sample decoding from
   a copy of the same compressed cache (decode-time eviction and storage methods hold per-sample hooks and are
   skipped there; a batch whose caches do not fit in free memory says so).
 
@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvbench.methods  # noqa: F401
-from kvbench.batching import PrefilledOnce, Request
-from kvbench.generation import generate
+from kvbench.engine.batching import PrefilledOnce, Request
+from kvbench.engine.generation import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from shapes import LLAMA3_1_8B  # scripts/shapes.py

@@ -29,11 +29,11 @@ from hydra.utils import instantiate
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.generation import compress, decode, eos_token_ids, generate, prefill
+from kvbench.engine.generation import compress, decode, eos_token_ids, generate, prefill
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
-from kvbench.run import CONFIG_DIR
+from kvbench.runs.run import CONFIG_DIR
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Hydra hands a launcher the sweep's jobs as override lists. This one resolves each job exactly as Hydra's basic
 launcher does (`run_job`: sweep config, run directory, `.hydra/` files, per-job logging), but with a task function
-that only collects the resolved config; `kvbench.grid` then runs the collected jobs sample-major, sharing each
+that only collects the resolved config; `kvbench.runs.grid` then runs the collected jobs sample-major, sharing each
 sample's prefill across the configurations that share model and dataset. Each job's run directory, records,
 manifest and scores.json are the basic launcher's; a rerun resumes. Bad input exits with one `kvbench:` line
 before any weights load. Heavy imports wait for `launch`: Hydra imports every plugin on every start (and
@@ -41,10 +41,10 @@ class GridLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
-        self.hydra_context = hydra_context  # the task function is not called: kvbench.grid runs the jobs
+        self.hydra_context = hydra_context  # the task function is not called: kvbench.runs.grid runs the jobs
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from kvbench.grid import run_grid
+        from kvbench.runs.grid import run_grid
 
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
@@ -78,7 +78,7 @@ class GridLauncher(Launcher):
 
 def _collect(cfg: DictConfig, jobs: list) -> None:
     """The task function Hydra runs per job: remember the resolved config, its run directory and group choices."""
-    from kvbench.grid import GridJob
+    from kvbench.runs.grid import GridJob
 
     runtime = HydraConfig.get().runtime
     jobs.append(GridJob(cfg, Path(runtime.output_dir), {k: runtime.choices[k] for k in ("method", "dataset", "model")}))

@@ -5,7 +5,7 @@ and attended one sample at a time. Here row r of `[R, H, capacity, D]` buffers h
 entries, then each decoded token written in place, and one attention call reads every row, masked to each row's
 length. The sample's `RowLayer` is a view of its row, so its accounting (`nbytes`, entries per head) is what its
 own tensors would give; the rows' spare capacity (at most the tokens still to decode, rounded up to `ROUND`) is not
-counted per sample. Only plain dense layers move into rows (`kvbench.batching` decides): no decode-time eviction,
+counted per sample. Only plain dense layers move into rows (`kvbench.engine.batching` decides): no decode-time eviction,
 no per-sample attention temperature, no position shift, no sliding window.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Dataset:
 
     version: str = "0"
     primary_metric: str = ""
-    # scores that are not means over samples (name -> kvbench.stats.CorpusMetric, e.g. BUZZ's geometric-mean ROUGE):
+    # scores that are not means over samples (name -> kvbench.report.stats.CorpusMetric, e.g. BUZZ's geometric-mean ROUGE):
     # scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
     corpus_metrics: ClassVar[Mapping] = {}
 

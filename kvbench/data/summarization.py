@@ -37,7 +37,7 @@ from kvbench.metrics.summarization import (
     KEYFORMER_KEYS, buzz_rouge, keyformer_rouge, keyformer_table, mean_rouge, self_bleu,
 )
 from kvbench.registry import DATASETS, unknown_choice
-from kvbench.stats import geometric_mean_of_means
+from kvbench.report.stats import geometric_mean_of_means
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ per row, empty rows included, as the Hub ships them); `scripts/download_seed_tas
 - `mode=stream` (BUZZ `eval_long_ppl.py`, JunqiZhao888/buzz-llm @ e6f5e3e): the first `num_rows` rows (BUZZ: 40,
   empty rows included; they hold no token pair) are each tokenized with the tokenizer's default special tokens (a
   BOS where it adds one) and streamed one token at a time through ONE cache that is never reset, so eviction happens
-  during the stream (kvbench.perplexity). A record is one stream: `rows_per_record` rows (null = all rows in one
+  during the stream (kvbench.engine.perplexity). A record is one stream: `rows_per_record` rows (null = all rows in one
   record, BUZZ's setting). A record is atomic: resume skips finished streams and restarts an unfinished one from its
   first row, since a cache cannot be resumed halfway. Metric `ppl_stream`.
 - `mode=chunked`: the rows joined by "\\n\\n" and tokenized once (HF's perplexity guide), cut into non-overlapping
@@ -27,7 +27,7 @@ from typing import ClassVar, Mapping
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl
 from kvbench.registry import DATASETS
-from kvbench.stats import exp_of_ratio
+from kvbench.report.stats import exp_of_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class WikitextPPL(Dataset):
         return out
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:  # pragma: no cover - not generated
-        raise TypeError("wikitext_ppl is scored by kvbench.perplexity, not from generated text")
+        raise TypeError("wikitext_ppl is scored by kvbench.engine.perplexity, not from generated text")
 
     def summarize(self, records: list[dict]) -> dict:
         nll = sum(r["nll_sum"] for r in records)

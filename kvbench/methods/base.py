@@ -3,7 +3,7 @@
 A method declares its knobs (dataclass fields, mirrored by `configs/method/<name>.yaml`) and capabilities
 (`phase`, `needs`, `granularity`), turns a budget into per-layer entry counts (`layer_budgets`), and picks which
 entries of one layer survive (`select`). It never loads models, registers hooks, touches files or frees memory:
-`kvbench.generation.compress` applies its choice to the cache.
+`kvbench.engine.generation.compress` applies its choice to the cache.
 """
 from __future__ import annotations
 

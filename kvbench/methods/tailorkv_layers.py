@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
-from kvbench.generation import prefill
+from kvbench.engine.generation import prefill
 from kvbench.methods.tailorkv_calibration import stand_in_pairs
 from kvbench.models.capture import AttentionCapture
 from kvbench.models.loader import ModelSpec, load

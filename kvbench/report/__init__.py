@@ -16,7 +16,7 @@ from pathlib import Path
 from kvbench.report.heatmap import has_needle_grid, needle_heatmap, needle_matrix, needle_panels, run_caption
 from kvbench.report.runs import find_run_dirs, load_runs, read_predictions
 from kvbench.report.tables import summary_table, to_latex, to_markdown, write_tables
-from kvbench.stats import mean_se
+from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ __all__ = ["find_run_dirs", "has_needle_grid", "load_runs", "needle_heatmap", "n
 
 def failures_note(run_dir: Path) -> list[str]:
     """summary.md lines for failed samples (excluded from the table's means; a rerun retries them)."""
-    from kvbench.store import is_failure, latest_per_id
+    from kvbench.runs.store import is_failure, latest_per_id
 
     failed = [r for r in latest_per_id(read_predictions(run_dir / "predictions.jsonl")) if is_failure(r)]
     if not failed:

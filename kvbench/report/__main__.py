@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvbench.merge import merge_stale
+from kvbench.runs.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_method
 from kvbench.report.cost import cost_lines
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
@@ -27,7 +27,7 @@ from kvbench.report.paper import paper_names, write_paper_report
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
-from kvbench.stats import RESAMPLES, SEED
+from kvbench.report.stats import RESAMPLES, SEED
 
 
 def _slug(text: str) -> str:

@@ -17,7 +17,7 @@ from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
 
 from kvbench.report.tables import method_label, score_scale, sort_runs
-from kvbench.stats import mean_se
+from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
 from kvbench.report.compare import MARK, Compare, reference_key, select
 from kvbench.report.tables import method_label, sort_runs, tex_escape
-from kvbench.stats import combine_se
+from kvbench.report.stats import combine_se
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def kv_size(row: dict) -> str:
 
 def table_frame(rows: list[dict]) -> pd.DataFrame:
     """The wide table: KEYS, one column per task stem (x 100 scores), Avg., then LongBench's category means, then
-    each score's standard error (`se:<task>`, `se:Avg.`, x 100; kvbench.stats)."""
+    each score's standard error (`se:<task>`, `se:Avg.`, x 100; kvbench.report.stats)."""
     stems = task_columns({t for r in rows for t in r["tasks"] if base_task(t) == t})
     out = []
     for r in rows:
@@ -90,7 +90,7 @@ def table_frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def _combined_se(ses: list) -> float | None:
-    """se of the plain mean of task scores from the tasks' se's (sqrt(sum se^2) / T, kvbench.stats.combine_se)."""
+    """se of the plain mean of task scores from the tasks' se's (sqrt(sum se^2) / T, kvbench.report.stats.combine_se)."""
     ses = [None if s is None or pd.isna(s) else float(s) for s in ses]
     return combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
 

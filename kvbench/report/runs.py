@@ -13,7 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from kvbench.store import is_failure, latest_per_id
+from kvbench.runs.store import is_failure, latest_per_id
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
     manifest = read_manifest(run_dir)
     records = latest_per_id(read_predictions(run_dir / PREDICTIONS))
     failed = [r["id"] for r in records if is_failure(r)]
-    if failed:  # excluded from every mean, as in scores.json (kvbench.store.aggregate)
+    if failed:  # excluded from every mean, as in scores.json (kvbench.runs.store.aggregate)
         logger.warning("report: %s: %d failed samples excluded (%s)", run_dir, len(failed), ", ".join(failed[:5]))
         records = [r for r in records if not is_failure(r)]
     if not records:

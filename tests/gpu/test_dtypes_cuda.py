@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import kvbench.methods  # noqa: E402,F401
-from kvbench.batching import Request, generate_batched  # noqa: E402
-from kvbench.generation import generate  # noqa: E402
+from kvbench.engine.batching import Request, generate_batched  # noqa: E402
+from kvbench.engine.generation import generate  # noqa: E402
 from kvbench.models import AttentionCapture  # noqa: E402
 from kvbench.registry import METHODS  # noqa: E402
 from tests.unit.test_contract import configured  # noqa: E402
@@ -66,7 +66,7 @@ def test_batched_decoding_on_cuda_keeps_the_batch_1_accounting(name):
 def test_sampling_on_cuda_draws_from_a_device_generator():
     """Sampled decoding on CUDA (multinomial needs its generator on the logits' device): seeded runs repeat, and
     batched sampling in fp32 gives batch 1's tokens (the same per-sample CUDA stream)."""
-    from kvbench.generation import Sampling
+    from kvbench.engine.generation import Sampling
 
     model = tiny_model("llama", layers=2).cuda()
     method, sampling = configured("snapkv"), Sampling(do_sample=True, temperature=1.5, seed=7)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kvbench.cache import KVCache  # noqa: E402
-from kvbench.generation import compress, decode, prefill  # noqa: E402
+from kvbench.engine.generation import compress, decode, prefill  # noqa: E402
 from kvbench.methods.tailorkv import TailorKV  # noqa: E402
 from kvbench.models import AttentionCapture  # noqa: E402
 from tests.unit.tiny import prompt, tiny_model  # noqa: E402

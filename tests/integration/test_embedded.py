@@ -8,8 +8,8 @@ import kvbench.methods  # noqa: F401
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from kvbench.run import CONFIG_DIR
-from kvbench.generation import generate
+from kvbench.runs.run import CONFIG_DIR
+from kvbench.engine.generation import generate
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 

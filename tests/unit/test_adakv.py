@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import kvbench.methods  # noqa: F401
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.varlen import VarlenLayer, varlen_decode_attention
-from kvbench.generation import generate
+from kvbench.engine.generation import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

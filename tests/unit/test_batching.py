@@ -1,4 +1,4 @@
-"""Batched decoding (kvbench.batching) against batch 1 (kvbench.generation.generate), the independent reference:
+"""Batched decoding (kvbench.engine.batching) against batch 1 (kvbench.engine.generation.generate), the independent reference:
 same tokens, text and cache accounting per sample, for prompts of different lengths, one-shot, per-head variable
 (Ada-KV) and decode-time (H2O, Keyformer, BUZZ) methods, with samples leaving and joining the batch."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
-from kvbench.batching import Request, generate_batched
-from kvbench.generation import Sampling, generate
+from kvbench.engine.batching import Request, generate_batched
+from kvbench.engine.generation import Sampling, generate
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY
 from kvbench.models.loader import RANDOM_FAMILIES

@@ -1,4 +1,4 @@
-"""Beam search over the compressed cache (kvbench.beam): one beam is greedy; two beams with the full cache are
+"""Beam search over the compressed cache (kvbench.engine.beam): one beam is greedy; two beams with the full cache are
 transformers' own beam search; with an evicting method every beam keeps its own (reordered) cache and scores."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.beam import beam_generate
-from kvbench.generation import generate
+from kvbench.engine.beam import beam_generate
+from kvbench.engine.generation import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.tiny import prompt, tiny_model
@@ -49,7 +49,7 @@ def test_beams_full_cache_equal_transformers(num_beams, early_stopping):
 def test_beams_keep_their_own_cache_and_scores():
     """H2O with 3 beams: each beam row scores its own token, evicts within budget, and `reorder` gathers cache rows
     (keys, values, positions) and score rows with the same indices."""
-    from kvbench.beam import reorder
+    from kvbench.engine.beam import reorder
     from kvbench.cache import KVCache
 
     model, ids = tiny_model(), prompt(N)
@@ -58,7 +58,7 @@ def test_beams_keep_their_own_cache_and_scores():
     cache = KVCache()
     with AttentionCapture(model) as capture:
         capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
-        from kvbench.generation import compress, prefill
+        from kvbench.engine.generation import compress, prefill
 
         prefill(model, ids, cache)
         compress(method, cache, capture, 16, state)
@@ -84,7 +84,7 @@ def test_beams_with_decode_time_eviction_and_shifted_positions():
 
 
 def test_bad_beam_settings_are_one_line():
-    from kvbench.generation import Sampling
+    from kvbench.engine.generation import Sampling
 
     with pytest.raises(ValueError, match="^generation: num_beams=0 must be >= 1"):
         Sampling(num_beams=0)

@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 from transformers import AttentionInterface
 
 import kvbench.methods  # noqa: F401
-from kvbench.generation import generate
+from kvbench.engine.generation import generate
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from kvbench.run import CONFIG_DIR
+from kvbench.runs.run import CONFIG_DIR
 from tests.unit.tiny import prompt, tiny_model
 
 N, NEW = 150, 12

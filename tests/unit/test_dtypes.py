@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.batching import Request, generate_batched
+from kvbench.engine.batching import Request, generate_batched
 from kvbench.cache import varlen
-from kvbench.generation import decode, generate, prepare
+from kvbench.engine.generation import decode, generate, prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.test_contract import configured
@@ -64,7 +64,7 @@ def test_position_shift_in_half_precision(name, half_model):
 
 def test_batched_decoding_in_half_precision(half_model):
     """Batched bf16/fp16 decoding runs and keeps the per-sample accounting of batch 1 (tokens may differ from
-    batch 1 where the batched matmul's rounding flips an argmax; see kvbench.batching)."""
+    batch 1 where the batched matmul's rounding flips an argmax; see kvbench.engine.batching)."""
     model, _ = half_model
     method = METHODS["adakv"](window=8)
     prompts = [prompt(n, seed=i) for i, n in enumerate([150, 90, 120])]

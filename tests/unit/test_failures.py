@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.store import RunStore, aggregate, write_json_atomic
+from kvbench.runs.store import RunStore, aggregate, write_json_atomic
 from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
 
 THREE = ["dataset.context_lengths=[300]", "dataset.depth_percents=[0,50,100]"]
@@ -114,7 +114,7 @@ def test_failure_records_in_the_store_and_aggregate(tmp_path):
 
 def test_a_failed_decoding_batch_records_its_unfinished_samples():
     from kvbench.data.base import Sample
-    from kvbench.failures import fail_remaining
+    from kvbench.runs.failures import fail_remaining
 
     samples = [Sample(id=f"s{i}", prompt="p", answers=["a"], max_new_tokens=4, meta={"i": i}) for i in range(3)]
     try:

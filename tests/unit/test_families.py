@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
-from kvbench.generation import generate, prefill
+from kvbench.engine.generation import generate, prefill
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir
 from kvbench.models.loader import RANDOM_FAMILIES
 from kvbench.models.tiny import tiny_config
 from kvbench.registry import METHODS
-from kvbench.run import CONFIG_DIR
+from kvbench.runs.run import CONFIG_DIR
 from tests.unit.tiny import attention_function, prompt
 
 N, BUDGET, LAYERS = 120, 32, 3

@@ -8,7 +8,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.generation import Sampling, compress, generate, prefill
+from kvbench.engine.generation import Sampling, compress, generate, prefill
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.tiny import attention_function, prompt, tiny_model

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.generation import generate
-from kvbench.batching import BatchedDecoder, Decoding, Request
-from kvbench.generation import Sampling
-from kvbench.grid import ConfigRun, GridJob, share_prefill
+from kvbench.engine.generation import generate
+from kvbench.engine.batching import BatchedDecoder, Decoding, Request
+from kvbench.engine.generation import Sampling
+from kvbench.runs.grid import ConfigRun, GridJob, share_prefill
 from kvbench.models import AttentionCapture
-from kvbench.run import sample_seed
+from kvbench.runs.run import sample_seed
 from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from kvbench.harness import KVBenchLM, main  # noqa: E402
+from kvbench.runs.harness import KVBenchLM, main  # noqa: E402
 
 CONTEXT = ("The keeper of the kvbench lighthouse painted its door blue in 1931, and the harbour board paid for "
            "the paint, the brushes and the ladder. The door was")

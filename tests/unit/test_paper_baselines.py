@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.generation import compress, generate, prefill
+from kvbench.engine.generation import compress, generate, prefill
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

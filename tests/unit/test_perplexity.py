@@ -1,4 +1,4 @@
-"""Perplexity under a compressed cache (kvbench.perplexity), checked against independent computations: the full
+"""Perplexity under a compressed cache (kvbench.engine.perplexity), checked against independent computations: the full
 cache equals one causal forward; an evicting method's stream equals greedy generation through the same method
 (same tokens fed -> same caches -> same logits), so eviction during the stream is generation's own."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
-from kvbench.generation import generate
+from kvbench.engine.generation import generate
 from kvbench.models import AttentionCapture
-from kvbench.perplexity import stream_nll, window_nll
+from kvbench.engine.perplexity import stream_nll, window_nll
 from kvbench.registry import METHODS
 from tests.unit.tiny import prompt, tiny_model
 

@@ -7,7 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvbench.methods  # noqa: F401
-from kvbench.batching import BatchedDecoder, Decoding, Request
+from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
 from kvbench.cache.rows import Rows, RowLayer, append
 from kvbench.models import AttentionCapture

@@ -218,7 +218,7 @@ def test_yaml_mirrors_the_dataclass():
 
     from omegaconf import OmegaConf
 
-    from kvbench.run import CONFIG_DIR
+    from kvbench.runs.run import CONFIG_DIR
 
     cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "dataset" / "ruler.yaml"))
     fields = {f.name: f for f in dataclasses.fields(Ruler) if f.init}

@@ -6,7 +6,7 @@ import torch
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.generation import compress, prefill
+from kvbench.engine.generation import compress, prefill
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.tiny import prompt, tiny_model

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench.cost import CostMeter, totals
-from kvbench.shard import Shard, assign
+from kvbench.runs.cost import CostMeter, totals
+from kvbench.runs.shard import Shard, assign
 
 
 def test_parse_accepts_i_of_n_and_rejects_the_rest_in_one_line():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbench.merge import main as merge_main
+from kvbench.runs.merge import main as merge_main
 from kvbench.report.__main__ import main as report_main
 from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvbench.store import RunStore, aggregate, write_json_atomic
+from kvbench.runs.store import RunStore, aggregate, write_json_atomic
 
 
 def rec(i: int, score: float = 1.0) -> dict:

@@ -14,7 +14,7 @@ from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
-from kvbench.generation import compress, generate, prefill
+from kvbench.engine.generation import compress, generate, prefill
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

@@ -1,6 +1,6 @@
 """Bad input fails in ONE line `kvbench: ...`, before any weights load and before Hydra writes anything.
 
-Most rows of issue #16's table run in-process through `kvbench.validate.validate` (what `python -m kvbench.run`
+Most rows of issue #16's table run in-process through `kvbench.runs.validate.validate` (what `python -m kvbench.run`
 calls first; nothing in it loads weights: models are checked by their config.json / GGUF header only); a handful
 run through the real command line, concurrently, to show the whole path: exit code 1, one stderr line, no files.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.data.ruler import cache
-from kvbench.pathnames import check_inside, check_name
-from kvbench.validate import BadInput, validate, validate_or_exit
+from kvbench.runs.pathnames import check_inside, check_name
+from kvbench.runs.validate import BadInput, validate, validate_or_exit
 from tests.unit.test_cli import ENV, ROOT
 
 LONGBENCH = ROOT / "tests" / "fixtures" / "longbench"

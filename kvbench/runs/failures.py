@@ -5,9 +5,9 @@ the cached blocks are freed), it returns a failure record instead, which goes in
 prediction, so the failure is visible where the results are:
 
     {"id": ..., "failed": true, "error_type": "OutOfMemoryError", "error": "<first line of the message>",
-     "where": "kvbench/generation.py:123 in decode", "prompt_tokens": ..., "budget": ..., "meta": {...}}
+     "where": "kvbench/engine/generation.py:123 in decode", "prompt_tokens": ..., "budget": ..., "meta": {...}}
 
-Failed samples are excluded from every mean and counted in `n_failed` (kvbench.store.aggregate). A rerun of the same
+Failed samples are excluded from every mean and counted in `n_failed` (kvbench.runs.store.aggregate). A rerun of the same
 command retries them (`retry_failed=false` keeps them as they are); the retry's record supersedes the failure.
 
 `stop_on_signals()` turns SIGTERM (what SLURM sends before a kill) into the same clean stop as Ctrl-C: every record
@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Stopped(KeyboardInterrupt):

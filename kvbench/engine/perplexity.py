@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import KVCache
-from kvbench.generation import prepare
+from kvbench.engine.generation import prepare
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.registry import METHODS
 
@@ -143,7 +143,7 @@ def window_nll(model, method, capture, tokens: list[int], context: int, budget, 
 
 def perplexity_record(model, method, capture, dataset, sample, budget, positions: str, seed: int) -> dict:
     """The predictions.jsonl record of one stream or window (kvbench.run calls this for perplexity datasets)."""
-    from kvbench.store import sha256_text
+    from kvbench.runs.store import sha256_text
 
     if dataset.mode == "stream":
         out = stream_nll(model, method, capture, dataset.rows_of(sample), budget, positions, seed)

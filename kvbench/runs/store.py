@@ -4,7 +4,7 @@
 sample in flight. On reopen, a torn last line (no newline, or not valid JSON) is cut off, and ids already present
 are skipped by the runner: rerunning the same command finishes the job with each id exactly once.
 
-A sample that raised gets a failure record (`"failed": true`, see kvbench/failures.py) instead of a prediction; a
+A sample that raised gets a failure record (`"failed": true`, see kvbench/runs/failures.py) instead of a prediction; a
 rerun appends the retry after it, and the last record of an id is the one that counts (`latest_per_id`).
 """
 from __future__ import annotations
@@ -150,12 +150,12 @@ class RunStore:
 def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> dict:
     """Means over samples of every metric and of the accounting fields (the body of scores.json).
 
-    `stats` adds each metric's standard error and n (kvbench.stats.metric_stats), and the dataset's corpus-level
+    `stats` adds each metric's standard error and n (kvbench.report.stats.metric_stats), and the dataset's corpus-level
     metrics (not means over samples) with a seeded bootstrap se; `metrics` stays {metric: mean} for old readers.
     Failure records are left out of every mean and counted in `n_failed`: LongBench's eval.py scores whatever the
     prediction file holds, so a sample without a prediction is excluded, not scored 0 (`failures_counted_as`).
     """
-    from kvbench.stats import metric_stats
+    from kvbench.report.stats import metric_stats
 
     records = latest_per_id(records)
     failed = sorted(r["id"] for r in records if is_failure(r))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvbench import layerwise
+from kvbench.engine import layerwise
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
@@ -32,7 +32,7 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    num_beams: int = 1  # > 1: beam search over the compressed cache (kvbench.beam), greedy scores only
+    num_beams: int = 1  # > 1: beam search over the compressed cache (kvbench.engine.beam), greedy scores only
     length_penalty: float = 1.0  # beam search: finished score = sum log p / generated_len ** length_penalty
     early_stopping: bool = False  # beam search: stop once num_beams hypotheses are finished (Keyformer: true)
 
@@ -92,7 +92,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     Accumulated-attention methods (`state` given) evict from their prefill scores here and are hooked into every
     decode step. With `inv_freq` (positions=shift), every layer then hands attention its keys at cache slots.
     Storage methods (TailorKV) rebuild the layers themselves and return the ledger of bytes they move.
-    `layers_done`: each layer was already evicted inside the prefill forward (`kvbench.layerwise`)."""
+    `layers_done`: each layer was already evicted inside the prefill forward (`kvbench.engine.layerwise`)."""
     if not method.compresses:
         return None
     if hasattr(method, "attach"):
@@ -221,7 +221,7 @@ def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new
 @dataclass
 class Prepared:
     """A prompt after prefill and compression, ready to decode: its cache, first logits and accounting.
-    `generate` decodes it alone; `kvbench.batching` decodes several together."""
+    `generate` decodes it alone; `kvbench.engine.batching` decodes several together."""
 
     cache: KVCache
     logits: Tensor  # [1, V], the prompt's last position: the first generated token's distribution
@@ -275,7 +275,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`.
 
     `compress_after`: "layer" evicts each layer inside the prefill forward where the method allows it
-    (`kvbench.layerwise`), "prefill" after the whole prefill; the kept entries are the same. `prefilled`: skip the
+    (`kvbench.engine.layerwise`), "prefill" after the whole prefill; the kept entries are the same. `prefilled`: skip the
     prefill and compress a copy of a shared one (the grid launcher)."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")

@@ -40,7 +40,7 @@ def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | N
     if not active:
         yield stats
         return
-    from kvbench.generation import compress_layer  # generation imports this module
+    from kvbench.engine.generation import compress_layer  # generation imports this module
 
     modules = capture.attention_modules
     n_layers = len(modules)

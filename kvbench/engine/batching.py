@@ -45,7 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
-from kvbench.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
+from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
 from kvbench.models.capture import AttentionCapture

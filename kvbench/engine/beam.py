@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
-from kvbench.generation import Generation, eos_token_ids, prepare
+from kvbench.engine.generation import Generation, eos_token_ids, prepare
 from kvbench.methods.base import Method
 from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture

@@ -5,7 +5,7 @@ group loads the model once and walks the samples: each sample is prefilled once 
 capture records what every pending configuration needs (the widest window of queries, and the column sums of each
 accumulated-attention scorer: plain-softmax scorers (H2O, BUZZ) share one sum, Keyformer's noisy score gets its own
 from that configuration's own noise generator). Then each configuration compresses its own copy of the prefilled
-cache (`generation.Prefilled`) and decodes through `kvbench.batching`: `batch_size` generations at once, whatever
+cache (`generation.Prefilled`) and decodes through `kvbench.engine.batching`: `batch_size` generations at once, whatever
 configuration or sample they belong to (at the default 1, one at a time, exactly as `generate`). Each record goes
 into its configuration's own run directory through the same seams as the basic launcher (`run.prompt_ids`,
 `run.generated_record`, `run.write_scores`, `store.RunStore`): same run dirs, records, resume (per run dir, per
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import run as runner
-from kvbench.batching import BatchedDecoder, Decoding, Request
+from kvbench.runs import run as runner
+from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
-from kvbench.failures import failure_record, stop_on_signals
-from kvbench.generation import Prefilled, Sampling, prefill
+from kvbench.runs.failures import failure_record, stop_on_signals
+from kvbench.engine.generation import Prefilled, Sampling, prefill
 from kvbench.methods.decoding import DecodingMethod
-from kvbench.store import RunStore, sha256_text
+from kvbench.runs.store import RunStore, sha256_text
 
 logger = logging.getLogger(__name__)
 

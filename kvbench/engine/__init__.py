@@ -1,0 +1,2 @@
+"""Running the model: prefill, compression, decoding (one sample, a batch, beams) and teacher-forced
+streams (perplexity, lm-eval)."""

@@ -1,0 +1,176 @@
+"""kvbench as an lm-evaluation-harness model: every lm-eval task under any compression method.
+
+    python -m kvbench.harness --model kvbench --model_args model=smollm2,method=h2o,budget=128 --tasks piqa
+    python -m kvbench.harness --model kvbench --model_args model=hf,path=<hub id>,method=snapkv,ratio=0.5 ...
+
+`python -m kvbench.harness` is lm-eval's own command line (lm-eval==0.4.13) with the `kvbench` model registered
+first. The plain `lm_eval` command cannot see it: lm-eval 0.4.13 looks models up only in its own MODEL_MAPPING or
+among classes already imported into the process (no plugin entry points), so in Python do `import kvbench.harness`
+before `lm_eval.simple_evaluate(model="kvbench", ...)`.
+
+Model arguments: `model` (a configs/model name, default smollm2), `path` (with model=hf), `method` (a configs/method
+name, default full), `budget` or `ratio` (fraction of the context's entries removed, the Keyformer/H2O few-shot
+"50 % KV" setting), `positions` (original | shift), `seed`, `add_bos_token`, and `method.<field>=value` for method
+knobs (e.g. `method.recent_ratio=0.3`). lm-eval's batch_size/device are accepted and ignored (batch 1, the model
+config's device).
+
+Semantics (what is compressed, where the continuation starts):
+- loglikelihood(context, continuation): the context tokens (lm-eval's own `_encode_pair` split; an empty context is
+  the prefix token) are prefilled with full attention and compressed by the method to the budget; the continuation
+  is then teacher-forced one token per forward against the compressed cache (decode-time methods keep evicting),
+  its first token scored from the prefill's last logits. The result is (sum of log-probs, all tokens greedy).
+- generate_until: the context is prefilled, compressed, and generated from greedily (kvbench.engine.generation), stopping at
+  any `until` string or after `max_gen_toks` (default 256).
+- loglikelihood_rolling: the whole text after the prefix token is a token-by-token stream (kvbench.engine.perplexity's
+  stream): decode-time methods evict during it; prefill-only methods have no prompt to select from and keep all.
+Keyformer's and H2O's published few-shot numbers (Keyformer Table 2) came from a different simulation: one forward
+over the whole request with the budget taken from its full length and a per-row attention mask (H2O's
+`local_heavy_hitter_mask`, specs/seed-keyformer.md §3.2), not from a compressed context; numbers are comparable in
+spirit, not bit for bit.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def build_method(name: str, overrides: dict):
+    """A method from configs/method/<name>.yaml (its `_target_` dataclass and fields) with `overrides` applied."""
+    from omegaconf import OmegaConf
+
+    from kvbench.registry import unknown_choice
+
+    path = CONFIG_DIR / "method" / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
+        raise ValueError("kvbench: " + unknown_choice("method", name, choices))
+    fields = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    module, cls = fields.pop("_target_").rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)(**{**fields, **overrides})
+
+
+def build_spec(name: str, path: str | None):
+    from omegaconf import OmegaConf
+
+    from kvbench.models.loader import ModelSpec
+
+    file = CONFIG_DIR / "model" / f"{name}.yaml"
+    if not file.is_file():
+        raise ValueError(f"kvbench: no model config '{name}' in configs/model/")
+    fields = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    if path is not None:
+        fields["path"] = path
+    return ModelSpec(**fields)
+
+
+@register_model("kvbench")
+class KVBenchLM(TemplateLM):
+    """See the module docstring. Batch 1; one `AttentionCapture` held for the model's lifetime."""
+
+    def __init__(self, model: str = "smollm2", path: str | None = None, method: str = "full",
+                 budget: int | None = None, ratio: float | None = None, positions: str = "original", seed: int = 0,
+                 add_bos_token: bool = False, max_gen_toks: int = 256, **kwargs):
+        super().__init__()
+        from kvbench.models import AttentionCapture, load
+
+        method_overrides = {k.split(".", 1)[1]: v for k, v in kwargs.items() if k.startswith("method.")}
+        ignored = sorted(k for k in kwargs if not k.startswith("method.") and kwargs[k] is not None)
+        if ignored:
+            logger.info("kvbench: ignoring lm-eval arguments %s (batch 1, device from the model config)", ignored)
+        if (budget is None) == (ratio is None) and method != "full":
+            raise ValueError("kvbench: give exactly one of budget=<entries> or ratio=<fraction removed>")
+        if ratio is not None and not 0 <= float(ratio) < 1:
+            raise ValueError(f"kvbench: ratio={ratio} must be in [0, 1)")
+        if positions not in ("original", "shift"):
+            raise ValueError(f"kvbench: positions={positions!r} is not one of original, shift")
+        self.method = build_method(method, method_overrides)
+        self.budget = None if budget is None else int(budget)
+        self.ratio = None if ratio is None else float(ratio)
+        if self.budget is not None:
+            self.method.check_budget(self.budget)
+        self.positions, self.seed, self.add_bos_token = positions, int(seed), bool(add_bos_token)
+        self.max_gen_toks = int(max_gen_toks)
+        self.model, self.tokenizer = load(build_spec(model, path))
+        self.capture = AttentionCapture(self.model, window=self.method.query_window).__enter__()
+
+    # --- lm-eval's tokenizer hooks ----------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        special = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        return self.tokenizer(string, add_special_tokens=special).input_ids
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    # --- scoring ----------------------------------------------------------------------------------------------
+    def budget_for(self, n_context: int) -> int | None:
+        if self.ratio is not None:
+            return max(1, int(n_context * (1 - self.ratio)))
+        return self.budget
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        from kvbench.engine.perplexity import continuation_logprob
+
+        out = []
+        for _, context, continuation in tqdm(requests, disable=disable_tqdm, desc="kvbench loglikelihood"):
+            out.append(continuation_logprob(self.model, self.method, self.capture, list(context), list(continuation),
+                                            self.budget_for(len(context)), self.positions, self.seed))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from kvbench.engine.perplexity import stream_nll
+
+        out = []
+        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="kvbench rolling"):
+            tokens = [self.prefix_token_id] + self.tok_encode(string, add_special_tokens=False)
+            budget = self.budget_for(len(tokens))
+            out.append(-stream_nll(self.model, self.method, self.capture, [tokens], budget, self.positions,
+                                   self.seed).nll_sum)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from kvbench.engine.generation import generate
+
+        out = []
+        device = next(self.model.parameters()).device
+        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm, desc="kvbench generate"):
+            until = gen_kwargs.get("until", [])
+            until = [until] if isinstance(until, str) else list(until)
+            ids = self.tok_encode(context)
+            gen = generate(self.model, self.tokenizer, self.method, self.capture, torch.tensor([ids], device=device),
+                           self.budget_for(len(ids)), int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
+                           stop=tuple(until), positions=self.positions, seed=self.seed)
+            out.append(gen.text)
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with the kvbench model registered (this module's import did it)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""`python -m kvbench.merge <run dir>...`: put the shards of a run (`shard=i/n`) back together.
+
+Checks that every shard finished and that every sample id of the run is present exactly once, then writes what an
+unsharded run writes: predictions.jsonl (records in the dataset's order), scores.json through the runner's own
+`write_scores` (so the numbers cannot differ from an unsharded run's), manifest.json with each shard's cost, and the
+run report. The shard files stay where they are, so a rerun of any shard still resumes. The last shard of a sweep to
+finish calls this itself, and `python -m kvbench.report` calls it for any run whose shards changed since.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvbench.runs.cost import totals
+from kvbench.runs.shard import SHARD_FILE, Shard, assign
+from kvbench.runs.store import PREDICTIONS, write_json_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+SHARD_ONLY = ("shard", "sample_ids", "n_shard_samples", "dataset_skipped", "cost")
+
+
+class MergeError(ValueError):
+    """A run's shards cannot be merged (missing, unfinished, inconsistent); the message is one line."""
+
+
+@dataclass
+class ShardState:
+    shard: Shard
+    records: list[dict]
+    manifest: dict | None
+
+    @property
+    def finished(self) -> bool:
+        m = self.manifest
+        return bool(m and m.get("finished_utc") and len(self.records) >= m.get("n_shard_samples", 0))
+
+
+def shard_count(run_dir: Path) -> int | None:
+    """n of the run's `predictions.shard-<i>-of-<n>.jsonl` files; None if it has none."""
+    counts = {int(m.group(2)) for p in Path(run_dir).iterdir() if (m := SHARD_FILE.match(p.name))}
+    if len(counts) > 1:
+        raise MergeError(f"merge: {run_dir} holds shards of different splits (of {', '.join(map(str, sorted(counts)))})"
+                         f"; keep one split's files and rerun its shards")
+    return counts.pop() if counts else None
+
+
+def read_shards(run_dir: Path, count: int) -> list[ShardState]:
+    from kvbench.report.runs import read_predictions
+    from kvbench.runs.store import latest_per_id
+
+    states = []
+    for i in range(count):
+        shard = Shard(i, count)
+        path, mpath = run_dir / shard.predictions_name, run_dir / shard.manifest_name
+        records = latest_per_id(read_predictions(path)) if path.is_file() else []  # a retry replaces its failure
+        manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
+        states.append(ShardState(shard, records, manifest))
+    return states
+
+
+def check_complete(run_dir: Path, states: list[ShardState]) -> None:
+    """One line naming every shard that is missing or unfinished, with the command that finishes it."""
+    bad = []
+    for s in states:
+        if s.manifest is None:
+            bad.append(f"{s.shard.tag} missing (never started)")
+        elif not s.finished:
+            bad.append(f"{s.shard.tag} unfinished ({len(s.records)}/{s.manifest.get('n_shard_samples', '?')} samples)")
+    if bad:
+        redo = ",".join(f"{s.shard.index}/{s.shard.count}" for s in states if not s.finished)
+        raise MergeError(f"merge: {run_dir}: {'; '.join(bad)}; run (or rerun, it resumes) shard={redo}")
+
+
+def ordered_records(run_dir: Path, states: list[ShardState]) -> tuple[list[str], list[dict]]:
+    """All records in the run's sample order; every id of the run exactly once, in the shard that owns it."""
+    ids = states[0].manifest["sample_ids"]
+    for s in states[1:]:
+        if s.manifest["sample_ids"] != ids or s.manifest.get("data_sha256") != states[0].manifest.get("data_sha256"):
+            raise MergeError(f"merge: {run_dir}: {s.shard.tag} ran on different samples than {states[0].shard.tag} "
+                             f"(data or limit changed between shards); rerun that shard's file from scratch")
+    owner = {i: k for k, part in enumerate(assign(ids, len(states))) for i in part}
+    by_id: dict[str, dict] = {}
+    for s in states:
+        for r in s.records:
+            if r["id"] in by_id:
+                raise MergeError(f"merge: {run_dir}: sample {r['id']!r} appears twice "
+                                 f"({s.shard.tag} and another shard)")
+            if owner.get(r["id"]) != s.shard.index:
+                raise MergeError(f"merge: {run_dir}: sample {r['id']!r} in {s.shard.tag} does not belong to it")
+            by_id[r["id"]] = r
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise MergeError(f"merge: {run_dir}: {len(missing)} sample(s) missing, e.g. {missing[0]!r} "
+                         f"(shard {owner[missing[0]]}/{len(states)})")
+    return ids, [by_id[i] for i in ids]
+
+
+def merged_manifest(states: list[ShardState], n_samples: int) -> dict:
+    base = {k: v for k, v in states[0].manifest.items() if k not in SHARD_ONLY}
+    sessions = [x for s in states for x in s.manifest.get("cost", {}).get("sessions", [])]
+    cost = totals(sessions)
+    shards = {s.shard.tag: {"n_samples": len(s.records), "started_utc": s.manifest.get("started_utc"),
+                            "finished_utc": s.manifest.get("finished_utc"),
+                            **{k: v for k, v in s.manifest.get("cost", {}).items() if k != "sessions"}}
+              for s in states}
+    return {**base, "n_samples": n_samples, "started_utc": min(s.manifest["started_utc"] for s in states),
+            "finished_utc": max(s.manifest["finished_utc"] for s in states), "wall_s": cost["wall_s"],
+            "shards": shards, "cost": cost}
+
+
+def merge(run_dir: str | Path) -> dict:
+    """Merge the run's shards (raises MergeError in one line if it cannot); returns scores.json's content."""
+    from omegaconf import OmegaConf
+
+    from kvbench.runs.run import setup, write_scores
+
+    run_dir = Path(run_dir)
+    count = shard_count(run_dir)
+    if count is None:
+        raise MergeError(f"merge: {run_dir} has no predictions.shard-<i>-of-<n>.jsonl files (not a sharded run)")
+    with open(run_dir / ".lock.merge", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two shards finishing together merge one after the other
+        states = read_shards(run_dir, count)
+        check_complete(run_dir, states)
+        ids, records = ordered_records(run_dir, states)
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        _, dataset, spec = setup(cfg)
+        if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
+            dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
+        manifest = merged_manifest(states, len(ids))
+        write_text_atomic(run_dir / PREDICTIONS,
+                          "".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records))
+        summary = write_scores(run_dir, records, [SimpleNamespace(id=i) for i in ids], dataset,
+                               manifest["dataset"], manifest["method"], cfg, spec)
+        write_json_atomic(run_dir / "manifest.json", manifest)
+    if cfg.get("report", False):
+        try:
+            from kvbench.report import write_run_report
+
+            write_run_report(run_dir)
+        except Exception as e:  # a plotting problem must never cost the merge
+            logger.warning("report for %s failed: %s", run_dir, e)
+    logger.info("merged %d shards of %s: %d samples, %s = %.4f", count, run_dir, len(ids), dataset.primary_metric,
+                summary["metrics"].get(dataset.primary_metric, float("nan")))
+    return summary
+
+
+def merge_when_complete(run_dir: str | Path) -> dict | None:
+    """What a shard calls when it finishes: merge if every shard has finished, else say who is still running."""
+    try:
+        states = read_shards(Path(run_dir), shard_count(Path(run_dir)) or 0)
+        check_complete(Path(run_dir), states)
+    except MergeError as e:
+        logger.info("not merging yet: %s", e)
+        return None
+    return merge(run_dir)
+
+
+def stale(run_dir: Path) -> bool:
+    """A sharded run whose merged predictions.jsonl is absent or older than one of its shard files."""
+    shard_files = [p for p in run_dir.iterdir() if SHARD_FILE.match(p.name)]
+    merged = run_dir / PREDICTIONS
+    if not shard_files:
+        return False
+    return not merged.is_file() or merged.stat().st_mtime < max(p.stat().st_mtime for p in shard_files)
+
+
+def sharded_run_dirs(path: Path) -> list[Path]:
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return sorted({p.parent for p in path.rglob("predictions.shard-*-of-*.jsonl") if SHARD_FILE.match(p.name)})
+
+
+def merge_stale(paths) -> None:
+    """For the report: merge every sharded run under `paths` whose shards changed; warn (one line) and skip a run
+    that cannot be merged yet."""
+    for path in paths:
+        for run_dir in sharded_run_dirs(Path(path)):
+            if stale(run_dir):
+                try:
+                    merge(run_dir)
+                except MergeError as e:
+                    logger.warning("%s", e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbench.merge", description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="sharded run directories, or folders searched for them")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    failed = 0
+    for path in args.paths:
+        run_dirs = sharded_run_dirs(Path(path)) if Path(path).is_dir() else []
+        if not run_dirs:
+            print(f"kvbench: merge: no sharded run (predictions.shard-<i>-of-<n>.jsonl) under {path}", file=sys.stderr)
+            failed += 1
+        for run_dir in run_dirs:
+            try:
+                summary = merge(run_dir)
+            except (MergeError, ValueError, FileNotFoundError) as e:
+                print(f"kvbench: {str(e).splitlines()[0]}", file=sys.stderr)
+                failed += 1
+                continue
+            print(f"merged {run_dir}: {summary['n']} samples -> scores.json")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""Entry point: `python -m kvbench.run method=pyramidkv budget=128` (add `-m` and comma lists to sweep).
+
+Composes model x method x dataset x budget with Hydra, validates everything before any weights load, runs each
+sample through prefill -> compress -> decode, streams one JSON line per sample into the run directory, and writes
+scores.json, a summary and (NIAH) a heatmap. Rerunning the same command resumes where it stopped.
+This is the only module that imports Hydra.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# configs/hydra/launcher/ray.yaml extends hydra-ray-launcher's `ray` under its own name, on purpose
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
+GROUPS = ("method", "dataset", "model")
+logger = logging.getLogger("kvbench.run")
+
+
+# --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
+# where a run executes, not what it computes: kept out of the run dir's identity (like `limit` and `shard`)
+PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
+
+
+def config_hash(*nodes) -> str:
+    """Short hash of the parts of the config that change results (the run dir's suffix)."""
+    plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
+    plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+FULL_TARGET = "kvbench.methods.full.Full"  # keeps everything: one run per (model, dataset), whatever the budget
+
+
+def budget_tag(budget, ratio, method_target: str = "") -> str:
+    if method_target == FULL_TARGET:
+        return "all"
+    return f"r{ratio}" if ratio is not None else f"b{budget}"
+
+
+OmegaConf.register_new_resolver("kvbench_hash", config_hash, replace=True)
+OmegaConf.register_new_resolver("kvbench_budget", budget_tag, replace=True)
+OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in the shared run dir
+    "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Fail in one line, before Hydra's multi-line error, on an unknown method/dataset/model name."""
+    from kvbench.registry import unknown_choice
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key in (*GROUPS, "paper") and value:
+            choices = group_choices(key)
+            for name in value.split(","):
+                if name not in choices:
+                    hint = " (or model=hf model.path=<hub id | local dir | file.gguf>)" if key == "model" else ""
+                    sys.exit(f"kvbench: {unknown_choice(key, name, choices)}{hint}")
+
+
+# --- setup: everything that can fail on bad input, before weights load ----------------------------------------
+def setup(cfg: DictConfig):
+    from hydra.utils import instantiate
+
+    from kvbench import methods  # noqa: F401  (registers the built-in methods)
+    from kvbench.models.checks import check_source
+    from kvbench.models.loader import ModelSpec, check_architecture
+
+    def build(node, what):
+        try:
+            return instantiate(node)
+        except Exception as e:  # Hydra wraps the dataclass' ValueError in a multi-line message
+            cause = e.__cause__ or e
+            raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
+
+    method = build(cfg.method, "method")
+    dataset = build(cfg.dataset, "dataset")
+    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
+        dataset.check()
+    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ValueError(f"limit={cfg.limit!r} must be a positive number of samples, or null for all")
+    if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
+        raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
+    if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
+                         "runs at batch_size=1")
+    if cfg.positions not in ("original", "shift"):
+        raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
+    from kvbench.engine.generation import Sampling
+
+    Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
+    adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
+    if adapter is not None:
+        adapter.check_method(method)
+        if cfg.positions == "shift":
+            adapter.check_shift()
+        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
+            raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
+                             "outside transformers' AttentionInterface, or sliding-window layers)")
+    if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
+        raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
+    if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
+        cfg.budget = cfg.ratio = None
+    if cfg.ratio is not None:
+        if not 0 <= cfg.ratio < 1:
+            raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
+    else:
+        method.check_budget(cfg.budget)
+    from kvbench.runs.shard import Shard
+
+    Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
+    return method, dataset, spec
+
+
+def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:
+    if cfg.ratio is not None:
+        return max(1, int(prompt_len * (1 - cfg.ratio)))
+    return cfg.budget
+
+
+# --- manifest -------------------------------------------------------------------------------------------------
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CONFIG_DIR.parent, capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    import kvbench
+    from kvbench.models.loader import describe_source, resolve_device
+
+    versions = {}
+    for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "rouge", "jieba", "fuzzywuzzy",
+                "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "kvbench_version": kvbench.__version__, "git_sha": git_sha(),
+        "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+        "model": spec.name, "model_source": describe_source(spec),
+        "dataset": dataset_name, "dataset_version": getattr(dataset, "version", None),
+        "primary_metric": getattr(dataset, "primary_metric", None), "data_sha256": data_sha,
+        "versions": versions,
+        "hardware": {"device": resolve_device(spec.device), "cpu": platform.processor() or platform.machine(),
+                     "threads": torch.get_num_threads(),
+                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "finished_utc": None,
+        "n_samples": n_samples, "wall_s": None,
+    }
+
+
+def peak_mem_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; process-lifetime peak
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+def encode(tokenizer, prompt: str, spec) -> list[int]:
+    if spec.chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def prompt_ids(sample, tokenizer, spec) -> list[int]:
+    """The token ids a sample runs with: the builder's own (benchmark truncation) or the model's policy, middle-cut."""
+    if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
+        return list(sample.input_ids)
+    ids = encode(tokenizer, sample.prompt, spec)
+    if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
+        half = spec.max_prompt_tokens // 2
+        ids = ids[:half] + ids[-half:]
+    return ids
+
+
+def sample_seed(cfg: DictConfig, sample) -> int:
+    """Per-sample method randomness (Keyformer's noise): the run seed mixed with the sample id, order-free."""
+    from kvbench.runs.store import sha256_text
+
+    return cfg.seed + int(sha256_text(sample.id)[:8], 16)
+
+
+def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
+               sampling, prefilled=None) -> dict:
+    """Generate one sample and score it: the prediction record that goes into predictions.jsonl.
+    `prefilled` (`generation.Prefilled`): a prefill shared with other configurations (the grid launcher)."""
+    import torch
+
+    from kvbench.engine.generation import generate
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    device = next(model.parameters()).device
+    seed = sample_seed(cfg, sample)
+    if sampling.num_beams > 1:  # beam search: no stop strings/tokens beyond EOS (Keyformer's setting)
+        from kvbench.engine.beam import beam_generate
+
+        gen = beam_generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                            sample.max_new_tokens, sampling.num_beams, length_penalty=sampling.length_penalty,
+                            early_stopping=sampling.early_stopping, positions=cfg.positions, seed=seed)
+    else:
+        gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
+                       sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
+                       stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens,
+                       compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled)
+    return sample_record(dataset, sample, ids, budget, gen)
+
+
+def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
+    """The prediction record of one generated sample (the same at any batch size, timings aside)."""
+    from kvbench.runs.store import sha256_text
+
+    scores = dataset.score(sample, gen.text)
+    return {
+        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
+        "prediction": gen.text, "references": sample.answers,
+        "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
+        "new_tokens": len(gen.token_ids), "budget": budget,
+        "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
+        "kept_head_stats": gen.kept_head_stats,
+        "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
+        "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
+        "host_kv_bytes": gen.host_kv_bytes,
+        "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
+        "peak_kv_bytes": gen.peak_kv_bytes,
+        **({"transfers": gen.transfers} if gen.transfers is not None else {}),
+    }
+
+
+def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: DictConfig, spec, sampling,
+                   defer=None) -> dict | None:
+    """The sample's record (a prediction, a perplexity, or a failure record if anything in it raises:
+    kvbench/runs/failures.py). With `defer` (batched decoding), a sample to generate goes to `defer((sample, ids,
+    budget))` instead and None is returned."""
+    from kvbench.runs.failures import attempt
+
+    context: dict = {}
+
+    def make() -> dict | None:
+        ids = prompt_ids(sample, tokenizer, spec)
+        budget = context["budget"] = sample_budget(cfg, len(ids))
+        context["prompt_tokens"] = len(ids)
+        if cfg.ratio is not None:
+            try:
+                method.check_budget(budget)
+            except ValueError as e:
+                raise ValueError(f"ratio={cfg.ratio} on a {len(ids)}-token prompt gives {e}") from None
+        if getattr(dataset, "kind", None) == "perplexity":  # teacher forcing, not generation
+            from kvbench.engine.perplexity import perplexity_record
+
+            return perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
+                                     sample_seed(cfg, sample))
+        if defer is not None:
+            return defer((sample, ids, budget))
+        return run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling)
+
+    return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
+
+
+def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_name: str, method_name: str,
+                 cfg: DictConfig, spec) -> dict:
+    """scores.json over the records of this run's samples (written atomically); returns it."""
+    from kvbench.runs.store import aggregate, write_json_atomic
+
+    from kvbench.runs.store import is_failure, latest_per_id
+
+    ids_now = {s.id for s in samples}
+    finished = [r for r in latest_per_id(records) if r["id"] in ids_now]  # failure records included: n_failed
+    summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+               "model": spec.name, "primary_metric": dataset.primary_metric,
+               **aggregate(finished, getattr(dataset, "corpus_metrics", None)),
+               **dataset.summarize([r for r in finished if not is_failure(r)])}
+    write_json_atomic(run_dir / "scores.json", summary)
+    return summary
+
+
+def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
+                    desc: str = ""):
+    """Decode `jobs` ((sample, ids, budget) each) with continuous batching and yield one record per sample, in
+    completion order: a sample that failed gets its failure record and the others go on. Should the batching loop
+    itself raise, the samples it had not finished get failure records."""
+    from tqdm import tqdm
+
+    from kvbench.engine.batching import Request, generate_batched
+    from kvbench.runs.failures import fail_remaining
+
+    device = next(model.parameters()).device
+    requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
+    written: set[str] = set()
+    try:
+        for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
+                                                  sampling, cfg.positions,
+                                                  compress_after=cfg.get("compress_after", "layer")),
+                                 total=len(jobs), desc=desc):
+            sample, ids = request.tag
+            written.add(sample.id)
+            yield generated_record(dataset, sample, ids, request.budget, gen)
+    except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
+        capture.reset()
+        yield from fail_remaining(jobs, written, e)
+
+
+def generated_record(dataset, sample, ids: list[int], budget, gen) -> dict:
+    """The record of a sample that batched decoding finished: its prediction, or the failure it yielded."""
+    from kvbench.runs.failures import attempt
+
+    def make() -> dict:
+        if isinstance(gen, Exception):
+            raise gen
+        return sample_record(dataset, sample, ids, budget, gen)
+
+    return attempt(sample, make, {"prompt_tokens": len(ids), "budget": budget})
+
+
+def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
+    """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated,
+    `choices` the group options picked (default: Hydra's for the running job)."""
+    from tqdm import tqdm
+
+    from kvbench.runs.cost import CostMeter, job_log_links
+    from kvbench.runs.failures import stop_on_signals
+    from kvbench.engine.generation import Sampling
+    from kvbench.models import AttentionCapture, load
+    from kvbench.runs.shard import Shard
+    from kvbench.runs.store import RunStore, sha256_text
+
+    method, dataset, spec = job or setup(cfg)
+    choices = choices or _choices()
+    method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
+    shard = Shard.parse(cfg.get("shard"))
+    manifest_name = shard.manifest_name if shard else "manifest.json"
+    store = RunStore(run_dir, shard)
+    job_log_links(run_dir, shard)  # SLURM/submitit: the job's stdout/stderr linked under the run dir
+    logger.info("run dir: %s | git %s", run_dir, git_sha())
+    t_start = time.perf_counter()
+    model, tokenizer = load(spec)
+    prepared = method.prepare(model, tokenizer) if hasattr(method, "prepare") else None
+    samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
+    if cfg.limit is not None:
+        samples = samples[: cfg.limit]
+    data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
+    store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    old = store.read_json(manifest_name)
+    info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
+    if shard is not None:  # merge needs the whole run's id order, and what the dataset skipped while building
+        info.update(shard=f"{shard.index}/{shard.count}", sample_ids=[s.id for s in samples],
+                    dataset_skipped=dict(getattr(dataset, "skipped", {}) or {}))
+        samples = shard.select(samples)
+        info["n_shard_samples"] = len(samples)
+    if prepared is not None:
+        info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
+    if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
+        info["paper"] = OmegaConf.to_container(cfg.paper_settings, resolve=True)
+    if getattr(dataset, "provenance", None):
+        info["dataset_provenance"] = dataset.provenance  # e.g. RULER's length tokenizer and its resolved revision
+    if old is not None:
+        if old.get("data_sha256") != data_sha:
+            logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
+                           "new tokenizer or data version?")
+        info["started_utc"] = old.get("started_utc", info["started_utc"])
+    meter = CostMeter.resume(model, old, t0=t_start)  # the session's time includes loading the model
+    store.write_json(manifest_name, {**info, **meter.fields()})
+
+    done = store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failed samples are retried
+    todo = [s for s in samples if s.id not in done]
+    logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
+                len(samples), len(samples) - len(todo))
+    sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+    window = method.query_window
+    try:
+        with stop_on_signals(), AttentionCapture(model, window=window) as capture:
+            jobs = []
+            for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
+                               disable=cfg.batch_size > 1):
+                record = guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg, spec, sampling,
+                                        defer=jobs.append if cfg.batch_size > 1 else None)
+                if record is not None:
+                    store.append(record)
+                    store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
+            if jobs:  # continuous batching (kvbench.engine.batching); records arrive in completion order
+                for record in batched_records(model, tokenizer, method, capture, dataset, jobs, cfg, sampling,
+                                              desc=method_name):
+                    store.append(record)
+                    store.write_json(manifest_name, {**info, **meter.fields()})
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished record is already on disk
+        logger.warning("stopped with %d of %d samples in %s; rerun the same command to resume", len(store.done_ids()),
+                       len(samples), run_dir)
+        raise
+    finally:
+        store.close()
+    info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                wall_s=round(time.perf_counter() - t_start, 2))
+    store.write_json(manifest_name, {**info, **meter.fields()})
+    if shard is not None:  # scores.json covers the whole run: the last shard to finish merges them all
+        from kvbench.runs.merge import merge_when_complete
+
+        return merge_when_complete(run_dir)
+    summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)
+    if cfg.report:
+        try:
+            from kvbench.report import write_run_report
+
+            write_run_report(run_dir)
+        except Exception as e:  # a plotting problem must never cost the predictions
+            logger.warning("report for %s failed: %s", run_dir, e)
+    logger.info("%s = %.4f over %d samples (%d failed) | KV bytes %.1f%% of full | %s", dataset.primary_metric,
+                summary["metrics"].get(dataset.primary_metric, float("nan")), summary["n"], summary["n_failed"],
+                100 * (summary.get("kv_ratio") or 0), run_dir)
+    return summary
+
+
+def _choices() -> dict[str, str]:
+    """The group options Hydra picked (`snapkv`, `niah`, ...): the names used in paths and manifests."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return {g: HydraConfig.get().runtime.choices[g] for g in GROUPS}
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        job = setup(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        sys.exit(f"kvbench: {message}")
+    from kvbench.runs.failures import Stopped
+    from kvbench.runs.store import RunDirBusy
+
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
+    except RunDirBusy as e:
+        sys.exit(f"kvbench: {e}")
+    except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
+        print(f"kvbench: {str(e) or 'interrupted'}; every finished sample is kept, rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
+
+
+def cli() -> None:
+    """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory."""
+    sys.argv = [a[1:] if a.startswith("+paper=") else a for a in sys.argv]  # paper is a default group (null)
+    from kvbench.runs.validate import validate_or_exit
+
+    check_group_overrides(sys.argv[1:])
+    validate_or_exit(sys.argv[1:])
+    main()
+
+
+if __name__ == "__main__":
+    cli()
