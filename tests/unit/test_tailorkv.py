@@ -74,7 +74,8 @@ def test_sinks_recent_and_generated_are_never_candidates_but_always_attended():
         prompt_layer.keys[:, :, t] += boost
     layer = OffloadedLayer.from_layer(prompt_layer, 4, 12, 8, 4, TransferLedger())
     layer.selections = []
-    new_k, new_v = torch.randn(1, H_KV, 1, D), torch.randn(1, H_KV, 1, D)
+    g = torch.Generator().manual_seed(6)  # seeded: the global RNG's state depends on which tests ran before
+    new_k, new_v = torch.randn(1, H_KV, 1, D, generator=g), torch.randn(1, H_KV, 1, D, generator=g)
     layer.update(new_k, new_v)
     out = layer.attend(query, 0.25)
     (_, top), = layer.selections
@@ -85,7 +86,8 @@ def test_sinks_recent_and_generated_are_never_candidates_but_always_attended():
         v = torch.cat([layer.host_values[0, h, idx], new_v[0, h]]).double()
         q = query[0, h * 3:(h + 1) * 3, 0].double()
         expected = torch.softmax(q @ k.T * 0.25, -1) @ v
-        torch.testing.assert_close(out[0, 0, h * 3:(h + 1) * 3].double(), expected, rtol=1e-5, atol=1e-5)
+        # the boosted keys give logits of ~1e2, so fp32 softmax carries ~1e-5 (a wrong entry would be off by ~1)
+        torch.testing.assert_close(out[0, 0, h * 3:(h + 1) * 3].double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_offload_keeps_only_sinks_recent_and_generated_on_the_device():
