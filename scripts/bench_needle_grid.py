@@ -33,7 +33,7 @@ from kvbench.engine.generation import compress, decode, eos_token_ids, generate,
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
-from kvbench.runs.run import CONFIG_DIR
+from kvbench.runs.config import CONFIG_DIR
 
 
 def main() -> None:

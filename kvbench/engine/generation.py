@@ -305,8 +305,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
                 capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
                 capture.column_block = method.causal_block(state.budget)
         in_forward = compress_after == "layer" and layerwise.applies(method)
-        with layerwise.compress_each_layer(capture, method, cache, budget, prompt_len, state,
-                                           active=in_forward) as done:
+        with layerwise.compress_each_layer(capture, method, cache, budget, prompt_len, state, active=in_forward,
+                                           compress_layer=compress_layer) as done:
             sync()
             t0 = time.perf_counter()
             logits = prefill(model, input_ids, cache)

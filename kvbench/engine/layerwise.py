@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kvbench.cache import KVCache
 from kvbench.methods.base import Method
@@ -34,14 +34,13 @@ class LayerwiseStats:
 
 @contextmanager
 def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | None, prompt_len: int, state=None,
-                        active: bool = True) -> Iterator[LayerwiseStats]:
-    """While active, every prefill attention module's output triggers its layer's eviction in `cache`."""
+                        active: bool = True, *, compress_layer: Callable[..., None]) -> Iterator[LayerwiseStats]:
+    """While active, every prefill attention module's output triggers its layer's eviction in `cache`, by
+    `compress_layer` (`generation.compress_layer`, the function the old order calls after the forward)."""
     stats = LayerwiseStats()
     if not active:
         yield stats
         return
-    from kvbench.engine.generation import compress_layer  # generation imports this module
-
     modules = capture.attention_modules
     n_layers = len(modules)
     budgets = method.layer_budgets(prompt_len, n_layers, budget)

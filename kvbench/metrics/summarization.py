@@ -38,7 +38,7 @@ def _stemmed_scorer():
 
 def keyformer_postprocess(text: str, is_prediction: bool) -> str:
     """summarize.py's path to the scorer: newlines -> spaces (predictions only), strip, one sentence per line."""
-    from kvbench.data.ruler.sources import sentence_splitter
+    from kvbench.metrics.sentences import sentence_splitter
 
     if is_prediction:
         text = text.replace("\n", " ")

@@ -16,7 +16,7 @@ from typing import Hashable, Iterable
 import pandas as pd
 
 from kvbench.report.stats import LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap, paired_statistic_bootstrap
-from kvbench.report.tables import METHOD_NAMES, method_label
+from kvbench.report.labels import METHOD_NAMES, method_label
 
 MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
 

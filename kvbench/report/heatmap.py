@@ -16,7 +16,8 @@ import pandas as pd
 from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
 
-from kvbench.report.tables import method_label, score_scale, sort_runs
+from kvbench.report.labels import method_label
+from kvbench.report.tables import score_scale, sort_runs
 from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)

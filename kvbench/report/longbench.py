@@ -24,7 +24,8 @@ from matplotlib.figure import Figure
 from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
 from kvbench.report.compare import MARK, Compare, reference_key, select
-from kvbench.report.tables import method_label, sort_runs, tex_escape
+from kvbench.report.labels import method_label
+from kvbench.report.tables import sort_runs, tex_escape
 from kvbench.report.stats import combine_se
 
 logger = logging.getLogger(__name__)

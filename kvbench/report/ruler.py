@@ -23,7 +23,8 @@ from matplotlib.figure import Figure
 from kvbench.data.ruler.templates import ALL_TASKS, task_metric
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.report.compare import MARK, Compare, reference_key, select
-from kvbench.report.tables import METHOD_NAMES, method_label, sort_runs, tex_escape
+from kvbench.report.labels import METHOD_NAMES, method_label
+from kvbench.report.tables import sort_runs, tex_escape
 from kvbench.report.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)

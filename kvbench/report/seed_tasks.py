@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.metrics.summarization import mean_rouge
-from kvbench.report.tables import method_label, sort_runs, to_markdown
+from kvbench.report.labels import method_label
+from kvbench.report.tables import sort_runs, to_markdown
 from kvbench.report.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 
 DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-# registry name -> name in the papers; the order is the column order of the papers' tables
-METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", "h2o": "H2O",
-                "streamingllm": "StreamingLLM", "adakv": "Ada-KV", "keyformer": "Keyformer", "buzz": "BUZZ",
-                "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2"}
+from kvbench.report.compare import MARK, fmt_interval, reference_key
+from kvbench.report.labels import METHOD_NAMES, method_label
+
 METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in the papers
 # column -> (header, format); the score column, named after its metric, is "{:.2f}"
 COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("Method", "{}"),
@@ -31,11 +30,6 @@ MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
 DIFF_COLUMNS = ("diff", "diff_lo", "diff_hi", "diff_se", "diff_excludes_0", "n_paired", "reference", "resamples",
                 "seed")
 HIDDEN = ("se", *DIFF_COLUMNS)
-
-
-def method_label(name: str) -> str:
-    """The paper's spelling of a method (`h2o` -> `H2O`); unknown methods keep their registry name."""
-    return METHOD_NAMES.get(name, name)
 
 
 def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
@@ -103,8 +97,6 @@ def _se(scores: pd.Series) -> float:
 def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale: dict, compare) -> pd.DataFrame:
     """Each row's paired difference to the reference method's row of the same model, dataset and metric (at the
     same budget if the reference ran at it; kvbench.report.compare.reference_key)."""
-    from kvbench.report.compare import reference_key
-
     rows = []
     for _, row in out.iterrows():
         cands = out[(out["method"] == compare.reference) & (out["model"] == row["model"])
@@ -133,7 +125,6 @@ def _cells(table: pd.DataFrame, missing: str = "–",
     headers, rows, numeric = [], [[] for _ in range(len(table))], []
     score_col = table.attrs.get("score_column")
     marks = table.attrs.get("marks", {})        # (row index, column) -> interval excluding 0 (seed-task tables)
-    from kvbench.report.compare import MARK
     for col in table.columns:
         if col in HIDDEN or str(col).split(":")[0] in ("se", "diff", "lo", "hi"):   # shown inside the cell, or CSV
             continue
@@ -153,7 +144,6 @@ def _cells(table: pd.DataFrame, missing: str = "–",
                     cell += " ± " + fmt.format(r[se_col])
                 row.append(cell + (MARK if (r.name, col) in marks else ""))
         if col == score_col and "diff" in table:
-            from kvbench.report.compare import fmt_interval
             from kvbench.report.stats import Interval
 
             ref = method_label(table["reference"].iloc[0]) if len(table) else ""

@@ -8,7 +8,7 @@ from that configuration's own noise generator). Then each configuration compress
 cache (`generation.Prefilled`) and decodes through `kvbench.engine.batching`: `batch_size` generations at once, whatever
 configuration or sample they belong to (at the default 1, one at a time, exactly as `generate`). Each record goes
 into its configuration's own run directory through the same seams as the basic launcher (`run.prompt_ids`,
-`run.generated_record`, `run.write_scores`, `store.RunStore`): same run dirs, records, resume (per run dir, per
+`records.generated_record`, `records.write_scores`, `store.RunStore`): same run dirs, records, resume (per run dir, per
 sample id), manifest and scores.json.
 
 Records equal the basic launcher's except for timings and memory (`prefill_s` is the shared prefill's time, and
@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.runs import run as runner
+from kvbench.runs.config import config_hash, sample_budget, sample_seed, setup
+from kvbench.runs.records import generated_record, git_sha, manifest, write_scores
+from kvbench.runs.run import prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
 from kvbench.runs.failures import failure_record, stop_on_signals
@@ -78,7 +80,7 @@ class ConfigRun:
 
 def prefill_key(cfg: DictConfig) -> str:
     """Configurations with the same key see the same prompts and the same prefill."""
-    return runner.config_hash(cfg.model, cfg.dataset, cfg.limit)
+    return config_hash(cfg.model, cfg.dataset, cfg.limit)
 
 
 def runs_alone(cfg: DictConfig, dataset) -> str | None:
@@ -107,7 +109,7 @@ def plan(jobs: list[GridJob]) -> tuple[list[list[ConfigRun]], list[ConfigRun]]:
     groups: dict[str, list[ConfigRun]] = {}
     alone, seen = [], set()
     for job in jobs:
-        method, dataset, spec = runner.setup(job.cfg)
+        method, dataset, spec = setup(job.cfg)
         if job.run_dir in seen:
             continue
         seen.add(job.run_dir)
@@ -132,7 +134,7 @@ def run_grid(jobs: list[GridJob]) -> dict[Path, dict]:
         summaries.update(run_group(configs))
     for config in alone:
         logger.info("grid: %s runs on its own (%s)", config.job.run_dir, runs_alone(config.cfg, config.dataset))
-        summaries[config.job.run_dir] = runner.run(config.cfg, config.job.run_dir,
+        summaries[config.job.run_dir] = run(config.cfg, config.job.run_dir,
                                                    (config.method, config.dataset, config.spec), config.job.choices)
     return {job.run_dir: summaries[job.run_dir] for job in jobs}
 
@@ -146,7 +148,7 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     spec, first = configs[0].spec, configs[0]
     batch_size = max(c.cfg.batch_size for c in configs)
     logger.info("grid: %d configurations share each prefill (%s on %s), %d decoding at once | git %s",
-                len(configs), spec.name, first.job.choices["dataset"], batch_size, runner.git_sha())
+                len(configs), spec.name, first.job.choices["dataset"], batch_size, git_sha())
     model, tokenizer = load(spec)
     samples = first.dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if first.cfg.limit is not None:
@@ -163,7 +165,7 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
         for request, gen in tqdm(decoder.run(sample_requests(model, tokenizer, capture, configs, todo)),
                                  total=n_pending, desc="grid"):
             config, sample, ids, shared_by = request.tag
-            record = runner.generated_record(config.dataset, sample, ids, request.budget, gen)
+            record = generated_record(config.dataset, sample, ids, request.budget, gen)
             record["prefill_shared_by"] = shared_by
             config.store.append(record)
             config.done.add(sample.id)
@@ -181,7 +183,7 @@ def sample_requests(model, tokenizer, capture, configs: list[ConfigRun], todo: l
         shared = None  # the previous sample's prefill goes before this one's is made
         pending = [c for c in configs if sample.id not in c.done]
         try:
-            ids = runner.prompt_ids(sample, tokenizer, spec)
+            ids = prompt_ids(sample, tokenizer, spec)
         except Exception as e:  # noqa: BLE001 - e.g. a prompt the tokenizer cannot encode: this sample fails
             for config in pending:
                 config.store.append(failure_record(sample, e))
@@ -193,7 +195,7 @@ def sample_requests(model, tokenizer, capture, configs: list[ConfigRun], todo: l
                 budgets[id(config)] = config_budget(config, len(ids))
             except ValueError as e:  # a ratio too small for this prompt: that sample fails, as in run.run
                 config.store.append(failure_record(sample, e, prompt_tokens=len(ids),
-                                                   budget=runner.sample_budget(config.cfg, len(ids))))
+                                                   budget=sample_budget(config.cfg, len(ids))))
                 config.done.add(sample.id)
         pending = [c for c in pending if id(c) in budgets]
         input_ids = torch.tensor([ids], device=device)
@@ -208,13 +210,13 @@ def sample_requests(model, tokenizer, capture, configs: list[ConfigRun], todo: l
                                sample.id, e)
         for config in pending:
             prefilled = (shared or {}).get(id(config))
-            yield Request.from_sample(sample, ids, budgets[id(config)], runner.sample_seed(config.cfg, sample),
+            yield Request.from_sample(sample, ids, budgets[id(config)], sample_seed(config.cfg, sample),
                                       device, tag=(config, sample, ids, len(together) if prefilled else 1),
                                       decoding=config.decoding, prefilled=prefilled)
 
 
 def config_budget(config: ConfigRun, prompt_len: int) -> int | None:
-    budget = runner.sample_budget(config.cfg, prompt_len)
+    budget = sample_budget(config.cfg, prompt_len)
     if config.cfg.ratio is not None:
         try:
             config.method.check_budget(budget)
@@ -232,7 +234,7 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
     for config, budget in zip(pending, budgets):
         if config.scorer is not None:  # started now: Keyformer's prefill noise comes from this state's generator
             state = config.method.start(input_ids.shape[1], budget, sample.max_new_tokens,
-                                        runner.sample_seed(config.cfg, sample))
+                                        sample_seed(config.cfg, sample))
             states[id(config)] = state
             capture.column_scores.setdefault(config.scorer, partial(config.method.row_score, state=state,
                                                                     decoding=False))
@@ -254,7 +256,7 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
     prepared = config.method.prepare(model, tokenizer) if hasattr(config.method, "prepare") else None
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     old = config.store.read_json("manifest.json")
-    info = runner.manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
+    info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
                            n_samples)
     info["launcher"] = "grid"
     if prepared is not None:
@@ -275,7 +277,7 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
 def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:
     cfg, run_dir, store = config.cfg, config.job.run_dir, config.store
     store.close()
-    summary = runner.write_scores(run_dir, store.records, samples, config.dataset, config.job.choices["dataset"],
+    summary = write_scores(run_dir, store.records, samples, config.dataset, config.job.choices["dataset"],
                                   config.name, cfg, config.spec)
     config.info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=wall_s,
                        grid_configs=n_configs)  # wall_s: the whole group's, shared by its configurations

@@ -118,7 +118,8 @@ def merge(run_dir: str | Path) -> dict:
     """Merge the run's shards (raises MergeError in one line if it cannot); returns scores.json's content."""
     from omegaconf import OmegaConf
 
-    from kvbench.runs.run import setup, write_scores
+    from kvbench.runs.config import setup
+    from kvbench.runs.records import write_scores
 
     run_dir = Path(run_dir)
     count = shard_count(run_dir)

@@ -3,185 +3,23 @@
 Composes model x method x dataset x budget with Hydra, validates everything before any weights load, runs each
 sample through prefill -> compress -> decode, streams one JSON line per sample into the run directory, and writes
 scores.json, a summary and (NIAH) a heatmap. Rerunning the same command resumes where it stopped.
-This is the only module that imports Hydra.
+The config side (setup, run-dir names) is kvbench.runs.config; what a run writes is kvbench.runs.records.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import platform
-import resource
-import subprocess
 import sys
 import time
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-# configs/hydra/launcher/ray.yaml extends hydra-ray-launcher's `ray` under its own name, on purpose
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
-GROUPS = ("method", "dataset", "model")
+from kvbench.runs.config import CONFIG_DIR, GROUPS, check_group_overrides, sample_budget, sample_seed, setup
+from kvbench.runs.records import generated_record, git_sha, manifest, sample_record, write_scores
+
 logger = logging.getLogger("kvbench.run")
-
-
-# --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
-# where a run executes, not what it computes: kept out of the run dir's identity (like `limit` and `shard`)
-PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
-
-
-def config_hash(*nodes) -> str:
-    """Short hash of the parts of the config that change results (the run dir's suffix)."""
-    plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
-    plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
-FULL_TARGET = "kvbench.methods.full.Full"  # keeps everything: one run per (model, dataset), whatever the budget
-
-
-def budget_tag(budget, ratio, method_target: str = "") -> str:
-    if method_target == FULL_TARGET:
-        return "all"
-    return f"r{ratio}" if ratio is not None else f"b{budget}"
-
-
-OmegaConf.register_new_resolver("kvbench_hash", config_hash, replace=True)
-OmegaConf.register_new_resolver("kvbench_budget", budget_tag, replace=True)
-OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in the shared run dir
-    "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
-
-
-def group_choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
-
-
-def check_group_overrides(argv: list[str]) -> None:
-    """Fail in one line, before Hydra's multi-line error, on an unknown method/dataset/model name."""
-    from kvbench.registry import unknown_choice
-
-    for arg in argv:
-        key, _, value = arg.lstrip("+~").partition("=")
-        if key in (*GROUPS, "paper") and value:
-            choices = group_choices(key)
-            for name in value.split(","):
-                if name not in choices:
-                    hint = " (or model=hf model.path=<hub id | local dir | file.gguf>)" if key == "model" else ""
-                    sys.exit(f"kvbench: {unknown_choice(key, name, choices)}{hint}")
-
-
-# --- setup: everything that can fail on bad input, before weights load ----------------------------------------
-def setup(cfg: DictConfig):
-    from hydra.utils import instantiate
-
-    from kvbench import methods  # noqa: F401  (registers the built-in methods)
-    from kvbench.models.checks import check_source
-    from kvbench.models.loader import ModelSpec, check_architecture
-
-    def build(node, what):
-        try:
-            return instantiate(node)
-        except Exception as e:  # Hydra wraps the dataclass' ValueError in a multi-line message
-            cause = e.__cause__ or e
-            raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
-
-    method = build(cfg.method, "method")
-    dataset = build(cfg.dataset, "dataset")
-    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
-        dataset.check()
-    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
-    check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
-    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
-        raise ValueError(f"limit={cfg.limit!r} must be a positive number of samples, or null for all")
-    if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
-        raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
-    if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
-        raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
-                         "runs at batch_size=1")
-    if cfg.positions not in ("original", "shift"):
-        raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
-    from kvbench.engine.generation import Sampling
-
-    Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
-    adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
-    if adapter is not None:
-        adapter.check_method(method)
-        if cfg.positions == "shift":
-            adapter.check_shift()
-        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
-            raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
-                             "outside transformers' AttentionInterface, or sliding-window layers)")
-    if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
-        raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
-    if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
-        cfg.budget = cfg.ratio = None
-    if cfg.ratio is not None:
-        if not 0 <= cfg.ratio < 1:
-            raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
-    else:
-        method.check_budget(cfg.budget)
-    from kvbench.runs.shard import Shard
-
-    Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
-    return method, dataset, spec
-
-
-def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:
-    if cfg.ratio is not None:
-        return max(1, int(prompt_len * (1 - cfg.ratio)))
-    return cfg.budget
-
-
-# --- manifest -------------------------------------------------------------------------------------------------
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CONFIG_DIR.parent, capture_output=True, text=True,
-                             timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples) -> dict:
-    import importlib.metadata as md
-
-    import torch
-
-    import kvbench
-    from kvbench.models.loader import describe_source, resolve_device
-
-    versions = {}
-    for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "rouge", "jieba", "fuzzywuzzy",
-                "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
-    return {
-        "kvbench_version": kvbench.__version__, "git_sha": git_sha(),
-        "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
-        "model": spec.name, "model_source": describe_source(spec),
-        "dataset": dataset_name, "dataset_version": getattr(dataset, "version", None),
-        "primary_metric": getattr(dataset, "primary_metric", None), "data_sha256": data_sha,
-        "versions": versions,
-        "hardware": {"device": resolve_device(spec.device), "cpu": platform.processor() or platform.machine(),
-                     "threads": torch.get_num_threads(),
-                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "finished_utc": None,
-        "n_samples": n_samples, "wall_s": None,
-    }
-
-
-def peak_mem_bytes() -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; process-lifetime peak
 
 
 # --- the run --------------------------------------------------------------------------------------------------
@@ -202,13 +40,6 @@ def prompt_ids(sample, tokenizer, spec) -> list[int]:
         half = spec.max_prompt_tokens // 2
         ids = ids[:half] + ids[-half:]
     return ids
-
-
-def sample_seed(cfg: DictConfig, sample) -> int:
-    """Per-sample method randomness (Keyformer's noise): the run seed mixed with the sample id, order-free."""
-    from kvbench.runs.store import sha256_text
-
-    return cfg.seed + int(sha256_text(sample.id)[:8], 16)
 
 
 def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
@@ -235,27 +66,6 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
                        stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens,
                        compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled)
     return sample_record(dataset, sample, ids, budget, gen)
-
-
-def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
-    """The prediction record of one generated sample (the same at any batch size, timings aside)."""
-    from kvbench.runs.store import sha256_text
-
-    scores = dataset.score(sample, gen.text)
-    return {
-        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
-        "prediction": gen.text, "references": sample.answers,
-        "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
-        "new_tokens": len(gen.token_ids), "budget": budget,
-        "kept_per_layer": gen.kept_per_layer, "kept_per_head": gen.kept_per_head,
-        "kept_head_stats": gen.kept_head_stats,
-        "kv_bytes": gen.kv_bytes, "full_kv_bytes": gen.full_kv_bytes, "kv_bytes_final": gen.kv_bytes_final,
-        "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
-        "host_kv_bytes": gen.host_kv_bytes,
-        "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
-        "peak_kv_bytes": gen.peak_kv_bytes,
-        **({"transfers": gen.transfers} if gen.transfers is not None else {}),
-    }
 
 
 def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: DictConfig, spec, sampling,
@@ -288,23 +98,6 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
     return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
 
 
-def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_name: str, method_name: str,
-                 cfg: DictConfig, spec) -> dict:
-    """scores.json over the records of this run's samples (written atomically); returns it."""
-    from kvbench.runs.store import aggregate, write_json_atomic
-
-    from kvbench.runs.store import is_failure, latest_per_id
-
-    ids_now = {s.id for s in samples}
-    finished = [r for r in latest_per_id(records) if r["id"] in ids_now]  # failure records included: n_failed
-    summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
-               "model": spec.name, "primary_metric": dataset.primary_metric,
-               **aggregate(finished, getattr(dataset, "corpus_metrics", None)),
-               **dataset.summarize([r for r in finished if not is_failure(r)])}
-    write_json_atomic(run_dir / "scores.json", summary)
-    return summary
-
-
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
                     desc: str = ""):
     """Decode `jobs` ((sample, ids, budget) each) with continuous batching and yield one record per sample, in
@@ -329,18 +122,6 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
     except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
         capture.reset()
         yield from fail_remaining(jobs, written, e)
-
-
-def generated_record(dataset, sample, ids: list[int], budget, gen) -> dict:
-    """The record of a sample that batched decoding finished: its prediction, or the failure it yielded."""
-    from kvbench.runs.failures import attempt
-
-    def make() -> dict:
-        if isinstance(gen, Exception):
-            raise gen
-        return sample_record(dataset, sample, ids, budget, gen)
-
-    return attempt(sample, make, {"prompt_tokens": len(ids), "budget": budget})
 
 
 def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:

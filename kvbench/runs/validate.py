@@ -144,10 +144,10 @@ def unknown_key_message(key: str, overrides: list[str]) -> str:
 
 # --- checks on a composed job ---------------------------------------------------------------------------------
 class Checker:
-    """Runs kvbench.runs.run.setup and the file checks on each job, once per distinct model / dataset."""
+    """Runs kvbench.runs.config.setup and the file checks on each job, once per distinct model / dataset."""
 
     def __init__(self, multirun: bool):
-        from kvbench.runs.run import setup
+        from kvbench.runs.config import setup
 
         self.setup, self.multirun = setup, multirun
         self.fits_checked: set[str] = set()
@@ -224,7 +224,7 @@ def validate(argv: list[str]) -> int:
     checked (0 when the command is not a run, e.g. --help)."""
     from hydra import initialize_config_dir
 
-    from kvbench.runs.run import CONFIG_DIR
+    from kvbench.runs.config import CONFIG_DIR
 
     split = split_argv(argv)
     if split is None:

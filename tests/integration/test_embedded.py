@@ -8,7 +8,7 @@ import kvbench.methods  # noqa: F401
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from kvbench.runs.run import CONFIG_DIR
+from kvbench.runs.config import CONFIG_DIR
 from kvbench.engine.generation import generate
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS

@@ -1,7 +1,7 @@
 """The seed tasks end to end on the embedded SmolLM2 with the self-written fixtures (slow): what
 `python -m kvbench.run dataset=<name> method=snapkv budget=64 limit=2 dataset.root=tests/fixtures/<name>` does
-(`kvbench.runs.run.setup` + `run`, in this process so the model is loaded from the converted cache each time, not
-re-imported), and Wikitext streaming perplexity with H2O evicting during the stream."""
+(`kvbench.runs.config.setup` + `kvbench.runs.run.run`, in this process so the model is loaded from the converted
+cache each time, not re-imported), and Wikitext streaming perplexity with H2O evicting during the stream."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from kvbench.runs.run import CONFIG_DIR, run, setup
+from kvbench.runs.config import CONFIG_DIR, setup
+from kvbench.runs.run import run
 
 pytestmark = pytest.mark.slow
 

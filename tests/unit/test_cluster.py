@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.runs.run import CONFIG_DIR
+from kvbench.runs.config import CONFIG_DIR
 from tests.unit.test_cli import ENV, ROOT, records
 
 SWEEP = ["model=tiny_llama", "method=snapkv,pyramidkv", "shard=0/2,1/2", "budget=64"]
@@ -99,7 +99,7 @@ def test_ray_sweep_of_configs_x_shards_on_a_local_ray(tmp_path):
 
 def test_where_a_run_executes_is_not_part_of_its_identity():
     """shard, GPUs, memory and device map change where a run executes, not what it computes: same run dir hash."""
-    from kvbench.runs.run import config_hash
+    from kvbench.runs.config import config_hash
 
     def run_hash(*overrides):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

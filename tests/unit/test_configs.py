@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from kvbench.models.loader import ModelSpec
 from kvbench.registry import METHODS
-from kvbench.runs.run import CONFIG_DIR, group_choices
+from kvbench.runs.config import CONFIG_DIR, group_choices
 
 import kvbench.methods  # noqa: F401
 

@@ -14,7 +14,7 @@ from kvbench.engine.generation import generate
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from kvbench.runs.run import CONFIG_DIR
+from kvbench.runs.config import CONFIG_DIR
 from tests.unit.tiny import prompt, tiny_model
 
 N, NEW = 150, 12

@@ -24,7 +24,7 @@ from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_
 from kvbench.models.loader import RANDOM_FAMILIES
 from kvbench.models.tiny import tiny_config
 from kvbench.registry import METHODS
-from kvbench.runs.run import CONFIG_DIR
+from kvbench.runs.config import CONFIG_DIR
 from tests.unit.tiny import attention_function, prompt
 
 N, BUDGET, LAYERS = 120, 32, 3

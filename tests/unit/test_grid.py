@@ -25,7 +25,7 @@ from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.engine.generation import Sampling
 from kvbench.runs.grid import ConfigRun, GridJob, share_prefill
 from kvbench.models import AttentionCapture
-from kvbench.runs.run import sample_seed
+from kvbench.runs.config import sample_seed
 from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
 

@@ -13,6 +13,7 @@ import pytest
 from kvbench.data.ruler import Ruler, generate_task, sources
 from kvbench.data.ruler.length import fit, linear_search, token_counter, tokenizer_fingerprint
 from kvbench.data.ruler.templates import ALL_TASKS, tokens_to_generate
+from kvbench.metrics.sentences import sentence_splitter
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ruler"
 QA = {"qa_1": FIXTURES / "qa" / "dev-v2.0.json", "qa_2": FIXTURES / "qa" / "hotpot_dev_distractor_v1.json"}
@@ -167,7 +168,7 @@ def test_adj_noun_index_equals_the_sorted_set_on_tricky_lists():
 
 
 def test_sentence_splitter_is_offline_punkt():
-    split = sources.sentence_splitter()
+    split = sentence_splitter()
     assert split("Mr. Smith went to Washington. He arrived at 5 p.m. on Monday. Then he left.") == [
         "Mr. Smith went to Washington.", "He arrived at 5 p.m. on Monday.", "Then he left."]
 
@@ -218,7 +219,7 @@ def test_yaml_mirrors_the_dataclass():
 
     from omegaconf import OmegaConf
 
-    from kvbench.runs.run import CONFIG_DIR
+    from kvbench.runs.config import CONFIG_DIR
 
     cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "dataset" / "ruler.yaml"))
     fields = {f.name: f for f in dataclasses.fields(Ruler) if f.init}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from kvbench.data.ruler import sources
 from kvbench.data.ruler.length import Counter, fit, linear_search
+from kvbench.data.ruler.sources import cwe_words
 
 INCREMENTAL = 10
 
@@ -23,7 +23,7 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
              random_seed: int, freq_cw: int, freq_ucw: int, num_cw: int) -> list[dict]:
     """Upstream records `{index, input, outputs, length}`; the answer is the `num_cw` common words."""
     rng = random.Random(random_seed)
-    words = list(sources.cwe_words())
+    words = list(cwe_words())
     random.Random(random_seed).shuffle(words)
 
     def example(num_words: int, common_repeats: int, uncommon_repeats: int) -> tuple[str, list[str]]:

@@ -9,8 +9,9 @@ import logging
 import random
 import uuid
 
-from kvbench.data.ruler import sources
 from kvbench.data.ruler.length import Counter, fit, linear_search
+from kvbench.data.ruler.sources import essay_words as load_essay_words, niah_words
+from kvbench.metrics.sentences import sentence_splitter
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def random_value(rng: random.Random, kind: str) -> str:
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))
     if kind == "words":
-        return rng.choice(sources.niah_words())
+        return rng.choice(niah_words())
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     raise ValueError(f"ruler: unknown needle type {kind!r}; use numbers, words or uuids.")
@@ -44,7 +45,7 @@ def make_sample(rng: random.Random, seed: int, n_haystack: int, template: str, t
     random.Random(seed).shuffle(needles)   # a fresh RNG: the same permutation in every sample
 
     if type_haystack == "essay":
-        sents = sources.sentence_splitter()(" ".join(essay_words[:n_haystack]).strip())
+        sents = sentence_splitter()(" ".join(essay_words[:n_haystack]).strip())
         cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in rng.sample(DEPTHS, len(needles))) + [len(sents)]
         parts = []
         for i in range(1, len(cuts)):
@@ -83,7 +84,7 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
     rng = random.Random(random_seed)
     args = dict(type_haystack=type_haystack, type_needle_k=type_needle_k, type_needle_v=type_needle_v,
                 num_needle_k=max(num_needle_k, num_needle_q), num_needle_v=num_needle_v, num_needle_q=num_needle_q)
-    words = sources.essay_words(essays_json) if type_haystack == "essay" else ()
+    words = load_essay_words(essays_json) if type_haystack == "essay" else ()
     if type_haystack == "essay":
         incremental = 500
     else:

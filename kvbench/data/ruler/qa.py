@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvbench.data.ruler import sources
 from kvbench.data.ruler.length import Counter, fit, linear_search
+from kvbench.data.ruler.sources import READERS
 
 INCREMENTAL = 10
 DOCUMENT_PROMPT = "Document {i}:\n{document}"
@@ -23,7 +23,7 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
              random_seed: int, dataset: str, qa_path: Path, pre_samples: int = 0) -> list[dict]:
     """Upstream records `{index, input, outputs, length}` for questions pre_samples .. pre_samples + num_samples."""
     rng = random.Random(random_seed)
-    qas, docs = sources.READERS[dataset](qa_path)
+    qas, docs = READERS[dataset](qa_path)
     if pre_samples + num_samples > len(qas):
         raise ValueError(f"ruler: {qa_path} has {len(qas)} usable questions; num_samples={num_samples} asks for "
                          f"{pre_samples + num_samples}.")

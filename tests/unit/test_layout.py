@@ -1,0 +1,99 @@
+"""The package layout stays as docs/ARCHITECTURE.md draws it: no import cycle, few modules at the top.
+
+The import graph is read from the source with `ast`, imports inside function bodies included (a lazy import hides
+a cycle from Python's loader, not from the reader). `from pkg import name` depends on `pkg` (its `__init__` runs and
+`name` is read from it) and on `pkg.name` when that is a module; `import a.b` depends on `a.b`. A package's
+`__init__` importing its own submodules is not a cycle.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kvbench"
+MAX_TOP_LEVEL_MODULES = 6  # run, merge, harness (`python -m` shims), registry, __init__, and one spare
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {imported module inside `root`'s package: line of the first such import}."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x / from ..y import z
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for target in targets:
+                if target in files and target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (depth-first search, colouring modules on the current path)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_kvbench_has_no_import_cycle():
+    graph = import_graph(PACKAGE)
+    # the graph sees imports inside function bodies (run's lazy import of validate, for one)
+    assert "kvbench.runs.validate" in graph["kvbench.runs.run"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + describe(cycle, graph)
+
+
+def test_kvbench_keeps_few_modules_at_its_top_level():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules directly in kvbench/: {top}"
+
+
+def test_a_cycle_hidden_in_a_function_body_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg import a\n")  # a package importing its own modules: no cycle
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n    return g\n")
+    (pkg / "c.py").write_text("X = 1\n")
+    assert find_cycle(import_graph(pkg)) is None
+    (pkg / "c.py").write_text("def g():\n    from pkg import a\n")  # c -> pkg -> a -> b -> c
+    graph = import_graph(pkg)
+    assert graph["pkg.sub.b"] == {"pkg.c": 2}
+    cycle = find_cycle(graph)
+    assert cycle is not None and {"pkg.a", "pkg.sub.b", "pkg.c"} <= set(cycle)
