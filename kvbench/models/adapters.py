@@ -15,7 +15,7 @@ types, and variants an adapter refuses from config.json (ALiBi Falcon), fail in 
 
 Window layers (Gemma 2/3, Qwen `sliding_attention`): methods leave them alone and the budget applies to the global
 layers; the capture trims them to what the window still shows and applies the window by position at decode
-(documented in the README's architecture table).
+(documented in docs/methods.md's architecture table).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Read run directories (docs/RECORDS.md) into one pandas table, one row per prediction record.
+"""Read run directories (docs/records.md) into one pandas table, one row per prediction record.
 
 The report works from records only (never from a live model), so any set of runs, finished or crashed halfway, from
 one machine or a cluster, can be compared. A run directory is any folder holding predictions.jsonl; its
@@ -101,7 +101,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
 def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
     """All records of every run found under `paths`, as one DataFrame (one row per prediction record).
 
-    Columns: the record fields of docs/RECORDS.md (nested `meta` and `scores` flattened with a dot), plus the
+    Columns: the record fields of docs/records.md (nested `meta` and `scores` flattened with a dot), plus the
     manifest's model, dataset, method, budget, ratio, primary_metric, dataset_version, and run_dir.
     `budget` is a nullable integer: a full-cache or ratio-based run may have none.
     """

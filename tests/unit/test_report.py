@@ -21,7 +21,7 @@ LENGTHS, DEPTHS = [1000, 2000, 3000], [0.0, 50.0, 100.0]
 
 
 def record(i: int, score: float, **kw) -> dict:
-    """A predictions.jsonl record with every RECORDS.md field; costs derived from i so means are easy to check."""
+    """A predictions.jsonl record with every docs/records.md field; costs derived from i so means are easy to check."""
     rec = {"id": f"s{i}", "prompt_sha256": "0" * 64, "prompt_tokens": 1000, "prediction": "x", "references": ["x"],
            "score": score, "scores": {"pyramidkv_recall": score, "rouge1": score / 2}, "meta": {}, "new_tokens": 5,
            "kept_per_layer": [64, 64], "kept_per_head": [[64, 64], [64, 64]], "kv_bytes": 100 * (i + 1),
