@@ -1,9 +1,11 @@
 """Components built for tests (instantiated through `_target_` on the command line): a NIAH dataset whose scorer
 raises on one sample and a SnapKV whose scoring runs out of CUDA memory once, each once per flag file (removed as
-it raises, so a rerun of the same command succeeds); and an H2O that fails one sample's decode step."""
+it raises, so a rerun of the same command succeeds); an H2O that fails one sample's decode step; and a NIAH dataset
+that holds its run after the first record, so a test can signal a run that cannot have finished."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +31,21 @@ class FaultyNeedle(NeedleHaystack):
     def score(self, sample, prediction):
         if sample.id == self.fail_id and consume(self.fail_flag):
             raise ValueError("a scorer edge case\nwith a second line that must not reach the record")
+        return super().score(sample, prediction)
+
+
+@dataclass
+class HeldNeedle(NeedleHaystack):
+    """Scores its first sample, then holds the run in the next sample's scorer until `release` exists: a run still
+    going when its first record is on disk, however fast the machine (a signal ends the wait)."""
+
+    release: str = ""
+    scored: int = field(default=0, init=False)
+
+    def score(self, sample, prediction):
+        while self.scored and not Path(self.release).exists():
+            time.sleep(0.05)
+        self.scored += 1
         return super().score(sample, prediction)
 
 
