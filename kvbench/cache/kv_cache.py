@@ -6,9 +6,10 @@ Each `KVLayer` stores keys/values as `[B, H, T, D]` plus the original position o
 query head (the paper-era `query_head` layout of PyramidKV/SnapKV code): the first `keep` with more heads than stored
 expands the layer, and later appended tokens are repeated to match.
 
-Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and per-head offsets; the attention
-wrapper in `kvbench.models.capture` calls a layer's own `attend(query, scaling)` at decode when it has one (varlen,
-quantized and offloaded layers), instead of testing types. Decode-time eviction calls
+Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and per-head offsets; quantized and
+offloaded layers (TailorKV) hold their own storage too. Every layer says what its next token attends as a
+`DecodeKV` (`decode_kv`), and one function attends those of all sequences of a layer
+(`kvbench.engine.attention.decode_attention`), so no caller tests types. Decode-time eviction calls
 `keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
 Under pos-shift (`shift_inv_freq` set) the stored keys stay as computed and `update` returns them rotated to their
 cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals.
@@ -16,6 +17,7 @@ cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,11 +26,25 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvbench.cache.rerotate import shifted_keys, slot_targets
 
 
+@dataclass
+class DecodeKV:
+    """What one decode step of a layer attends, per row (sequence) and stored head: keys/values `[B, H, L, D]`,
+    `valid` `[B, H, L]` (None: every entry; per-head variable layers pad their heads) and `positions` `[B, H, L]` as
+    attention sees them (ALiBi and windows read them; None: slot = position). The newest entry, the query's own
+    token, is the last one of each row."""
+
+    keys: Tensor
+    values: Tensor
+    valid: Tensor | None = None
+    positions: Tensor | None = None
+
+
 class KVLayer(DynamicLayer):
     """One layer's cache: keys/values `[B, H, T, D]`, positions `[B, H, T]` (original token positions)."""
 
     is_varlen = False
-    attend = None  # subclasses with their own storage define `attend(query, scaling) -> [B, 1, H_q, D]`
+    own_storage = False  # True: not a dense `[B, H, T, D]` layer (per-head variable, quantized, offloaded); such a
+    # layer is attended only through `decode_kv` and cannot be reordered, cloned or moved into shared rows
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -65,6 +81,13 @@ class KVLayer(DynamicLayer):
         """Positions as attention sees the keys `[B, H, T]`: the recorded ones, or their slots under pos-shift
         (ALiBi reads these for its bias)."""
         return slot_targets(self.positions) if self.shift_inv_freq is not None else self.positions
+
+    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
+        """What the next token attends (already appended by `update`): the keys as attention sees them (rotated to
+        their slots under pos-shift). `query` `[B, H_q, 1, D]` matters only to layers that retrieve by it."""
+        keys = self.keys if self.shift_inv_freq is None else shifted_keys(self.keys, self.positions,
+                                                                         self.shift_inv_freq)
+        return DecodeKV(keys, self.values, None, self.attention_positions())
 
     def keep(self, idx: Tensor) -> None:
         """Keep only entries `idx` `[B, H_sel, k]` (indices into the current entries); free the rest.
@@ -106,15 +129,6 @@ class KVLayer(DynamicLayer):
         if not self.is_initialized:
             return []
         return [self.keys.shape[-2]] * self.keys.shape[1]
-
-
-def dense_decode_attention(query: Tensor, keys: Tensor, values: Tensor, scaling: float) -> Tensor:
-    """One query token over `[B, H_kv, T, D]` K/V, GQA-grouped (query head h*G+g reads KV head h); fp32 math.
-    Returns `[B, 1, H_q, D]` in the query's dtype, the layout transformers' attention functions return."""
-    b, h_q, _, d = query.shape
-    q = query.float().reshape(b, keys.shape[1], -1, d)  # [B, H, G, D]
-    probs = (q @ keys.float().transpose(-1, -2) * scaling).softmax(dim=-1)
-    return (probs @ values.float()).reshape(b, 1, h_q, d).to(query.dtype)
 
 
 class KVCache(Cache):

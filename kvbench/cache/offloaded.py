@@ -6,14 +6,14 @@ sinks and the recent window of the prompt, `max_t |K|` per channel, and every ge
 
 1. `prefetch(q̂)`: pick the `n_channels` critical channels per KV head by |group-mean q̂| · max|K| and fetch those
    rows of Kᵀ (the predicted query q̂ comes from the previous layer's input, so this can run one layer ahead);
-2. `attend(q)`: approximate scores = (group-mean q)[channels] · Kᵀ[channels] (signed, unscaled), the top-k prompt
+2. `decode_kv(q)`: approximate scores = (group-mean q)[channels] · Kᵀ[channels] (signed, unscaled), the top-k prompt
    positions in [start, n - recent) are fetched (K and V rows), and exact attention runs over
-   sinks + recent + fetched + generated entries. The fetched rows are freed after the step.
+   sinks + recent + fetched + generated entries (`kvbench.engine.attention`). The fetched rows are freed after the step.
 
 Every host->device copy goes through the `TransferLedger`, so the bytes per token are counted, not estimated.
 
 CPU (the reference) runs both stages synchronously. On CUDA the host pool is pinned and `prefetch` runs on a side
-stream that `attend` waits for; the rows are gathered on the host and copied asynchronously (the official code
+stream that `decode_kv` waits for; the rows are gathered on the host and copied asynchronously (the official code
 gathers with a UVA kernel from DGL, which kvbench does not depend on). Reading the chosen indices back to the host
 makes the host wait for the GPU at each sparse layer, so this path overlaps the copies, not the host's work: its
 latency is an upper bound on what a UVA-gather implementation would reach.
@@ -23,12 +23,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import KVLayer, dense_decode_attention
+from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.ledger import TransferLedger
 
 
 class OffloadedLayer(KVLayer):
     """Host-resident prompt K/V + device-resident sinks/recent/generated; see the module docstring."""
+
+    own_storage = True
 
     @classmethod
     def from_layer(cls, layer: KVLayer, start: int, recent: int, n_topk: int, n_channels: int,
@@ -48,6 +50,7 @@ class OffloadedLayer(KVLayer):
             torch.cuda.current_stream().synchronize()
         new.static_keys = torch.cat([keys[:, :, :start], keys[:, :, n - recent:]], dim=2)
         new.static_values = torch.cat([values[:, :, :start], values[:, :, n - recent:]], dim=2)
+        new.static_positions = torch.cat([layer.positions[:, :, :start], layer.positions[:, :, n - recent:]], dim=2)
         new.abs_max = keys.abs().amax(dim=2)  # [B, H, D], prompt keys only (never updated while decoding)
         new.keys, new.values = keys.new_empty(b, h, 0, d), values.new_empty(b, h, 0, d)  # generated tokens
         new.positions = layer.positions.new_empty(b, h, 0)
@@ -63,7 +66,7 @@ class OffloadedLayer(KVLayer):
     # --- the two stages ---------------------------------------------------------------------------------------
     def prefetch(self, query: Tensor) -> None:
         """Choose critical channels from a (predicted) query `[B, H_q, 1, D]` and fetch their Kᵀ rows. On CUDA the
-        fetch runs on a side stream; `attend` waits for it."""
+        fetch runs on a side stream; `decode_kv` waits for it."""
         if self.device.type == "cuda":
             main, side = torch.cuda.current_stream(), _side_stream(self.device)
             side.wait_stream(main)
@@ -81,8 +84,8 @@ class OffloadedLayer(KVLayer):
         self.critical_keys = self.ledger.transfer(self.host_keys_t, self.channels, self.device, "critical_keys")
         self.ledger.hold(self.critical_keys)
 
-    def attend(self, query: Tensor, scaling: float) -> Tensor:
-        """Decode attention of one token `[B, H_q, 1, D]` -> `[B, 1, H_q, D]` over sinks + recent + top-k + generated
+    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
+        """What one token `[B, H_q, 1, D]` attends: sinks + recent + its top-k prompt rows, fetched now + generated
         (the new token was appended by `update` before this call)."""
         if self.critical_keys is None:  # nothing predicted this layer's query (e.g. layer 0): use the real one
             self.prefetch(query)
@@ -100,8 +103,9 @@ class OffloadedLayer(KVLayer):
         self.ledger.release(self.critical_keys, fetched_k, fetched_v)  # freed once this layer has attended
         keys = torch.cat([self.static_keys, fetched_k, self.keys], dim=2)
         values = torch.cat([self.static_values, fetched_v, self.values], dim=2)
+        positions = torch.cat([self.static_positions, top, self.positions], dim=2)  # (a prefill: index = position)
         self.channels = self.critical_keys = self.ready = None  # the fetched working set is freed after the step
-        return dense_decode_attention(query, keys, values, scaling)
+        return DecodeKV(keys, values, None, positions)
 
     # --- accounting -------------------------------------------------------------------------------------------
     def keep(self, idx: Tensor) -> None:
@@ -111,7 +115,7 @@ class OffloadedLayer(KVLayer):
         return self.prompt_len + self.keys.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[-2] + query_length, 0  # `attend` ignores masks (one token sees all it attends)
+        return self.keys.shape[-2] + query_length, 0  # decode attention ignores masks (one token sees all it attends)
 
     def nbytes(self) -> int:
         """Bytes resident on the compute device between steps: sinks + recent, max|K|, generated tokens."""

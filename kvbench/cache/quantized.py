@@ -13,7 +13,7 @@ byte, the first code in the lowest bits), so `nbytes()` is the memory a packed k
   as one block (blocks are whole groups, so appending is concatenating along the packed axis);
 - values are quantized per token: stored `[B, H, T, D]`, groups of min(group, D) channels; the last `residual` tokens
   stay full precision, and once more arrive the oldest one is quantized (the window slides one token per step).
-Decode attention dequantizes the layer to fp32 and runs two matmuls (the official fused dequant-GEMV kernel is not
+Decode attention reads the layer dequantized to fp32 (`decode_kv`; the official fused dequant-GEMV kernel is not
 reimplemented), so each step holds a transient of 2 x T x D x H fp32 for this layer. Every token is kept, so eviction
 (`keep`) is not supported; `positions` is None because nothing reads it for this layer (no eviction, no re-rotation).
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import KVLayer, dense_decode_attention
+from kvbench.cache.kv_cache import DecodeKV, KVLayer
 
 BITS = (1, 2, 4, 8)
 
@@ -109,6 +109,7 @@ class QuantizedLayer(KVLayer):
 
     is_varlen = False
     is_croppable = False
+    own_storage = True
 
     @classmethod
     def from_layer(cls, layer: KVLayer, bits: int, group: int = 64, residual: int = 128) -> QuantizedLayer:
@@ -152,15 +153,15 @@ class QuantizedLayer(KVLayer):
         self.seen_tokens += 1
         return self.keys, self.values
 
-    def attend(self, query: Tensor, scaling: float) -> Tensor:
-        """Decode attention of one token `[B, H_q, 1, D]` -> `[B, 1, H_q, D]` (query head h*G+g reads KV head h).
-        Keys and values split quantized/residual at different tokens; each side is reassembled in token order."""
+    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
+        """Every token's key and value, dequantized, fp32 `[B, H, T, D]`. Keys and values split quantized/residual
+        at different tokens; each side is reassembled in token order (nothing is evicted: slot = position)."""
         keys, values = self.keys.float(), self.values.float()  # fp32 math
         if self.k_quant is not None:  # quantized keys are stored [B, H, D, T]
             keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2), keys], dim=-2)
         if self.v_quant is not None:
             values = torch.cat([self.v_quant.dequantize(), values], dim=-2)
-        return dense_decode_attention(query, keys, values, scaling)
+        return DecodeKV(keys, values)
 
     def keep(self, idx: Tensor) -> None:
         raise NotImplementedError("cache: a quantized layer keeps every token; eviction does not apply")
@@ -170,7 +171,7 @@ class QuantizedLayer(KVLayer):
         return self.keys.shape[-2] + (self.k_quant.length if self.k_quant is not None else 0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0  # `attend` ignores masks (one token sees every entry)
+        return self.get_seq_length() + query_length, 0  # decode attention ignores masks (one token sees every entry)
 
     def nbytes(self) -> int:
         """Bytes held: packed codes and fp16 scales/zeros of K and V, plus the fp residuals."""

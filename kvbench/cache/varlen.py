@@ -1,30 +1,29 @@
-"""Per-head variable-length cache layer (Ada-KV) and decode attention over it.
+"""Per-head variable-length cache layer (Ada-KV).
 
 After an Ada-style selection each head keeps a different number of prompt entries. They are stored flattened,
 head after head, in `flat_keys/flat_values` `[N, D]` with offsets `cu` `[H + 1]` (the layout of the official
 `DynamicCacheSplitHeadFlatten`), so memory is exactly the kept entries, no padding. Tokens generated afterwards
 arrive one per head per step, so they go to an ordinary dense part `keys/values` `[1, H, t, D]`: the flattened
-prompt part is never copied again (the official CUDA kernel re-copies the whole layer every step).
+prompt part is never rewritten (the official CUDA kernel re-copies the whole layer every step).
 
-Decode attention combines the two parts exactly with a log-sum-exp merge: flash-attn's varlen kernel for the
-flattened part on CUDA in fp16/bf16 when flash-attn is importable (it supports nothing else), otherwise a per-head
-loop of matmuls in fp32 (memory = one head's segment). Batch size 1. Sizes the kernel needs as Python ints (the
-longest head, the offsets) are computed once at selection, so a decode step never waits on the device for them.
+Decode attention (`kvbench.engine.attention`, with every other sequence's layer) reads `decode_kv()`: the heads
+padded to the longest for this step, then the dense part, with a mask of each head's entries; the padded copy is a
+transient of the step, not what the layer holds. Batch size 1 per layer. Where each flattened entry lands is
+computed once at selection (host ints for the sizes), so a step never waits on the device for them.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.kv_cache import DecodeKV, KVLayer
 
 
 class VarlenLayer(KVLayer):
     """Flattened per-head prompt entries + a dense part for decoded tokens. Built by `from_selection`."""
 
     is_varlen = True
+    own_storage = True
 
     @classmethod
     def from_selection(cls, layer: KVLayer, idx: list[Tensor]) -> "VarlenLayer":
@@ -44,9 +43,15 @@ class VarlenLayer(KVLayer):
         lens = torch.tensor([len(i) for i in idx], device=layer.keys.device)
         new.head_lens = lens
         new.cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        new.cu_int32 = new.cu.to(torch.int32)  # flash-attn's offset type, converted once
-        new.offsets = new.cu.tolist()  # plain ints, host-side: the CPU loop and the longest head need no sync
+        new.offsets = new.cu.tolist()  # plain ints, host-side: sizes need no device sync
         new.max_head_len = max(len(i) for i in idx)
+        heads = torch.arange(len(idx), device=lens.device)
+        new.flat_head = heads.repeat_interleave(lens)  # each flat entry's head and place in it (decode padding)
+        new.flat_slot = torch.arange(int(new.cu[-1]), device=lens.device) - new.cu[:-1].repeat_interleave(lens)
+        new.prompt_valid = (torch.arange(new.max_head_len, device=lens.device)[None] < lens[:, None])[None]
+        new.prompt_positions = new.flat_positions.new_zeros(len(idx), new.max_head_len)
+        new.prompt_positions[new.flat_head, new.flat_slot] = new.flat_positions
+        new.prompt_positions = new.prompt_positions[None]  # [1, H, longest]: padding reads position 0, masked
         empty = layer.keys.new_empty(1, len(idx), 0, layer.keys.shape[-1])
         new.keys, new.values = empty, empty.clone()
         new.positions = layer.positions.new_empty(1, len(idx), 0)
@@ -54,9 +59,19 @@ class VarlenLayer(KVLayer):
         new.seen_tokens, new.repeat = layer.seen_tokens, layer.repeat * rep
         return new
 
-    def attend(self, query: Tensor, scaling: float) -> Tensor:
-        """Decode attention of one token over this layer (the capture calls it instead of the model's kernel)."""
-        return varlen_decode_attention(query, self, scaling)
+    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
+        """This step's keys/values `[1, H, longest + t, D]`: each head's prompt entries padded to the longest,
+        then the t decoded tokens; `valid` masks the padding."""
+        h, longest, t, d = len(self.offsets) - 1, self.max_head_len, self.keys.shape[-2], self.flat_keys.shape[-1]
+        slots = self.flat_head * (longest + t) + self.flat_slot
+        out = []
+        for flat, dense in ((self.flat_keys, self.keys), (self.flat_values, self.values)):
+            full = flat.new_zeros(h, longest + t, d)
+            full.view(-1, d).index_copy_(0, slots, flat)
+            full[:, longest:] = dense[0]
+            out.append(full[None])
+        valid = torch.cat([self.prompt_valid, self.prompt_valid.new_ones(1, h, t)], dim=-1)
+        return DecodeKV(*out, valid, torch.cat([self.prompt_positions, self.positions], dim=-1))
 
     def keep(self, idx: Tensor) -> None:
         raise NotImplementedError("cache: eviction after a per-head variable selection is not supported yet")
@@ -73,62 +88,3 @@ class VarlenLayer(KVLayer):
 
     def entries_per_head(self) -> list[int]:
         return (self.head_lens + self.keys.shape[-2]).tolist()
-
-
-def varlen_decode_attention(query: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
-    """Attention of one new token over a `VarlenLayer`: query `[1, H_q, 1, D]` -> output `[1, 1, H_q, D]`
-    (the layout transformers' attention functions return). Query head `h * G + g` reads stored head h."""
-    if query.shape[0] != 1 or query.shape[2] != 1:
-        raise NotImplementedError("varlen attention: batch size 1 and one query token only")
-    n_heads, d = layer.head_lens.shape[0], query.shape[-1]
-    q = query[0, :, 0].reshape(n_heads, -1, d)  # [H, G, D]
-    if use_flash(query):
-        out = _flash_decode(q, layer, scaling)
-    else:
-        out = _torch_decode(q, layer, scaling)
-    return out.reshape(1, 1, -1, d).to(query.dtype)
-
-
-def _torch_decode(q: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
-    """Per stored head: logits over its segment and its decoded tokens, one softmax, two matmuls. Float32 math."""
-    qf = q.float()
-    flat_k, flat_v = layer.flat_keys.float(), layer.flat_values.float()  # no copy when the cache is fp32
-    dense_k, dense_v = layer.keys[0].float(), layer.values[0].float()  # [H, t, D]
-    out = torch.empty_like(qf)
-    for h, (s, e) in enumerate(zip(layer.offsets, layer.offsets[1:])):
-        logits = torch.cat([qf[h] @ flat_k[s:e].T, qf[h] @ dense_k[h].T], dim=-1) * scaling
-        probs = logits.softmax(dim=-1)  # [G, len_h + t]: the logits, not the cache, are concatenated
-        out[h] = probs[:, : e - s] @ flat_v[s:e] + probs[:, e - s:] @ dense_v[h]
-    return out
-
-
-def use_flash(query: Tensor) -> bool:
-    """flash-attn's varlen kernel only for fp16/bf16 CUDA tensors (it raises on fp32 and has no CPU build)."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None
-
-
-@functools.cache
-def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
-
-
-def _flash_decode(q: Tensor, layer: VarlenLayer, scaling: float) -> Tensor:
-    """Each stored head is one 'sequence' of one query token carrying its G query heads, over a single KV head."""
-    flash = _flash_varlen()
-    n_heads, group, d = q.shape
-    cu_q = torch.arange(n_heads + 1, device=q.device, dtype=torch.int32)
-    out, lse, _ = flash(q.contiguous(), layer.flat_keys.view(-1, 1, d), layer.flat_values.view(-1, 1, d), cu_q,
-                        layer.cu_int32, 1, layer.max_head_len, softmax_scale=scaling,
-                        causal=False, return_attn_probs=True)
-    lse = lse.view(group, n_heads).T.float()  # [H, G]
-    if layer.keys.shape[-2] == 0:
-        return out
-    logits = torch.einsum("hgd,htd->hgt", q.float(), layer.keys[0].float()) * scaling
-    lse_dense = logits.logsumexp(-1)
-    out_dense = torch.einsum("hgt,htd->hgd", logits.softmax(-1), layer.values[0].float())
-    total = torch.logaddexp(lse, lse_dense)
-    return out.float() * (lse - total).exp()[..., None] + out_dense * (lse_dense - total).exp()[..., None]

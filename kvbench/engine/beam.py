@@ -36,7 +36,7 @@ NEG = -1.0e9  # transformers' "impossible" score
 def reorder(cache: KVCache, beam_idx: Tensor, state: EvictionState | None) -> None:
     """Gather every layer's rows (and the method's per-beam scores) by `beam_idx` `[num_beams]`."""
     for layer in cache.layers:
-        if getattr(layer, "attend", None) is not None or getattr(layer, "is_varlen", False):
+        if layer.own_storage:
             raise ValueError("beam search needs a dense cache; per-head variable (adakv) or offloaded/quantized "
                              "(tailorkv) layers cannot be reordered by beam")
         layer.keys = layer.keys.index_select(0, beam_idx)

@@ -51,8 +51,8 @@ class Method:
 
     phase: ClassVar[Phase] = Phase.PREFILL
     needs: ClassVar[frozenset[str]] = frozenset()  # "window_queries": the capture records `self.window` queries
-    own_storage: ClassVar[bool] = False  # True: compressed layers attend through their own dot-product kernel
-    # (per-head variable, quantized, offloaded), which knows no position bias such as ALiBi
+    own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
+    # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
 
     @property
     def compresses(self) -> bool:

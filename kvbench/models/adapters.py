@@ -11,7 +11,8 @@ post-position-encoding queries and keys as they are. MPT, GPT-J and Falcon compu
 names the attribute the capture replaces on each instance (`replaces`: `kvbench/models/alibi.py`, `gptj.py`,
 `falcon.py`), which hands the same q/k/v to the capture's function. Encoder-decoder, state-space and unknown model
 types, and variants an adapter refuses from config.json (ALiBi Falcon), fail in one line before weights load
-(`check_config`); method x family pairs that cannot be exact fail in one line too (`check_method`).
+(`check_config`). Every method runs on every family: decode attention over layers with their own storage applies
+the family's ALiBi and soft cap itself (`kvbench.engine.attention`).
 
 Window layers (Gemma 2/3, Qwen `sliding_attention`): methods leave them alone and the budget applies to the global
 layers; the capture trims them to what the window still shows and applies the window by position at decode
@@ -52,7 +53,7 @@ class Adapter:
     rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
     rotary_inv_freq: str = "inv_freq"
     has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
-    softcap: bool = False  # attention logits soft-capped (Gemma 2): scoring applies it, own-storage kernels cannot
+    softcap: bool = False  # attention logits soft-capped (Gemma 2): scoring and decode attention apply it
     replaces: tuple[str, Callable] | None = None  # (attribute, factory(module, attention function)): for attention
     # that bypasses transformers' AttentionInterface, the capture sets that attribute on each instance (MPT's
     # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
@@ -142,14 +143,6 @@ class Adapter:
         if self.has_window_layers:
             raise ValueError(f"positions=shift: {self.family} mixes sliding-window and global layers, whose slots "
                              "would disagree; use positions=original")
-
-    def check_method(self, method) -> None:
-        """Raise (one line) if `method` cannot run correctly on this family (a capability, not a method name)."""
-        shaped = "the ALiBi bias" if self.positions == "alibi" else "logit soft-capping" if self.softcap else None
-        if shaped and getattr(method, "own_storage", False):
-            raise ValueError(f"{method.registry_name} is not supported on {self.family}: its per-head/quantized/"
-                             f"offloaded layers attend without {shaped}; use snapkv, pyramidkv, streamingllm, "
-                             "h2o, keyformer or buzz")
 
     def inv_freq(self, model: torch.nn.Module) -> Tensor:
         """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift). ALiBi has no

@@ -6,8 +6,9 @@ each MPT attention instance (never on the class) with `mpt_attention_forward`, w
 and biases each kept key by its ORIGINAL distance, `slope_h * (pos_k - pos_q)`, read from the cache layer's
 `positions` (Keyformer's "Org Pos"). With `positions=shift` the layer reports its slots instead
 (`KVLayer.attention_positions`), so the same code gives ALiBi over slots ("New Pos"). Softmax ignores a per-row
-constant, so on an uncompressed cache this equals transformers' MPT exactly. The bias goes to the attention function as an additive float mask, and to the capture's
-scoring as `score_bias(rows)` so that methods score the attention the model really pays.
+constant, so on an uncompressed cache this equals transformers' MPT exactly. The bias goes to the attention function as an additive float mask, to the capture's
+scoring as `score_bias(rows)` so that methods score the attention the model really pays, and as `alibi_slopes` to
+decode attention over layers with their own storage (Ada-KV, TailorKV), which reads each entry's position itself.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def mpt_attention_forward(module, attention_fn):
         slopes = alibi_slopes(module.n_heads, key.device)
         mask = alibi_bias(slopes, q_pos, k_pos).to(query.dtype)
         out, weights = attention_fn(module, query, key, value, mask, scaling=module.softmax_scale,
-                                    score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos))
+                                    score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos),
+                                    alibi_slopes=slopes)
         return module.out_proj(out.reshape(b, t, -1)), weights
 
     return forward

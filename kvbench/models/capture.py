@@ -13,6 +13,9 @@ new query over the cache and evict before the next step, and `input_hook(layer_i
 runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
 next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
 
+At decode, a layer with its own storage (Ada-KV, TailorKV: `layer.own_storage`) is attended by the engine's decode
+attention (`kvbench.engine.attention`), with the model's soft cap and, for MPT, its ALiBi slopes.
+
 Attention modules, the family's eager kernel, predicted queries and window layers come from the model family's
 adapter (`kvbench.models.adapters`), never from attribute names; an unsupported family is refused there.
 
@@ -31,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvbench.engine.attention import attend
 from kvbench.models.adapters import adapter_for
 from kvbench.models.placement import to_device_of, weights_present
 
@@ -143,6 +147,7 @@ class AttentionCapture:
             q_len = query.shape[2]
             scaling = kwargs.get("scaling") or module.scaling
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
+            alibi_slopes = kwargs.pop("alibi_slopes", None)  # [H_q]: the same ALiBi, for layers with own storage
             softcap = kwargs.get("softcap")
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
@@ -181,16 +186,13 @@ class AttentionCapture:
                 return out
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
-                if getattr(layer, "attend", None) is not None:  # a layer with its own storage (varlen, quantized...)
+                if getattr(layer, "own_storage", False):  # varlen, quantized, offloaded: the engine's attention
                     window = kwargs.get("sliding_window")
                     if window and layer.seen_tokens > window:  # it may hold keys the model's window hides
                         raise NotImplementedError(f"capture: a layer with its own storage cannot apply the model's "
                                                   f"sliding window ({window}) to a {layer.seen_tokens}-token context; "
                                                   "use a dense method (snapkv, pyramidkv, streamingllm, h2o, ...)")
-                    if score_bias is not None or softcap is not None:
-                        raise NotImplementedError("capture: ALiBi or soft-capped attention over a layer with its "
-                                                  "own storage")
-                    return layer.attend(query, scaling), None
+                    return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes), None
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
                 module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),

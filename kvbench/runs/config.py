@@ -101,7 +101,6 @@ def setup(cfg: DictConfig):
     Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
     adapter = check_architecture(spec)  # an unsupported family fails here, from its config alone
     if adapter is not None:
-        adapter.check_method(method)
         if cfg.positions == "shift":
             adapter.check_shift()
         if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):

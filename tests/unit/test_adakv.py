@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache.kv_cache import KVLayer
-from kvbench.cache.varlen import VarlenLayer, varlen_decode_attention
+from kvbench.cache.varlen import VarlenLayer
+from kvbench.engine.attention import attend
 from kvbench.engine.generation import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture
@@ -110,7 +111,7 @@ def padded_mask_attention(q, layer, scaling):
 def test_varlen_attention_equals_padded_mask_and_dense_recompute(per_query_head, seed):
     layer, keys, values, idx, new = random_varlen(per_query_head=per_query_head, seed=seed)
     q = torch.randn(1, 6, 1, 8)  # 6 query heads over 2 KV heads (GQA 3:1)
-    ours = varlen_decode_attention(q, layer, 0.35)
+    ours = attend(layer, q, 0.35)
     torch.testing.assert_close(ours, padded_mask_attention(q, layer, 0.35), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours.double(), dense_recompute(q, keys, values, idx, new, 0.35), rtol=1e-5,
                                atol=1e-6)

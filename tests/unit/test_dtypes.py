@@ -8,7 +8,7 @@ import torch
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import Request, generate_batched
-from kvbench.cache import varlen
+from kvbench.engine import attention
 from kvbench.engine.generation import decode, generate, prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
@@ -82,13 +82,13 @@ def test_batched_decoding_in_half_precision(half_model):
 def test_flash_varlen_only_for_half_precision_on_cuda(dtype, monkeypatch):
     """The flash-attn branch is chosen only for fp16/bf16 CUDA queries; fp32 CUDA and every CPU query take the
     PyTorch path (flash-attn raises on fp32). A meta tensor stands in for a CUDA one's dtype and device checks."""
-    monkeypatch.setattr(varlen, "_flash_varlen", lambda: object())  # as if flash-attn were importable
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: object())  # as if flash-attn were importable
     cpu = torch.zeros(1, 4, 1, 8, dtype=dtype)
-    assert not varlen.use_flash(cpu)
+    assert not attention.use_flash(cpu)
 
     class CudaLike:
         is_cuda = True
 
     fake = CudaLike()
     fake.dtype = dtype
-    assert varlen.use_flash(fake) == (dtype in HALF)
+    assert attention.use_flash(fake) == (dtype in HALF)

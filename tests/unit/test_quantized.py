@@ -8,6 +8,7 @@ import torch
 
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.quantized import QuantizedLayer, cat, pack, quantize, unpack
+from kvbench.engine.attention import attend
 
 
 def filled_layer(keys: torch.Tensor, values: torch.Tensor) -> KVLayer:
@@ -174,7 +175,7 @@ def test_attend_matches_float64_reference(bits):
                        k_all[:, :, 384:].double()], dim=2)
     v_hat = torch.cat([reference_dequant(v_all[:, :, :262], bits, 16), v_all[:, :, 262:].double()], dim=2)
     query = torch.randn(2, 6, 1, 16)  # GQA: 6 query heads over 2 KV heads
-    out = layer.attend(query, scaling=0.25)
+    out = attend(layer, query, 0.25)
     assert out.shape == (2, 1, 6, 16) and out.dtype == query.dtype
     torch.testing.assert_close(out.double(), attention64(query, k_hat, v_hat, 0.25), rtol=0, atol=1e-5)
     exact = attention64(query, k_all, v_all, 0.25)
@@ -184,7 +185,7 @@ def test_attend_matches_float64_reference(bits):
 def test_eight_bits_is_close_to_exact():
     layer, k_all, v_all = decoded_layer(8, n=300, steps=90)
     query = torch.randn(2, 6, 1, 16)
-    torch.testing.assert_close(layer.attend(query, 0.25).double(), attention64(query, k_all, v_all, 0.25),
+    torch.testing.assert_close(attend(layer, query, 0.25).double(), attention64(query, k_all, v_all, 0.25),
                                rtol=0, atol=5e-3)  # observed 2e-3
 
 
@@ -192,7 +193,7 @@ def test_short_prompt_stays_full_precision():
     layer, k_all, v_all = decoded_layer(1, n=100, steps=20)  # 120 < 128: nothing flushes
     assert layer.k_quant is None and layer.v_quant is None
     query = torch.randn(2, 6, 1, 16)
-    torch.testing.assert_close(layer.attend(query, 0.25).double(), attention64(query, k_all, v_all, 0.25),
+    torch.testing.assert_close(attend(layer, query, 0.25).double(), attention64(query, k_all, v_all, 0.25),
                                rtol=0, atol=1e-6)
 
 

@@ -14,6 +14,7 @@ from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
+from kvbench.engine.attention import attend
 from kvbench.engine.generation import compress, generate, prefill
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture
@@ -58,7 +59,7 @@ def test_selection_equals_independent_recompute(channels):
     keys = layer.host_keys.clone()
     query = torch.randn(1, H_Q, 1, D, generator=torch.Generator().manual_seed(3))
     layer.update(torch.randn(1, H_KV, 1, D), torch.randn(1, H_KV, 1, D))
-    layer.attend(query, 0.25)
+    attend(layer, query, 0.25)
     (got_channels, got_top), = layer.selections
     chosen, picked = reference_selection(query, keys, 4, 12, 32, channels)
     for h in range(H_KV):  # one selection per KV head, shared by its query heads
@@ -77,7 +78,7 @@ def test_sinks_recent_and_generated_are_never_candidates_but_always_attended():
     g = torch.Generator().manual_seed(6)  # seeded: the global RNG's state depends on which tests ran before
     new_k, new_v = torch.randn(1, H_KV, 1, D, generator=g), torch.randn(1, H_KV, 1, D, generator=g)
     layer.update(new_k, new_v)
-    out = layer.attend(query, 0.25)
+    out = attend(layer, query, 0.25)
     (_, top), = layer.selections
     assert top.min() >= 4 and top.max() < N - 12
     for h in range(H_KV):  # exact attention over sinks + recent + the top-k + the generated token

@@ -1,0 +1,142 @@
+"""One decode attention over every sequence's cache of a layer, whatever each holds per KV head.
+
+Each cache layer hands over what its next token must attend as a `DecodeKV` (`kvbench.cache.kv_cache`): a dense
+layer its keys as they are; Ada-KV's per-head variable layer its flattened heads padded per step; TailorKV's
+quantized layer its dequantized keys and values, its offloaded layer the sinks, the recent window, the top-k rows it
+fetched for this query and its generated tokens. `decode_attention` attends one new token per sequence over all of
+them in one call: the sequences' entries are padded to the longest and masked to each (sequence, KV head)'s valid
+entries, so the work is one batched matmul, one softmax and one more matmul, not one kernel per sample.
+
+What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale
+(a per-sequence temperature such as BUZZ's log n included), Gemma 2's soft cap `cap * tanh(logits / cap)`, ALiBi
+`slope_h * (key position - query position)` over each key's position as attention sees it (original, or its slot
+under pos-shift) and a sliding window by position. With `return_logits` the masked fp32 logits come back too, so a
+decode-time evictor (H2O, Keyformer, BUZZ) scores the very logits the step attended with.
+
+On CUDA in fp16/bf16 with flash-attn importable, and when no per-key position is needed (no ALiBi, no window) and no
+logits are asked for, flash-attn's varlen kernel runs instead, each (sequence, KV head) one segment of one query
+token carrying its G query heads (soft cap and the per-sequence scale go into the kernel / the query). ALiBi over
+original positions after eviction is not a slot distance, which is all flash-attn's `alibi_slopes` knows, so it
+takes the padded path; so do evictors' logits. Query head `h * G + g` reads KV head h (GQA).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kvbench.cache.kv_cache import DecodeKV
+
+
+def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Sequence[float], *,
+                     softcap: float | None = None, alibi_slopes: Tensor | None = None, window: int | None = None,
+                     return_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Attention of one new token per sequence. `query` `[S, H_q, 1, D]` with S = the rows of all `kvs` together
+    (each `DecodeKV` may hold several rows: beams); `scaling` one float or one per row; `alibi_slopes` `[H_q]`.
+    Returns the output `[S, 1, H_q, D]` in the query's dtype (transformers' attention-function layout) and, with
+    `return_logits`, the masked fp32 logits `[S, H_q, L]` over each row's entries padded to the longest (row i's
+    first `kvs`-length entries are its own, in its cache order; the rest are -inf)."""
+    rows = sum(kv.keys.shape[0] for kv in kvs)
+    if query.shape[0] != rows or query.shape[2] != 1:
+        raise ValueError(f"decode attention: query {tuple(query.shape)} must be [{rows}, H_q, 1, D]")
+    scale = _scales(scaling, kvs, query.device)
+    if (use_flash(query) and alibi_slopes is None and window is None and not return_logits):
+        return _flash(query, kvs, scale, softcap), None
+    keys, values, valid, positions = pad(kvs)
+    s, h_kv, length, d = keys.shape
+    q = query.float().reshape(s, h_kv, -1, d)  # [S, H_kv, G, D]
+    logits = q @ keys.float().transpose(-1, -2) * scale[:, None, None, None]  # [S, H_kv, G, L]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if alibi_slopes is not None or window is not None:
+        distance = (positions - positions[:, :, -1:])[:, :, None].float()  # [S, H_kv, 1, L]; the query is last
+        if alibi_slopes is not None:
+            logits = logits + alibi_slopes.float().to(logits.device).view(1, h_kv, -1, 1) * distance
+        if window is not None:
+            valid = valid & (distance[:, :, 0] > -window)
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    out = logits.softmax(dim=-1) @ values.float()  # [S, H_kv, G, D]
+    out = out.reshape(s, 1, -1, d).to(query.dtype)
+    return out, (logits.reshape(s, -1, length) if return_logits else None)
+
+
+def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:
+    """One layer's decode attention `[B, 1, H_q, D]` for its query `[B, H_q, 1, D]` (batch 1's path; `shaping`:
+    `softcap`, `alibi_slopes`, `window` as in `decode_attention`)."""
+    return decode_attention(query, [layer.decode_kv(query)], scaling, **shaping)[0]
+
+
+def pad(kvs: Sequence[DecodeKV]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """All rows' keys and values `[S, H_kv, L, D]` (L = the longest), which entries are valid `[S, H_kv, L]` and
+    their positions `[S, H_kv, L]` (padding after each row's entries, so the newest entry of a row is at the row's
+    own length - 1: its position is the query's). One row-block copy per `DecodeKV` whose length is not L."""
+    length = max(kv.keys.shape[2] for kv in kvs)
+    keys, values, valid, positions = [], [], [], []
+    for kv in kvs:
+        b, h, n, _ = kv.keys.shape
+        extra = length - n
+        keys.append(_pad(kv.keys, extra))
+        values.append(_pad(kv.values, extra))
+        ok = kv.valid if kv.valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=kv.keys.device)
+        valid.append(torch.nn.functional.pad(ok, (0, extra), value=False))
+        pos = kv.positions if kv.positions is not None else torch.arange(n, device=kv.keys.device).expand(b, h, n)
+        # padded positions repeat the newest one, so `positions[..., -1]` is each row's query position
+        positions.append(torch.cat([pos, pos[..., -1:].expand(b, h, extra)], dim=-1) if extra else pos)
+    if len(kvs) == 1:
+        return keys[0], values[0], valid[0], positions[0]
+    return torch.cat(keys), torch.cat(values), torch.cat(valid), torch.cat(positions)
+
+
+def _pad(t: Tensor, extra: int) -> Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _scales(scaling, kvs: Sequence[DecodeKV], device) -> Tensor:
+    """One softmax scale per row `[S]` (fp32)."""
+    rows = [kv.keys.shape[0] for kv in kvs]
+    if isinstance(scaling, (int, float)):
+        return torch.full((sum(rows),), float(scaling), device=device)
+    if len(scaling) == len(kvs) and len(kvs) != sum(rows):  # one per DecodeKV, repeated over its rows
+        scaling = [s for s, b in zip(scaling, rows) for _ in range(b)]
+    return torch.tensor([float(s) for s in scaling], device=device)
+
+
+# --- CUDA: flash-attn varlen ------------------------------------------------------------------------------------
+def use_flash(query: Tensor) -> bool:
+    """flash-attn's varlen kernel only for fp16/bf16 CUDA tensors (it raises on fp32 and has no CPU build)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None
+
+
+@functools.cache
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _flash(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, softcap: float | None) -> Tensor:
+    """Each (row, KV head) is one flash-attn 'sequence' of one query token with its G query heads over one KV
+    head; its valid entries are gathered into one flat `[N, 1, D]` K/V. The per-row scale multiplies the query."""
+    s, h_q, _, d = query.shape
+    flat_k, flat_v, lengths = [], [], []
+    for kv in kvs:
+        valid = kv.valid if kv.valid is not None else None
+        flat_k.append(kv.keys[valid] if valid is not None else kv.keys.reshape(-1, d))
+        flat_v.append(kv.values[valid] if valid is not None else kv.values.reshape(-1, d))
+        n = kv.keys.shape[2]
+        lengths.append(valid.sum(-1).flatten() if valid is not None
+                       else torch.full((kv.keys.shape[0] * kv.keys.shape[1],), n, device=query.device))
+    lengths = torch.cat(lengths).to(torch.int32)
+    h_kv = lengths.numel() // s
+    cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(s * h_kv + 1, device=query.device, dtype=torch.int32)
+    base = float(scale.max())
+    q = (query[:, :, 0].float() * (scale / base)[:, None, None]).to(query.dtype).reshape(s * h_kv, -1, d)
+    out = _flash_varlen()(q.contiguous(), torch.cat(flat_k).view(-1, 1, d), torch.cat(flat_v).view(-1, 1, d),
+                          cu_q, cu_k, 1, int(lengths.max()), softmax_scale=base, causal=False,
+                          softcap=softcap or 0.0)
+    return out.reshape(s, 1, h_q, d).to(query.dtype)
