@@ -7,12 +7,13 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: reproduce-pyramidkv reproduce-adakv reproduce-tailorkv reproduce-keyformer reproduce-buzz reproduce-smoke \
-	reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke
 .PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
+	@echo "  reproduce-<paper>        every table of a paper next to its published numbers (GPU; docs/reproduce.md)"
+	@echo "  reproduce-<paper>-<id>   one table (e.g. reproduce-pyramidkv-t11); reproduce-<paper>-smoke: embedded model"
+	@$(foreach p,$(PAPERS),echo "    $(p): $(TABLES_$(p))";)
 
 $(BIN)/kvbench-installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -103,50 +104,66 @@ tailorkv-ruler: setup  ## TailorKV Table 16 (GPU): RULER 64k/128k, budget 1024 (
 tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedded model (per-layer scores + split)
 	$(PYTHON) -m kvbench.methods.tailorkv_layers
 
-# --- paper presets (configs/paper/): sweep, the runs the sweep cannot express, then the paper's table -------------
-# Extra runs per paper (the rows whose settings differ by more than the method choice).
-EXTRA_pyramidkv := "method=full"
-EXTRA_adakv     := "method=full"
-EXTRA_tailorkv  := "method=full" "method=tailorkv method.bits=2"
-EXTRA_keyformer := "method=full" "method=keyformer positions=shift"
-EXTRA_buzz      := "-m method=buzz method.logn=true"
+# --- paper presets (configs/paper/, docs/reproduce.md) -------------------------------------------------------------
+# A table <id> of <paper> (t11, t1, tb, f7: the paper's number or letter in lower case) is three things:
+#   configs/paper/<paper>_<id>.yaml   its sweep (python -m kvbench.run -m paper=<paper>_<id>)
+#   EXTRA_<paper>_<id>                the runs that sweep cannot express, each a quoted list of overrides
+#   kvbench/report/published/<paper>/<id>.json   its published numbers (python -m kvbench.report --paper --table)
+# Add a table: its id to TABLES_<paper>, and EXTRA_<paper>_<id> if it needs extra runs. A table that reads other
+# presets' runs names them in PRESETS_<paper>_<id> (default: its own preset). The smoke forms: SMOKE_<paper> (default
+# <paper>_smoke, one tiny sweep on the embedded model that every table of the paper reads) + EXTRA_<smoke preset>.
+PAPERS := pyramidkv adakv tailorkv keyformer buzz
+TABLES_pyramidkv := t11
+TABLES_adakv     := t1
+TABLES_tailorkv  := t14
+TABLES_keyformer := t3
+TABLES_buzz      := t2
+
+EXTRA_pyramidkv_t11 := "method=full"
+EXTRA_adakv_t1      := "method=full"
+EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
+EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift"
+EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 # The smoke forms sweep one budget, so FullKV sits in their sweep (one process fewer each, for CI's time).
-EXTRA_pyramidkv_smoke :=
-EXTRA_adakv_smoke     :=
 EXTRA_tailorkv_smoke  := "method=tailorkv method.bits=2"
 EXTRA_keyformer_smoke := "method=keyformer positions=shift"
-EXTRA_buzz_smoke      := $(EXTRA_buzz)
+EXTRA_buzz_smoke      := $(EXTRA_buzz_t2)
+REPRODUCE_DIR ?= results
 SMOKE_DIR ?= results/smoke
 
-# $(1) = paper, $(2) = preset (paper or paper_smoke; EXTRA_$(2) its extra runs), $(3) = results folder
-define reproduce
-	$(PYTHON) -m kvbench.run -m paper=$(2) results_dir=$(3)
-	for extra in $(EXTRA_$(2)); do $(PYTHON) -m kvbench.run $$extra paper=$(2) results_dir=$(3) || exit 1; done
-	$(PYTHON) -m kvbench.report $(3) --paper $(1) --out $(3)/report/$(1) --html $(3)/report/$(1)/$(1).html
+# where a preset's runs go: smoke presets (<paper>..._smoke) under $(SMOKE_DIR)/<paper>, the others $(REPRODUCE_DIR)
+preset_dir = $(if $(filter %_smoke,$(1)),$(SMOKE_DIR)/$(firstword $(subst _, ,$(1))),$(REPRODUCE_DIR))
+table_presets = $(or $(PRESETS_$(1)_$(2)),$(1)_$(2))
+
+run-paper-%: setup  # one preset: its sweep, then its extra runs
+	$(PYTHON) -m kvbench.run -m paper=$* results_dir=$(call preset_dir,$*)
+	for extra in $(EXTRA_$*); do $(PYTHON) -m kvbench.run $$extra paper=$* results_dir=$(call preset_dir,$*) || exit 1; done
+
+# $(1) = paper: reproduce-<paper> (every table: each preset once, then every table with runs, one HTML page) and
+# reproduce-<paper>-smoke (the same report over the smoke sweep)
+define paper_targets
+.PHONY: reproduce-$(1) reproduce-$(1)-smoke
+reproduce-$(1): $(addprefix run-paper-,$(sort $(foreach t,$(TABLES_$(1)),$(call table_presets,$(1),$(t)))))
+	$$(PYTHON) -m kvbench.report $$(REPRODUCE_DIR) --paper $(1) --out $$(REPRODUCE_DIR)/report/$(1) \
+		--html $$(REPRODUCE_DIR)/report/$(1)/$(1).html
+reproduce-$(1)-smoke: $(addprefix run-paper-,$(or $(SMOKE_$(1)),$(1)_smoke))
+	$$(PYTHON) -m kvbench.report $$(SMOKE_DIR)/$(1) --paper $(1) --out $$(SMOKE_DIR)/$(1)/report/$(1) \
+		--html $$(SMOKE_DIR)/$(1)/report/$(1)/$(1).html
 endef
+# $(1) = paper, $(2) = table id: reproduce-<paper>-<id>
+define table_target
+.PHONY: reproduce-$(1)-$(2)
+reproduce-$(1)-$(2): $(addprefix run-paper-,$(call table_presets,$(1),$(2)))
+	$$(PYTHON) -m kvbench.report $$(REPRODUCE_DIR) --paper $(1) --table $(2) --out $$(REPRODUCE_DIR)/report/$(1) \
+		--html $$(REPRODUCE_DIR)/report/$(1)/$(1)_$(2).html
+endef
+$(foreach p,$(PAPERS),$(eval $(call paper_targets,$(p))))
+$(foreach p,$(PAPERS),$(foreach t,$(TABLES_$(p)),$(eval $(call table_target,$(p),$(t)))))
 
-reproduce-pyramidkv: setup  ## PyramidKV Table 11 (GPU; Llama-3-8B-Instruct; LongBench data) next to the paper
-	$(call reproduce,pyramidkv,pyramidkv,results)
-reproduce-adakv: setup  ## Ada-KV Table 1 (GPU; Mistral-7B-Instruct-v0.2; LongBench data) next to the paper
-	$(call reproduce,adakv,adakv,results)
-reproduce-tailorkv: setup  ## TailorKV Table 14 (GPU; Llama-3.1-8B-Instruct; LongBench data) next to the paper
-	$(call reproduce,tailorkv,tailorkv,results)
-reproduce-keyformer: setup  ## Keyformer Table 3 (GPU; MPT-7B; cnn_dailymail) next to the paper
-	$(call reproduce,keyformer,keyformer,results)
-reproduce-buzz: setup  ## BUZZ Table 2 (GPU; Llama-2-7b-chat; xsum) next to the paper
-	$(call reproduce,buzz,buzz,results)
-
-reproduce-pyramidkv-smoke: setup  ## smoke form of reproduce-pyramidkv on the embedded model (CPU, seconds)
-	$(call reproduce,pyramidkv,pyramidkv_smoke,$(SMOKE_DIR)/pyramidkv)
-reproduce-adakv-smoke: setup  ## smoke form of reproduce-adakv on the embedded model
-	$(call reproduce,adakv,adakv_smoke,$(SMOKE_DIR)/adakv)
-reproduce-tailorkv-smoke: setup  ## smoke form of reproduce-tailorkv on the embedded model
-	$(call reproduce,tailorkv,tailorkv_smoke,$(SMOKE_DIR)/tailorkv)
-reproduce-keyformer-smoke: setup  ## smoke form of reproduce-keyformer on the embedded model
-	$(call reproduce,keyformer,keyformer_smoke,$(SMOKE_DIR)/keyformer)
-reproduce-buzz-smoke: setup  ## smoke form of reproduce-buzz on the embedded model
-	$(call reproduce,buzz,buzz_smoke,$(SMOKE_DIR)/buzz)
-reproduce-smoke: reproduce-pyramidkv-smoke reproduce-adakv-smoke reproduce-tailorkv-smoke reproduce-keyformer-smoke reproduce-buzz-smoke  ## all five smoke forms
+.PHONY: reproduce-smoke paper-tables
+paper-tables:  # each table of each paper and the presets it reads (tests/unit/test_paper_report.py checks them)
+	@$(foreach p,$(PAPERS),$(foreach t,$(TABLES_$(p)),echo "$(p) $(t) $(call table_presets,$(p),$(t))";))
+reproduce-smoke: $(foreach p,$(PAPERS),reproduce-$(p)-smoke)  ## every paper's smoke form (embedded model, CPU)
 
 clean:  ## remove the venv and caches (not results/)
 	rm -rf $(VENV) .pytest_cache

@@ -1,12 +1,12 @@
-"""CLI: `python -m kvbench.report PATH... [--out DIR] [--pdf] [--stderr] [--compare METHOD] [--paper NAME] [--html FILE]`.
+"""CLI: `python -m kvbench.report PATH... [--out D] [--pdf] [--stderr] [--compare M] [--paper P [--table T]] [--html F]`
 
 Reads every run directory under the given paths and writes table.md, table.tex, table.csv and, when NIAH runs are
 present, needle_panels.png (one file per model and dataset when there are several), then prints the Markdown table.
 `--stderr` shows every score as "mean ± standard error"; `--compare full` adds each cell's paired-bootstrap
 difference to the full cache (or any method) with its 95 % interval and marks those that exclude 0.
-`--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints that paper's headline table instead, rebuilt next to
-the published numbers (kvbench.report.paper); `--html report.html` also writes one self-contained page with every
-table and figure written.
+`--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
+headline table when none has), rebuilt next to the published numbers (kvbench.report.paper); `--table t13` picks
+one; `--html report.html` also writes one self-contained page with every table and figure written.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from kvbench.report.compare import Compare, resolve_method
 from kvbench.report.cost import cost_lines
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
-from kvbench.report.paper import paper_names, write_paper_report
+from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper_names, table_ids, write_table_files
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(registry name or table label, e.g. full)")
     parser.add_argument("--resamples", type=int, default=RESAMPLES, help=f"bootstrap resamples (default {RESAMPLES})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default {SEED})")
-    parser.add_argument("--paper", help=f"a paper's headline table next to its published numbers: "
+    parser.add_argument("--paper", help=f"a paper's tables next to its published numbers (those with runs): "
                                         f"{', '.join(paper_names())}")
+    parser.add_argument("--table", help="with --paper: only this table or figure (t11, tb, f7, ...), runs or not")
     parser.add_argument("--model", help="with --paper: the model whose runs fill the table (default: the paper's "
                                         "model if present, else the model with the most records)")
     parser.add_argument("--html", help="also write one self-contained HTML page with every table and figure")
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.paper is not None and args.paper not in paper_names():
         parser.exit(2, f"kvbench: unknown paper {args.paper!r}; choose one of {', '.join(paper_names())}\n")
+    if args.table is not None and (args.paper is None or args.table not in table_ids(args.paper)):
+        valid = f"{args.paper} has {', '.join(table_ids(args.paper))}" if args.paper else "it needs --paper"
+        parser.exit(2, f"kvbench: unknown table {args.table!r}; {valid}\n")
 
     merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
     try:
@@ -126,15 +130,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def paper_main(df, args) -> int:
-    """`--paper`: the paper's layout (Markdown printed; LaTeX, CSV and the budget figure written)."""
+    """`--paper`: the paper's layouts (Markdown printed; LaTeX, CSV and each table's figure written): every table
+    with runs, or `--table`'s, or the headline table when no table has runs (its cells say why)."""
     import pandas as pd
 
     if df is None or df.empty:
         df = pd.DataFrame(columns=["model", "dataset", "method", "budget", "ratio", "run_dir", "id", "score"])
-    table, written = write_paper_report(df, args.paper, args.out, args.model, args.pdf)
+    ids = [args.table] if args.table else table_ids(args.paper)
+    tables = {t: build_paper_table(df, args.paper, args.model, t) for t in ids}
+    shown = [t for t in tables if args.table or has_runs(tables[t])] or [headline_id(args.paper)]
+    written = []
+    for t in shown:
+        written += write_table_files(tables[t], args.out, args.pdf)
+        print(paper_markdown(tables[t]))
+    if not args.table and len(shown) < len(tables):
+        print(f"No runs here for {', '.join(t for t in tables if t not in shown)} of {args.paper}: "
+              f"--table <id> shows one with the reason in each cell.")
     if args.html:
-        written.append(write_html(args.html, written, title=f"kvbench: {table.spec['table']}"))
-    print(paper_markdown(table))
+        title = f"kvbench: {args.paper} " + ", ".join(tables[t].spec["table"].split(":")[0] for t in shown)
+        written.append(write_html(args.html, written, title=title))
     print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

@@ -1,14 +1,34 @@
-"""A seed paper's headline table rebuilt from run directories, next to its published numbers.
+"""A seed paper's tables rebuilt from run directories, next to their published numbers.
 
-    python -m kvbench.report results --paper pyramidkv      # after make reproduce-pyramidkv (or -smoke)
+    python -m kvbench.report results --paper pyramidkv              # every table of the paper that has runs
+    python -m kvbench.report results --paper pyramidkv --table t13  # one table (printed with or without runs)
 
-The published numbers ship with the package (`kvbench/report/published/<paper>.json`: the table named, its row and
-column order and names, each row's kvbench run (method, budget, ...) and its transcribed values). Every cell shows
-`rebuilt / published (difference)`; a cell without a rebuilt value says why: not run, dataset not present, model not
-available, not implemented in kvbench, or not in the run's records. Rebuilt values come from the records only:
-LongBench tasks as eval.py scores them (100 x mean, 2 decimals), other metrics as 100 x mean, BUZZ's "mean ROUGE"
-as the geometric mean of R-1/R-2/R-L. When the runs hold another model than the paper's (the smoke forms run the
-embedded model), that model's values are shown and the header says so.
+The published numbers ship with the package, one file per table or figure:
+`kvbench/report/published/<paper>/<id>.json`, id = the paper's table or figure number in lower case (`t11`,
+`t1`, `tb` for BUZZ's Table B, `f7` for a figure). Each file holds:
+
+- `paper`, `id`, `title` (the paper), `table` (its caption, as the report's header), `source` (where the numbers
+  were transcribed from); `headline: true` on exactly one table per paper: the one `paper=<paper>` and
+  `--paper <paper>` without runs stand for;
+- `model` (kvbench's model name in the manifests) and `model_config` (configs/model/), `dataset` (the runs'
+  dataset name), `cell` (how a cell is rebuilt from records: `{"kind": "longbench_task"}`, `{"kind":
+  "metric_mean", "scale": 100}` with each column's `metric`, `{"kind": "geomean", "metrics": [...], "scale": 100}`);
+- `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget; `mean_of_columns:
+  true` for an average the report recomputes from the row);
+- `rows`: `{group, label, match, values}` (+ `implemented: false` and `note` for rows kvbench cannot run);
+  `match` selects the runs: manifest keys `method`, `budget`, `ratio` or any dotted key of the resolved config
+  (`positions`, `method.logn`, `dataset.protocol`); `values` maps every column key to the published number (null
+  where the paper prints none);
+- optional: `match` at the top (merged into every row's: the settings that set this table's runs apart from the
+  paper's other tables on the same dataset), `notes` (lines printed under the table: where the paper's own numbers
+  disagree, which reading of the paper ran).
+
+Every cell shows `rebuilt / published (difference)`; a cell without a rebuilt value says why: not run, dataset not
+present, model not available, not implemented in kvbench, or not in the run's records. Rebuilt values come from the
+records only: LongBench tasks as eval.py scores them (100 x mean, 2 decimals), other metrics as 100 x mean, BUZZ's
+"mean ROUGE" as the geometric mean of R-1/R-2/R-L. When the runs hold none of the paper's models (the smoke forms
+run the embedded model), that model's values are shown and the header says so; when they hold another of the
+paper's models, this table has no runs.
 """
 from __future__ import annotations
 
@@ -32,15 +52,55 @@ TASK = "meta.task"
 
 
 def paper_names() -> list[str]:
-    return sorted(p.stem for p in PUBLISHED.glob("*.json"))
+    return sorted(p.name for p in PUBLISHED.iterdir() if p.is_dir() and any(p.glob("*.json")))
 
 
-def load_published(name: str) -> dict:
-    """The paper's table spec and published values; a one-line error naming the valid papers otherwise."""
-    path = PUBLISHED / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"report: unknown paper {name!r}; choose one of {', '.join(paper_names())}")
-    return json.loads(path.read_text(encoding="utf-8"))
+def _table_order(table_id: str) -> tuple:
+    """t2 < t11 < tb < f7: tables by number (letters after), then figures."""
+    kind, rest = table_id[0], table_id[1:]
+    return (kind != "t", not rest.isdigit(), int(rest) if rest.isdigit() else 0, rest)
+
+
+def table_ids(paper: str) -> list[str]:
+    """The ids of `paper`'s published tables and figures, in the paper's order; one-line error for an unknown paper."""
+    if paper not in paper_names():
+        raise ValueError(f"report: unknown paper {paper!r}; choose one of {', '.join(paper_names())}")
+    return sorted((p.stem for p in (PUBLISHED / paper).glob("*.json")), key=_table_order)
+
+
+def headline_id(paper: str) -> str:
+    heads = [t for t in table_ids(paper) if json.loads((PUBLISHED / paper / f"{t}.json").read_text("utf-8"))
+             .get("headline")]
+    if len(heads) != 1:
+        raise ValueError(f"report: {paper} needs exactly one headline table, has {heads}")
+    return heads[0]
+
+
+def load_published(paper: str, table: str | None = None) -> dict:
+    """One table's spec and published values (the paper's headline table when `table` is None); a one-line error
+    naming the valid papers or tables otherwise."""
+    ids = table_ids(paper)
+    table = headline_id(paper) if table is None else table
+    if table not in ids:
+        raise ValueError(f"report: unknown table {table!r} for {paper}; choose one of {', '.join(ids)}")
+    return json.loads((PUBLISHED / paper / f"{table}.json").read_text(encoding="utf-8"))
+
+
+def preset_table(preset: str) -> tuple[str, str]:
+    """configs/paper/<preset>.yaml -> (paper, table id): `pyramidkv_t13` -> (pyramidkv, t13); `pyramidkv` and
+    `pyramidkv_smoke` (the paper's shared smoke sweep) -> the headline table."""
+    stem = preset.removesuffix("_smoke")
+    paper, _, table = stem.partition("_")
+    return paper, table or headline_id(paper)
+
+
+def paper_models(paper: str) -> set[str]:
+    """Every model any of the paper's tables names (top level or per row)."""
+    models = set()
+    for t in table_ids(paper):
+        spec = load_published(paper, t)
+        models |= {spec["model"], *(r["model"] for r in spec["rows"] if "model" in r)}
+    return models
 
 
 @dataclass
@@ -142,34 +202,51 @@ def missing_reason(spec: dict, row: dict, any_runs: bool) -> str:
     root = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("root")
     if root and not Path(root).exists():  # downloaded data (LongBench, CNN/DM, XSUM): the config names the script
         return f"dataset not present ({root}: see configs/dataset/{dataset}.yaml)"
-    if not (CONFIGS / "model" / f"{spec['model_config']}.yaml").is_file():
-        return f"model not available (no configs/model/{spec['model_config']}.yaml)"
+    model_config = row.get("model_config", spec["model_config"])
+    if not (CONFIGS / "model" / f"{model_config}.yaml").is_file():
+        return f"model not available (no configs/model/{model_config}.yaml)"
     return "not run"
 
 
+def table_models(spec: dict) -> set[str]:
+    """The models this table's rows name (`model` per row for multi-model tables like PyramidKV Table 1)."""
+    return {spec["model"], *(r["model"] for r in spec["rows"] if "model" in r)}
+
+
 def choose_model(df: pd.DataFrame, spec: dict, model: str | None) -> str | None:
-    """The paper's model when the runs have it, else the model with the most records (e.g. a smoke run's)."""
+    """The paper's model when the runs have it (each row then reads its own model's runs); else, when the runs
+    hold none of the paper's models, the model with the most records (e.g. a smoke run's); else None: the runs
+    belong to the paper's other tables."""
     if model is not None or df.empty:
         return model
     models = df["model"].value_counts()
-    return spec["model"] if spec["model"] in models.index else str(models.index[0])
+    if table_models(spec) & set(models.index):
+        return spec["model"]
+    if paper_models(spec["paper"]) & set(models.index):
+        return None
+    return str(models.index[0])
 
 
-def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None) -> PaperTable:
-    """Published values of `name`'s table with the rebuilt ones from `df` (load_runs' records) in each cell."""
-    spec = load_published(name)
+def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, table: str | None = None) -> PaperTable:
+    """Published values of `name`'s table `table` (its headline table by default) with the rebuilt ones from `df`
+    (load_runs' records) in each cell."""
+    spec = load_published(name, table)
     other_datasets: list[str] = []
     if not df.empty and "dataset" in df:
         same = df["dataset"].astype(str) == spec["dataset"]  # longbench_tailorkv is its own table's dataset
         other_datasets = sorted(df.loc[~same, "dataset"].astype(str).unique()) if not same.any() else []
         df = df[same]
     model = choose_model(df, spec, model)
-    df = df[df["model"] == model] if model is not None and not df.empty else df
+    own_models = model in table_models(spec)  # else a stand-in model fills every row
+    df = df.iloc[0:0] if model is None else df
     configs = run_configs(df) if not df.empty else {}
     table = PaperTable(spec, model if not df.empty else None, other_datasets=other_datasets)
     for row in spec["rows"]:
         cells = {}
-        base = matching_records(df, configs, row["match"]) if "match" in row and not df.empty else None
+        row_model = row.get("model", spec["model"]) if own_models else model
+        row_df = df[df["model"] == row_model] if not df.empty else df
+        match = {**spec.get("match", {}), **row.get("match", {})}
+        base = matching_records(row_df, configs, match) if "match" in row and not row_df.empty else None
         for col in spec["columns"]:
             cell = Cell(row["values"].get(col["key"]))
             if col.get("mean_of_columns"):
@@ -193,6 +270,11 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None) -> 
                     cells[col["key"]].note = missing[0] if len(set(missing)) == 1 else "needs every column"
         table.rows.append({"group": row.get("group", ""), "label": row["label"], "cells": cells})
     return table
+
+
+def has_runs(table: PaperTable) -> bool:
+    """Whether any cell of the table was rebuilt from a run."""
+    return any(cell.rebuilt is not None for row in table.rows for cell in row["cells"].values())
 
 
 # --- rendering ------------------------------------------------------------------------------------------------------
@@ -229,6 +311,8 @@ def to_markdown(table: PaperTable) -> str:
     for row in table.rows:
         cells = " | ".join(cell_text(row["cells"][c["key"]]) for c in cols)
         lines.append(f"| {row['group']} | {row['label']} | {cells} |")
+    if table.spec.get("notes"):  # where the paper's own numbers disagree; which reading of the paper ran
+        lines += [""] + [f"Note: {note}" for note in table.spec["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +329,8 @@ def to_latex(table: PaperTable) -> str:
 
 def to_frame(table: PaperTable) -> pd.DataFrame:
     """Long format: one line per cell (row, column, rebuilt, published, difference, note), full precision."""
-    return pd.DataFrame([{"paper": table.spec["paper"], "group": row["group"], "method": row["label"],
+    return pd.DataFrame([{"paper": table.spec["paper"], "table": table.spec["id"], "group": row["group"],
+                          "method": row["label"],
                           "column": c["label"], "rebuilt": cell.rebuilt, "published": cell.published,
                           "difference": cell.diff, "note": cell.note, "rebuilt_model": table.model}
                          for row in table.rows for c in table.columns
@@ -291,23 +376,32 @@ def budget_figure(table: PaperTable) -> Figure | None:
     return fig
 
 
+FIGURES = {"budget": budget_figure}  # a table's `figure` (default "budget") -> its figure builder
+
+
 def write_paper_report(df: pd.DataFrame, name: str, out_dir: str | Path, model: str | None = None,
-                       pdf: bool = False) -> tuple[PaperTable, list[Path]]:
-    """paper_<name>.md/.tex/.csv (+ paper_<name>_budget.png) in out_dir; returns the table and the files."""
-    table = build_paper_table(df, name, model)
+                       pdf: bool = False, table_id: str | None = None) -> tuple[PaperTable, list[Path]]:
+    """Build `name`'s table `table_id` (None: the headline table) and write its files; returns both."""
+    table = build_paper_table(df, name, model, table_id)
+    return table, write_table_files(table, out_dir, pdf)
+
+
+def write_table_files(table: PaperTable, out_dir: str | Path, pdf: bool = False) -> list[Path]:
+    """paper_<paper>_<id>.md/.tex/.csv (+ paper_<paper>_<id>_<figure>.png) in out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"paper_{name}"
+    stem = out / f"paper_{table.spec['paper']}_{table.spec['id']}"
     written = [stem.with_suffix(".md"), stem.with_suffix(".tex"), stem.with_suffix(".csv")]
     written[0].write_text(to_markdown(table), encoding="utf-8")
     written[1].write_text(to_latex(table), encoding="utf-8")
     to_frame(table).to_csv(written[2], index=False)
-    fig = budget_figure(table)
+    kind = table.spec.get("figure", "budget")
+    fig = FIGURES[kind](table)
     if fig is not None:
-        png = out / f"paper_{name}_budget.png"
+        png = out / f"{stem.name}_{kind}.png"
         fig.savefig(png)
         written.append(png)
         if pdf:
             fig.savefig(png.with_suffix(".pdf"))
             written.append(png.with_suffix(".pdf"))
-    return table, written
+    return written

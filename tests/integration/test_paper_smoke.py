@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvbench.report.paper import headline_id
+
 REPO = Path(__file__).resolve().parents[2]
 # paper -> (methods that must have a run, the rows the smoke runs fill: (row label, column label))
 EXPECTED = {
@@ -47,8 +49,9 @@ def test_smoke_form_runs_through_make(paper, tmp_path):
         assert pred.read_text().strip()
     assert f"**" in out.stdout and "rebuilt / published" in out.stdout  # the paper's layout, printed
     report = tmp_path / paper / "report" / paper
-    assert (report / f"{paper}.html").is_file() and (report / f"paper_{paper}.md").is_file()
-    rows = list(csv.DictReader((report / f"paper_{paper}.csv").open()))
+    headline = headline_id(paper)
+    assert (report / f"{paper}.html").is_file() and (report / f"paper_{paper}_{headline}.md").is_file()
+    rows = list(csv.DictReader((report / f"paper_{paper}_{headline}.csv").open()))
     for label, column in cells:
         cell = [r for r in rows if r["method"] == label and r["column"] == column and r["rebuilt"]]
         assert cell, (label, column)

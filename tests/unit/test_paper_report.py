@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from kvbench.report import load_runs
-from kvbench.report.paper import CONFIGS, build_paper_table, load_published, paper_names, to_markdown
+from kvbench.report.paper import (CONFIGS, build_paper_table, headline_id, load_published, paper_names, preset_table,
+                                  table_ids, to_markdown)
 from tests.unit.test_report import make_run, record
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,20 +28,46 @@ def longbench_run(root, method, budget, scores_by_task, model="llama-3-8b-instru
     return run
 
 
-def test_every_seed_paper_ships_its_published_table():
+def test_every_seed_paper_ships_its_published_tables():
     assert paper_names() == PAPERS
     for name in PAPERS:
-        spec = load_published(name)
-        assert spec["table"] and spec["source"] and spec["rows"]
-        keys = [c["key"] for c in spec["columns"]]
-        for row in spec["rows"]:
-            assert set(row["values"]) == set(keys), (name, row["label"])
-    t11 = load_published("pyramidkv")  # spot checks against the paper's printed cells
+        assert load_published(name)["headline"] is True  # the table paper=<name> and --paper stand for
+        for table in table_ids(name):
+            spec = load_published(name, table)
+            assert spec["paper"] == name and spec["id"] == table and spec["table"] and spec["source"] and spec["rows"]
+            keys = [c["key"] for c in spec["columns"]]
+            assert len(set(keys)) == len(keys), (name, table)
+            for row in spec["rows"]:
+                assert set(row["values"]) == set(keys), (name, table, row["label"])
+    assert {n: headline_id(n) for n in PAPERS} == {"adakv": "t1", "buzz": "t2", "keyformer": "t3", "pyramidkv": "t11",
+                                                    "tailorkv": "t14"}
+    t11 = load_published("pyramidkv", "t11")  # spot checks against the paper's printed cells
     fkv = next(r for r in t11["rows"] if r["label"] == "FKV")
     assert fkv["values"]["narrativeqa"] == 25.70 and fkv["values"]["avg"] == 41.46
     assert [r["label"] for r in t11["rows"][:5]] == ["FKV", "SKV", "H2O", "SLM", "PyramidKV (Ours)"]
-    ada = load_published("adakv")
+    ada = load_published("adakv", "t1")
     assert next(r for r in ada["rows"] if r["match"] == {"method": "adakv", "budget": 128})["values"]["avg"] == 36.71
+
+
+def test_every_table_has_a_make_target_and_presets_that_exist():
+    """`make reproduce-<paper>-<id>` exists for exactly the published tables, and the presets it runs exist."""
+    out = subprocess.run(["make", "-s", "--no-print-directory", "paper-tables"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = [line.split() for line in out.stdout.splitlines()]
+    assert {(paper, table) for paper, table, *_ in listed} == {(p, t) for p in PAPERS for t in table_ids(p)}
+    for paper, table, *presets in listed:
+        assert presets and all((CONFIGS / "paper" / f"{preset}.yaml").is_file() for preset in presets), presets
+        assert all(preset_table(preset)[0] == paper for preset in presets)
+
+
+def test_unknown_paper_or_table_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown paper 'pyramid'; choose one of adakv, buzz"):
+        load_published("pyramid")
+    with pytest.raises(ValueError, match="unknown table 't99' for pyramidkv; choose one of .*t11"):
+        load_published("pyramidkv", "t99")
+    assert preset_table("pyramidkv") == ("pyramidkv", "t11") == preset_table("pyramidkv_smoke")
+    assert preset_table("buzz_tb_smoke") == ("buzz", "tb")
 
 
 def test_pyramidkv_cells_rebuilt_published_difference_and_reasons(tmp_path):
@@ -109,11 +136,19 @@ def test_cli_prints_the_layout_and_writes_files(tmp_path):
                           "--out", str(tmp_path / "report")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Table 11" in out.stdout and "| KV Size = 64 | SKV |" in out.stdout
-    assert {p.name for p in (tmp_path / "report").iterdir()} >= {"paper_pyramidkv.md", "paper_pyramidkv.tex",
-                                                                 "paper_pyramidkv.csv", "paper_pyramidkv_budget.png"}
-    bad = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), "--paper", "pyramid"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("kvbench: unknown paper 'pyramid'")
+    assert {p.name for p in (tmp_path / "report").iterdir()} >= {
+        "paper_pyramidkv_t11.md", "paper_pyramidkv_t11.tex", "paper_pyramidkv_t11.csv", "paper_pyramidkv_t11_budget.png"}
+    one = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "results"), "--paper", "pyramidkv",
+                          "--table", "t11", "--out", str(tmp_path / "one")], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 0 and "| KV Size = 64 | SKV | –" in one.stdout, one.stderr
+    for argv, message in [(["--paper", "pyramid"], "kvbench: unknown paper 'pyramid'; choose one of adakv, buzz"),
+                          (["--paper", "pyramidkv", "--table", "t99"], "kvbench: unknown table 't99'; pyramidkv has t"),
+                          (["--table", "t11"], "kvbench: unknown table 't11'; it needs --paper")]:
+        bad = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), *argv, "--out", str(tmp_path / "x")],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
+    assert not (tmp_path / "x").exists()  # bad input writes nothing
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml")))
@@ -125,8 +160,8 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
 
     import kvbench.methods  # noqa: F401
 
-    base = preset.removesuffix("_smoke")
-    dataset = load_published(base)["dataset"]
+    base, table = preset_table(preset)
+    dataset = load_published(base, table)["dataset"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         if not preset.endswith("_smoke") and not (CONFIGS / "dataset" / f"{dataset}.yaml").is_file():
             with pytest.raises(Exception, match=dataset):
@@ -136,6 +171,7 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
         for method in ["full", *str(swept.method).split(",")]:
             cfg = compose("config", overrides=[f"paper={preset}", f"method={method}"])
             assert cfg.paper_settings.name == base and cfg.paper_settings.choices
+            assert cfg.paper_settings.id == table  # the manifest's paper block names the table that ran
             obj = instantiate(cfg.method)
             if cfg.budget is not None:
                 obj.check_budget(cfg.budget)
