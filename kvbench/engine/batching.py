@@ -5,28 +5,30 @@ then runs one model forward per step for every active sample: embeddings, norms,
 `[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention: a sample's
 plain dense layers (no decode-time eviction, temperature, prefetch or position shift: SnapKV, PyramidKV,
 StreamingLLM, full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are
-written in place and one call per layer attends every row, masked to each row's length. Every other layer (Ada-KV's
-varlen layers, TailorKV's quantized and offloaded layers, the layers of H2O / Keyformer / BUZZ with their decode-time
-eviction hooks) runs the capture's attention function per sample over that sample's own cache, exactly the batch-1
-code path, with the sample's own state. So caches differ in length per sample, per layer and per head. A sample
+written in place and one call per layer attends every row, masked to each row's length. Every other sample's layer
+(Ada-KV's per-head layers, TailorKV's quantized and offloaded layers, the layers of H2O / Keyformer / BUZZ with their
+decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's decode attention
+(`kvbench.engine.attention`) with what it holds this step (`decode_kv`), whatever the lengths per sample, layer and
+head; each sample's temperature scales its own logits, and its evictor scores the logits of that call (no second
+computation). So a layer costs two attention calls whatever the batch (rows, the rest); a lone sample outside the
+rows takes batch 1's path. A sample
 that finishes leaves at once and the next prompt is prefilled and joins (continuous batching), so one long
 generation does not hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and
 a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
 sweep together this way. A sample whose prefill, compression, token choice or batched step raises comes back as
 its exception; the others go on.
 
-Equality with batch 1. Sampling, eviction, positions (`prompt_len_i + t`) and the per-sample attention are
-per sample and bit-identical to batch 1. The linear layers are not: an `[N, d] x [d, m]` matmul runs a GEMM whose
-reduction order differs from the `[1, d]` GEMV of batch 1 (about 1e-7 relative in fp32 on the CPU, more in
-bf16/fp16), and neither is attention over shared rows (sdpa over several rows rounds differently from one row at a
-time, ~1e-7 in fp32). So a greedy argmax can flip where the two best logits are that close; after a flip the
-continuations differ. On the tiny test models and the embedded model at fp32 no flip occurred
-(tests/unit/test_batching.py checks token identity; scripts/bench_batch.py checks it on the embedded model).
+Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
+The arithmetic is not bit-identical: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order differs from the
+`[1, d]` GEMV of batch 1 (about 1e-7 relative in fp32 on the CPU, more in bf16/fp16), and attention over shared rows
+or the engine's padded call rounds differently from one sample at a time (~1e-7 in fp32). So a greedy argmax, or an
+evictor's top-k, can flip where two candidates are that close; after a flip the continuations differ. On the tiny
+test models and the embedded model at fp32 no flip occurred (tests/unit/test_batching.py checks tokens, logits and
+evictors' scores; scripts/bench_batch.py checks tokens on the embedded model).
 
 No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices),
 so CUDA streams are not synchronized by it; tokens are read to the host once per step for all samples. On CUDA the
-per-sample attention (non-plain layers) launches one kernel per sample and layer; flash-attn varlen over all
-samples is not used. Failure records, sharding and the record layout stay in `kvbench.run`; this module only
+engine's call runs flash-attn varlen over (sample, KV head) segments where it can (see `kvbench.engine.attention`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
 generates.
 """
 from __future__ import annotations
@@ -43,12 +45,13 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
+from kvbench.engine.attention import decode_attention
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
-from kvbench.models.capture import AttentionCapture
+from kvbench.models.capture import AttentionCapture, refuse_window
 
 _ids = itertools.count()
 
@@ -337,8 +340,9 @@ class BatchedDecoder:
                 slot.input_hook(layer_idx, hidden[i:i + 1], (cos[i:i + 1], sin[i:i + 1]))
 
     def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-        """The capture's attention function: one call per set of shared rows (every sample whose layer sits in
-        them), and one per sample for the others, over that sample's own cache (the batch-1 path)."""
+        """The batched forward's attention function: one call per set of shared rows (every sample whose layer sits
+        in them), and one call of the engine's decode attention for all the others (`_attend_together`); a lone
+        other sample takes batch 1's path."""
         capture_fn = ALL_ATTENTION_FUNCTIONS[self.capture.name]
         layer_idx, batch = module.layer_idx, query.shape[0]
         outputs: list[Tensor | None] = [None] * batch
@@ -357,15 +361,52 @@ class BatchedDecoder:
                                 for k, v in kwargs.items()})[0]
             for i, r in members:
                 outputs[i] = out[r:r + 1]
-        for i, slot in enumerate(self.cache.slots):
-            if outputs[i] is None:
-                keys, values = self.cache.updated[layer_idx][i]
-                self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
-                self.capture.logit_scale = slot.logit_scale
-                outputs[i] = capture_fn(module, query[i:i + 1], keys, values, None,
-                                        **{k: v[i:i + 1] if per_row(v, batch) else v for k, v in kwargs.items()})[0]
-                self.capture.decode_hook = self.capture.logit_scale = None
+        others = [i for i in range(batch) if outputs[i] is None]
+        if len(others) == 1:  # one sample: batch 1's own path, the capture's function over its cache
+            outputs[others[0]] = self._attend_alone(capture_fn, module, query, others[0], kwargs)
+        elif others:
+            self._attend_together(module, query, others, kwargs, outputs)
         return torch.cat(outputs), None
+
+    def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
+        batch, slot = query.shape[0], self.cache.slots[i]
+        keys, values = self.cache.updated[module.layer_idx][i]
+        self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
+        self.capture.logit_scale = slot.logit_scale
+        try:
+            return capture_fn(module, query[i:i + 1], keys, values, None,
+                              **{k: v[i:i + 1] if per_row(v, batch) else v for k, v in kwargs.items()})[0]
+        finally:
+            self.capture.decode_hook = self.capture.logit_scale = None
+
+    def _attend_together(self, module, query: Tensor, members: list[int], kwargs: dict,
+                         outputs: list[Tensor | None]) -> None:
+        """Samples `members` (not in shared rows) attend in one call of the engine's decode attention, whatever
+        their layers hold (dense, per-head variable, quantized, offloaded) and however long; each sample's
+        temperature scales its own logits, and a decode-time evictor scores the logits this call computed."""
+        layer_idx, window = module.layer_idx, kwargs.get("sliding_window")
+        scaling = kwargs.get("scaling") or module.scaling
+        kvs, scales = [], []
+        for i in members:
+            slot = self.cache.slots[i]
+            layer = slot.run.cache.layers[layer_idx]
+            if layer.own_storage:
+                refuse_window(layer, window)
+                kvs.append(layer.decode_kv(query[i:i + 1]))
+            else:  # what its update returned (keys at their slots under pos-shift)
+                kvs.append(DecodeKV(*self.cache.updated[layer_idx][i], None, layer.attention_positions()))
+            n_keys = kvs[-1].keys.shape[-2]
+            scales.append(scaling * slot.logit_scale(n_keys) if slot.logit_scale is not None else scaling)
+        hooked = [j for j, i in enumerate(members) if self.cache.slots[i].decode_hook is not None]
+        queries = query if len(members) == query.shape[0] else torch.cat([query[i:i + 1] for i in members])
+        out, logits = decode_attention(queries, kvs, scales, softcap=kwargs.get("softcap"), window=window,
+                                       return_logits=bool(hooked))
+        for j, i in enumerate(members):
+            outputs[i] = out[j:j + 1]
+        for j in hooked:  # (it may evict: this step already attended)
+            keys = kvs[j].keys
+            self.cache.slots[members[j]].decode_hook(layer_idx, queries[j:j + 1], keys, scales[j],
+                                                     logits=logits[j:j + 1, :, None, :keys.shape[-2]])
 
 
 def per_row(value, batch: int) -> bool:

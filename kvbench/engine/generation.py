@@ -108,9 +108,9 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     capture.cache = cache
     if state is not None and method.evicts_while_decoding:
         fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
-        capture.decode_hook = lambda i, query, key, scaling, bias=None: (
+        capture.decode_hook = lambda i, query, key, scaling, bias=None, logits=None: (
             None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
-                                                 capture.softcap.get(i)))
+                                                 capture.softcap.get(i), logits))
     capture.trim_window_layers(cache)
     enable_shift(cache, inv_freq)
     return None

@@ -53,19 +53,21 @@ class EvictionState:
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=True))
 
     def decode(self, layer_idx: int, layer: KVLayer, query: Tensor, key: Tensor, scaling: float,
-               bias: Tensor | None = None, softcap: float | None = None) -> None:
+               bias: Tensor | None = None, softcap: float | None = None, logits: Tensor | None = None) -> None:
         """Score the new query over the cache as the model does: soft cap (Gemma 2), then `bias` `[B, H_q, 1, k]`
-        (the model's position bias, e.g. ALiBi)."""
+        (the model's position bias, e.g. ALiBi). `logits` `[B, H_q, 1, k]`: those, already computed by the step's
+        attention (batched decoding's one call), so they are not computed again."""
         if layer_idx == 0:
             self.step += 1
-        b, h_q, _, d = query.shape
         h_kv = key.shape[1]
-        logits = (query.float().reshape(b, h_kv, h_q // h_kv, d) @ key.float().transpose(-1, -2)) * scaling
-        logits = logits.view(b, h_q, 1, -1)
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        if bias is not None:
-            logits = logits + bias
+        if logits is None:
+            b, h_q, _, d = query.shape
+            logits = (query.float().reshape(b, h_kv, h_q // h_kv, d) @ key.float().transpose(-1, -2)) * scaling
+            logits = logits.view(b, h_q, 1, -1)
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            if bias is not None:
+                logits = logits + bias
         row = self.method.row_score(logits, self, decoding=True)[:, :, 0]
         old = self.scores[layer_idx]
         grown = torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1)

@@ -187,11 +187,7 @@ class AttentionCapture:
             if q_len == 1:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "own_storage", False):  # varlen, quantized, offloaded: the engine's attention
-                    window = kwargs.get("sliding_window")
-                    if window and layer.seen_tokens > window:  # it may hold keys the model's window hides
-                        raise NotImplementedError(f"capture: a layer with its own storage cannot apply the model's "
-                                                  f"sliding window ({window}) to a {layer.seen_tokens}-token context; "
-                                                  "use a dense method (snapkv, pyramidkv, streamingllm, h2o, ...)")
+                    refuse_window(layer, kwargs.get("sliding_window"))
                     return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes), None
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
@@ -255,6 +251,14 @@ class AttentionCapture:
             for name, score in scorers.items():
                 totals[name] += score(masked).sum(dim=2)
         return totals
+
+
+def refuse_window(layer, window: int | None) -> None:
+    """A layer with its own storage may hold keys the model's sliding window hides, which it does not mask."""
+    if window and layer.seen_tokens > window:
+        raise NotImplementedError(f"capture: a layer with its own storage cannot apply the model's sliding window "
+                                  f"({window}) to a {layer.seen_tokens}-token context; use a dense method (snapkv, "
+                                  "pyramidkv, streamingllm, h2o, ...)")
 
 
 def window_bias(score_bias, window: int, n_keys: int, device) -> Callable:

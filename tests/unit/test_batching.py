@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import Request, generate_batched
+from kvbench.engine.batching import Decoding, Request, generate_batched
 from kvbench.engine.generation import Sampling, generate
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY
@@ -58,6 +58,62 @@ def test_batch_n_equals_batch_1(name):
     alone, batched = batch_one_and_batched(model, method, budget, batch_size=3)
     assert_same(alone, batched)
     assert [len(g.token_ids) for g in batched] == NEW
+
+
+def test_a_batch_mixing_every_method_equals_each_alone(monkeypatch):
+    """Every registered method (and BUZZ with its log n temperature) in one batch, with joins and departures: shared
+    rows for the plain layers, one engine attention call for the per-head, quantized, offloaded and evicting ones.
+    Each sample's records, its logits at every step and its evictor's accumulated scores equal its own batch-1 run.
+    Queries are scaled up so that attention logits reach a few units (a random tiny model's stay near 0.1) and what
+    attention does shows."""
+    from kvbench.methods.decoding import EvictionState
+
+    apply = EvictionState._apply
+    scores: dict[str, dict[tuple, torch.Tensor]] = {"alone": {}, "batched": {}}
+    run = ["alone"]
+
+    def recorded(state, layer_idx, layer, idx):  # the scores each eviction chose from, by sample, step and layer
+        scores[run[0]][state.prompt_len, state.step, layer_idx] = state.scores[layer_idx].clone()
+        apply(state, layer_idx, layer, idx)
+
+    monkeypatch.setattr(EvictionState, "_apply", recorded)
+    model = tiny_model("llama", layers=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 30
+    methods = [configured(name) for name in METHODS.names()] + [METHODS["buzz"](logn=True)]
+    lengths = [150, 70, 210, 120, 95, 180, 60, 130, 200, 110, 85, 160, 140][:len(methods)]  # >= 10 apart
+    new = [6, 3, 8, 5, 2, 7, 4, 6, 3, 8, 5, 4, 7][:len(methods)]
+    prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
+    budget = [None if m.registry_name == "full" else 48 for m in methods]
+    seen: dict[str, dict[int, torch.Tensor]] = {"alone": {}, "batched": {}}
+    record = {}
+
+    def by_position(module, args, kwargs, output):  # a row's position says whose it is (prompts >= 10 apart)
+        for row, position in enumerate(kwargs["position_ids"][:, -1].tolist()):
+            record[position] = output.logits[row, -1].clone()
+
+    handle = model.register_forward_hook(by_position, with_kwargs=True)
+    try:
+        with AttentionCapture(model) as capture:
+            record = seen["alone"]
+            alone = [generate(model, None, m, capture, ids, b, n, eos_ids=set(), seed=100 + i)
+                     for i, (m, ids, b, n) in enumerate(zip(methods, prompts, budget, new))]
+            record, run[0] = seen["batched"], "batched"
+            requests = [Request(ids, b, n, seed=100 + i, tag=i, decoding=Decoding(m))
+                        for i, (m, ids, b, n) in enumerate(zip(methods, prompts, budget, new))]
+            done = {r.tag: g for r, g in generate_batched(model, None, METHODS["full"](), capture, requests, 6,
+                                                          eos_ids=set())}
+    finally:
+        handle.remove()
+    assert_same(alone, [done[i] for i in range(len(methods))])
+    assert [len(done[i].token_ids) for i in range(len(methods))] == new
+    assert seen["batched"].keys() == seen["alone"].keys()
+    for position, logits in seen["alone"].items():
+        torch.testing.assert_close(seen["batched"][position], logits, rtol=1e-5, atol=1e-5)
+    assert scores["batched"].keys() == scores["alone"].keys() and len(scores["alone"]) > 50
+    for key, expected in scores["alone"].items():
+        torch.testing.assert_close(scores["batched"][key], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_gqa_family_with_shift_positions_and_prefill_only_h2o():
