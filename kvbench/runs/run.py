@@ -250,13 +250,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
 
 
-def cli() -> None:
-    """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory."""
-    sys.argv = [a[1:] if a.startswith("+paper=") else a for a in sys.argv]  # paper is a default group (null)
+def check_command_line(argv: list[str]) -> list[str]:
+    """The arguments as Hydra will get them, after every check that needs no weights: on bad input the process ends
+    with one line `kvbench: ...` (exit code 1) and nothing written."""
     from kvbench.runs.validate import validate_or_exit
 
-    check_group_overrides(sys.argv[1:])
-    validate_or_exit(sys.argv[1:])
+    argv = [a[1:] if a.startswith("+paper=") else a for a in argv]  # paper is a default group (null)
+    check_group_overrides(argv)
+    validate_or_exit(argv)
+    return argv
+
+
+def cli() -> None:
+    """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory."""
+    sys.argv[1:] = check_command_line(sys.argv[1:])
     main()
 
 

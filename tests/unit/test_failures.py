@@ -4,6 +4,7 @@ Through the command line on the tiny random model, with components built to fail
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.runs.store import RunStore, aggregate, write_json_atomic
-from tests.unit.test_cli import ENV, ROOT, kvbench, records, run_dirs
+from tests.unit.test_cli import ENV, ROOT, records, run_dirs, run_here
 
 THREE = ["dataset.context_lengths=[300]", "dataset.depth_percents=[0,50,100]"]
 
@@ -25,13 +26,13 @@ def faulty_args(tmp_path: Path) -> list[str]:
             f"+dataset.fail_flag={tmp_path / 'fail'}"]
 
 
-def test_failed_samples_are_recorded_counted_and_retried(tmp_path):
+def test_failed_samples_are_recorded_counted_and_retried(tmp_path, caplog):
     results = tmp_path / "results"
     (tmp_path / "oom").touch()   # the first sample (d0) runs out of memory during compression
     (tmp_path / "fail").touch()  # the second (d50) raises in its scorer; the third finishes
-    first = kvbench(*faulty_args(tmp_path), results=results)
-    assert first.returncode == 0, first.stderr
-    (run_dir,) = run_dirs(results)
+    caplog.set_level(logging.INFO, logger="kvbench")
+    run_dir = run_here(*faulty_args(tmp_path), results=results)  # in this process: three runs, no process start-up
+    assert run_dirs(results) == [run_dir]
     recs = {r["id"]: r for r in records(run_dir)}
     oom, bad, good = recs["niah-L300-d0"], recs["niah-L300-d50"], recs["niah-L300-d100"]
     assert oom["failed"] is True and oom["error_type"] == "OutOfMemoryError"
@@ -42,18 +43,17 @@ def test_failed_samples_are_recorded_counted_and_retried(tmp_path):
     scores = json.loads((run_dir / "scores.json").read_text())
     assert scores["n"] == 1 and scores["n_failed"] == 2 and scores["failed_ids"] == ["niah-L300-d0", "niah-L300-d50"]
     assert scores["metrics"]["pyramidkv_recall"] == good["score"]  # failures are excluded, not scored 0
-    assert "over 1 samples (2 failed)" in (run_dir / "run.log").read_text().strip().splitlines()[-1]
+    assert "over 1 samples (2 failed)" in caplog.records[-1].getMessage()  # the run's last log line (run.log)
     assert "n_failed: 2" in (run_dir / "summary.md").read_text()
 
-    kept = kvbench(*faulty_args(tmp_path), "retry_failed=false", results=results)
-    assert kept.returncode == 0, kept.stderr
+    assert run_here(*faulty_args(tmp_path), "retry_failed=false", results=results) == run_dir
     assert len(records(run_dir)) == 3 and json.loads((run_dir / "scores.json").read_text())["n_failed"] == 2
 
     with open(run_dir / "predictions.jsonl", "a") as f:
         f.write('{"note": "a line edited by hand, valid JSON without an id"}\n')
-    retried = kvbench(*faulty_args(tmp_path), results=results)
-    assert retried.returncode == 0, retried.stderr
-    assert "valid JSON but not a record with an 'id'" in retried.stdout + retried.stderr
+    caplog.clear()
+    assert run_here(*faulty_args(tmp_path), results=results) == run_dir
+    assert "valid JSON but not a record with an 'id'" in caplog.text
     lines = records(run_dir)
     assert [r.get("id") for r in lines[4:]] == ["niah-L300-d0", "niah-L300-d50"]
     assert not any(r.get("failed") for r in lines[4:])

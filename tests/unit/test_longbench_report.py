@@ -13,6 +13,7 @@ import pytest
 
 from kvbench.report import load_runs
 from kvbench.report.longbench import kv_size, run_rows, table_frame, to_latex, to_markdown, write_reports
+from tests.unit.test_cli import refusal, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
@@ -161,20 +162,17 @@ def test_cli_tiny_model_runs_resumes_and_reports(tmp_path):
 
 
 def test_cli_missing_data_folder_is_one_clear_line(tmp_path):
-    out = kvbench("model=tiny_llama", "dataset=longbench", f"dataset.root={tmp_path / 'none'}", results=tmp_path)
-    assert out.returncode != 0
-    assert "longbench: no folder" in out.stderr and "scripts/download_longbench.py" in out.stderr
+    line = refusal("model=tiny_llama", "dataset=longbench", f"dataset.root={tmp_path / 'none'}", results=tmp_path)
+    assert "longbench: no folder" in line and "scripts/download_longbench.py" in line
 
 
 @pytest.mark.slow
 def test_cli_embedded_model_two_fixture_records(tmp_path):
     """SmolLM2-135M on one trec and one passage_retrieval_en record, full cache and SnapKV at 64."""
-    args = ["-m", "method=full,snapkv", "budget=64", "dataset=longbench", f"dataset.root={FIXTURES}",
-            "dataset.tasks=[trec,passage_retrieval_en]", "dataset.limit_per_task=1"]
-    out = kvbench(*args, results=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr
-    run_dirs = sorted(p.parent for p in tmp_path.rglob("predictions.jsonl"))
-    assert len(run_dirs) == 2
+    args = ["budget=64", "dataset=longbench", f"dataset.root={FIXTURES}", "dataset.tasks=[trec,passage_retrieval_en]",
+            "dataset.limit_per_task=1"]
+    run_dirs = [run_here(f"method={m}", *args, results=tmp_path) for m in ("full", "snapkv")]  # in this process
+    assert sorted(p.parent for p in tmp_path.rglob("predictions.jsonl")) == run_dirs
     for d in run_dirs:
         recs = records(d)
         assert [r["id"] for r in recs] == ["trec-kvb-trc-001", "passage_retrieval_en-kvb-pre-001"]
@@ -182,7 +180,6 @@ def test_cli_embedded_model_two_fixture_records(tmp_path):
         scores = json.loads((d / "scores.json").read_text())["longbench"]
         assert set(scores["tasks"]) == {"trec", "passage_retrieval_en"}
     before = [records(d) for d in run_dirs]
-    rerun = kvbench(*args, results=tmp_path, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr
+    assert [run_here(f"method={m}", *args, results=tmp_path) for m in ("full", "snapkv")] == run_dirs
     assert [records(d) for d in run_dirs] == before           # nothing recomputed, nothing duplicated
     assert write_reports(load_runs([tmp_path]), tmp_path / "rep")[0].name == "longbench_table.md"

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.data.ruler.templates import ALL_TASKS
+from kvbench.report.__main__ import main as report_main
+from tests.unit.test_cli import refusal, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 QA_ROOT = ROOT / "tests" / "fixtures" / "ruler" / "qa"
@@ -34,9 +36,9 @@ def only_run_dir(results: Path) -> Path:
 
 
 def test_all_tasks_run_score_and_report_on_the_tiny_model(tmp_path):
-    out = kvbench("model=tiny_llama", "method=snapkv", "budget=64", *ruler_args(tmp_path), results=tmp_path / "res")
-    assert out.returncode == 0, out.stderr
-    run_dir = only_run_dir(tmp_path / "res")
+    run_dir = run_here("model=tiny_llama", "method=snapkv", "budget=64", *ruler_args(tmp_path),
+                       results=tmp_path / "res")
+    assert only_run_dir(tmp_path / "res") == run_dir
     assert run_dir.relative_to(tmp_path / "res").parts[:3] == ("ruler", "tiny-llama", "snapkv")
     recs = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in recs] == [f"{t}-1024-0" for t in ALL_TASKS]
@@ -47,18 +49,15 @@ def test_all_tasks_run_score_and_report_on_the_tiny_model(tmp_path):
     summary = json.loads((run_dir / "scores.json").read_text())["ruler"]
     assert summary["code"] == "NVIDIA/RULER@c5341b4" and list(summary["lengths"]["1024"]["tasks"]) == ALL_TASKS
 
-    rep = kvbench(str(tmp_path / "res"), "--out", str(tmp_path / "report"), results=tmp_path, module="kvbench.report")
-    assert rep.returncode == 0, rep.stderr
+    assert report_main([str(tmp_path / "res"), "--out", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "ruler_table.md").read_text()
     assert "| tiny-llama | SnapKV | 64 | 1024 |" in table and "qa_2 | Avg. |" in table
     assert (tmp_path / "report" / "ruler_vs_length.png").is_file()
 
 
 def test_bad_ruler_config_gets_one_line_error(tmp_path):
-    out = kvbench("model=tiny_llama", "dataset=ruler", "dataset.tasks=[niah_single_4]", results=tmp_path)
-    assert out.returncode == 1
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Unknown task 'niah_single_4'" in lines[0], out.stderr
+    line = refusal("model=tiny_llama", "dataset=ruler", "dataset.tasks=[niah_single_4]", results=tmp_path / "res")
+    assert "Unknown task 'niah_single_4'" in line, line
 
 
 @pytest.mark.slow
@@ -66,9 +65,8 @@ def test_embedded_model_full_cache_at_1k(tmp_path):
     """The embedded SmolLM2 with a full cache at 1K tokens, one sample of four task families (the whole set takes
     minutes on 2 cores): runs, scores, and retrieves the noise-haystack needle, the easiest task."""
     tasks = ["niah_single_1", "vt", "fwe", "qa_2"]
-    out = kvbench("method=full", *ruler_args(tmp_path), f"dataset.tasks=[{','.join(tasks)}]",
-                  results=tmp_path / "res", timeout=900)
-    assert out.returncode == 0, out.stderr
-    summary = json.loads((only_run_dir(tmp_path / "res") / "scores.json").read_text())["ruler"]
+    run_dir = run_here("method=full", *ruler_args(tmp_path), f"dataset.tasks=[{','.join(tasks)}]",
+                       results=tmp_path / "res")
+    summary = json.loads((run_dir / "scores.json").read_text())["ruler"]
     scores = summary["lengths"]["1024"]["tasks"]
     assert list(scores) == tasks and scores["niah_single_1"]["score"] == 100.0
