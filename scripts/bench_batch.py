@@ -1,12 +1,15 @@
-"""Benchmark (not a test): decode tokens/s at batch 1, 4 and 8 on the embedded SmolLM2 (budget 128, prompts spread
-over 1k-4k tokens), through `kvbench.engine.batching`. Every batch size runs the same prompts in one process, so the
-ratios are comparable on a noisy shared machine. Each prompt is prefilled and compressed once (that happens one
+"""Benchmark (not a test): decode tokens/s at batch 1, 8 and 32 on the embedded SmolLM2 (budget 128, prompts spread
+over 512-1536 tokens) with a MIX of methods in one batch (request i uses method i mod the list: by default snapkv,
+adakv, h2o, tailorkv, so shared rows, per-head variable layers, decode-time eviction and quantized + offloaded
+layers decode together), through `kvbench.engine.batching`. Every batch size runs the same requests in one process,
+so the ratios are comparable on a noisy shared machine. Each prompt is prefilled and compressed once (that happens one
 sample at a time at every batch size, so it is not what batching changes); every batch size decodes from a copy of
 that compressed cache, and decode time is the run's wall time minus the time spent handing those copies over.
 The predictions must be identical to batch 1's. With `--reps 2` the batch sizes run forwards then backwards (1 4 8
 8 4 1), and each size reports its best rep, so a burst of load from other processes does not decide a ratio.
 
-    python scripts/bench_batch.py [--batches 1 4 8] [--n 8] [--min-len 1024] [--max-len 4096] [--new-tokens 32]
+    python scripts/bench_batch.py [--batches 1 8 32] [--n 32] [--methods snapkv adakv h2o tailorkv] [--min-len 512]
+                                  [--max-len 1536] [--new-tokens 32]
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import time
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import PrefilledOnce, Request
+from kvbench.engine.batching import Decoding, PrefilledOnce, Request
 from kvbench.data.niah import NeedleHaystack
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
@@ -35,30 +38,35 @@ def prompts(tok, n: int, min_len: int, max_len: int, device) -> list[torch.Tenso
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--n", type=int, default=8, help="prompts per batch size")
-    ap.add_argument("--min-len", type=int, default=1024)
-    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--n", type=int, default=32, help="requests per batch size")
+    ap.add_argument("--min-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=1536)
     ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--method", default="snapkv")
+    ap.add_argument("--methods", nargs="+", default=["snapkv", "adakv", "h2o", "tailorkv"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 threads on 2 shared cores thrash)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     model, tok = load(ModelSpec(name="bench", path=args.model))
     device = next(model.parameters()).device
     ids = prompts(tok, args.n, args.min_len, args.max_len, device)
-    method = METHODS[args.method]()
-    window = method.query_window
-    print(f"# device={device} threads={torch.get_num_threads()} method={args.method} budget={args.budget} "
+    methods = [METHODS[name]() for name in args.methods]
+    for method in methods:
+        if hasattr(method, "prepare"):  # TailorKV: its layer split, identified once on the calibration prompt
+            method.prepare(model, tok)
+    print(f"# device={device} threads={torch.get_num_threads()} methods={args.methods} budget={args.budget} "
           f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
     best, same, reference, memo = {}, {}, None, {}
     order = [b for rep in range(args.reps) for b in (args.batches if rep % 2 == 0 else args.batches[::-1])]
-    with AttentionCapture(model, window=window) as capture:
+    with AttentionCapture(model) as capture:
         for batch in order:
-            requests = [Request(x, args.budget, args.new_tokens, tag=i) for i, x in enumerate(ids)]
-            decoder = PrefilledOnce(model, tok, method, capture, batch, eos_ids=set(), memo=memo)
+            requests = [Request(x, args.budget, args.new_tokens, tag=i,
+                                decoding=Decoding(methods[i % len(methods)])) for i, x in enumerate(ids)]
+            decoder = PrefilledOnce(model, tok, methods[0], capture, batch, eos_ids=set(), memo=memo)
             t0 = time.perf_counter()
             done = {r.tag: g for r, g in decoder.run(requests)}
             seconds = time.perf_counter() - t0 - decoder.join_s

@@ -4,8 +4,15 @@ Each cache layer hands over what its next token must attend as a `DecodeKV` (`kv
 layer its keys as they are; Ada-KV's per-head variable layer its flattened heads padded per step; TailorKV's
 quantized layer its dequantized keys and values, its offloaded layer the sinks, the recent window, the top-k rows it
 fetched for this query and its generated tokens. `decode_attention` attends one new token per sequence over all of
-them in one call: the sequences' entries are padded to the longest and masked to each (sequence, KV head)'s valid
-entries, so the work is one batched matmul, one softmax and one more matmul, not one kernel per sample.
+them in one call, per KV head over that head's own valid entries (a mask hides a padded head's padding).
+
+Strategy, by device. On CUDA in fp16/bf16 with flash-attn importable, flash-attn's varlen kernel runs: each
+(sequence, KV head) one segment of one query token carrying its G query heads, over the valid entries gathered into
+one flat K/V. Otherwise on CUDA every sequence is copied into one padded block and masked: one batched matmul, one
+softmax, one more matmul. On the CPU the same masked math runs per sequence over its own tensors (`padded=False`):
+there kernel launches cost little and the padded copy costs more than it saves (`scripts/bench_attention.py`:
+padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending each where it lies; nested
+tensors through sdpa 10-30x slower).
 
 What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale
 (a per-sequence temperature such as BUZZ's log n included), Gemma 2's soft cap `cap * tanh(logits / cap)`, ALiBi
@@ -13,11 +20,9 @@ What shapes the logits is applied inside, per sequence and per head, as the mode
 under pos-shift) and a sliding window by position. With `return_logits` the masked fp32 logits come back too, so a
 decode-time evictor (H2O, Keyformer, BUZZ) scores the very logits the step attended with.
 
-On CUDA in fp16/bf16 with flash-attn importable, and when no per-key position is needed (no ALiBi, no window) and no
-logits are asked for, flash-attn's varlen kernel runs instead, each (sequence, KV head) one segment of one query
-token carrying its G query heads (soft cap and the per-sequence scale go into the kernel / the query). ALiBi over
-original positions after eviction is not a slot distance, which is all flash-attn's `alibi_slopes` knows, so it
-takes the padded path; so do evictors' logits. Query head `h * G + g` reads KV head h (GQA).
+Flash-attn takes the soft cap itself and the per-sequence scale through the query; ALiBi over original positions
+after eviction is not a slot distance, which is all its `alibi_slopes` knows, so ALiBi (and a window, and evictors'
+logits) take the padded path. Query head `h * G + g` reads KV head h (GQA).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.cache.kv_cache import DecodeKV
@@ -32,34 +38,60 @@ from kvbench.cache.kv_cache import DecodeKV
 
 def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Sequence[float], *,
                      softcap: float | None = None, alibi_slopes: Tensor | None = None, window: int | None = None,
-                     return_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+                     return_logits: bool = False, padded: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of one new token per sequence. `query` `[S, H_q, 1, D]` with S = the rows of all `kvs` together
     (each `DecodeKV` may hold several rows: beams); `scaling` one float or one per row; `alibi_slopes` `[H_q]`.
     Returns the output `[S, 1, H_q, D]` in the query's dtype (transformers' attention-function layout) and, with
     `return_logits`, the masked fp32 logits `[S, H_q, L]` over each row's entries padded to the longest (row i's
-    first `kvs`-length entries are its own, in its cache order; the rest are -inf)."""
+    first `kvs`-length entries are its own, in its cache order; the rest are -inf).
+    `padded`: all rows padded into one tensor (True; CUDA without flash-attn) or each `DecodeKV` over its own
+    tensors, no copy (False; the CPU default: there the padded copy costs more than the calls it saves)."""
     rows = sum(kv.keys.shape[0] for kv in kvs)
     if query.shape[0] != rows or query.shape[2] != 1:
         raise ValueError(f"decode attention: query {tuple(query.shape)} must be [{rows}, H_q, 1, D]")
     scale = _scales(scaling, kvs, query.device)
-    if (use_flash(query) and alibi_slopes is None and window is None and not return_logits):
+    shaping = dict(softcap=softcap, alibi_slopes=alibi_slopes, window=window)
+    if use_flash(query) and alibi_slopes is None and window is None and not return_logits:
         return _flash(query, kvs, scale, softcap), None
-    keys, values, valid, positions = pad(kvs)
+    if padded if padded is not None else query.is_cuda:
+        return _attend(query, *pad(kvs, positions=alibi_slopes is not None or window is not None), scale, **shaping)
+    outs, logits, start = [], [], 0
+    for kv in kvs:
+        b = kv.keys.shape[0]
+        out, row_logits = _attend(query[start:start + b], kv.keys, kv.values, kv.valid, kv.positions,
+                                  scale[start:start + b], **shaping)
+        outs.append(out)
+        logits.append(row_logits)
+        start += b
+    if not return_logits:
+        return torch.cat(outs), None
+    length = max(x.shape[-1] for x in logits)
+    return torch.cat(outs), torch.cat([F.pad(x, (0, length - x.shape[-1]), value=float("-inf")) for x in logits])
+
+
+def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, positions: Tensor | None,
+            scale: Tensor, softcap: float | None, alibi_slopes: Tensor | None, window: int | None
+            ) -> tuple[Tensor, Tensor]:
+    """The math over one `[S, H_kv, L, D]` block: logits, soft cap, ALiBi and window by position, mask, softmax,
+    values. fp32. Returns the output `[S, 1, H_q, D]` and the masked logits `[S, H_q, L]`."""
     s, h_kv, length, d = keys.shape
     q = query.float().reshape(s, h_kv, -1, d)  # [S, H_kv, G, D]
     logits = q @ keys.float().transpose(-1, -2) * scale[:, None, None, None]  # [S, H_kv, G, L]
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     if alibi_slopes is not None or window is not None:
+        if positions is None:  # slot = position
+            positions = torch.arange(length, device=keys.device).expand(s, h_kv, length)
         distance = (positions - positions[:, :, -1:])[:, :, None].float()  # [S, H_kv, 1, L]; the query is last
         if alibi_slopes is not None:
             logits = logits + alibi_slopes.float().to(logits.device).view(1, h_kv, -1, 1) * distance
         if window is not None:
-            valid = valid & (distance[:, :, 0] > -window)
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+            inside = distance[:, :, 0] > -window
+            valid = inside if valid is None else valid & inside
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
     out = logits.softmax(dim=-1) @ values.float()  # [S, H_kv, G, D]
-    out = out.reshape(s, 1, -1, d).to(query.dtype)
-    return out, (logits.reshape(s, -1, length) if return_logits else None)
+    return out.reshape(s, 1, -1, d).to(query.dtype), logits.reshape(s, -1, length)
 
 
 def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:
@@ -68,29 +100,32 @@ def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:
     return decode_attention(query, [layer.decode_kv(query)], scaling, **shaping)[0]
 
 
-def pad(kvs: Sequence[DecodeKV]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """All rows' keys and values `[S, H_kv, L, D]` (L = the longest), which entries are valid `[S, H_kv, L]` and
-    their positions `[S, H_kv, L]` (padding after each row's entries, so the newest entry of a row is at the row's
-    own length - 1: its position is the query's). One row-block copy per `DecodeKV` whose length is not L."""
-    length = max(kv.keys.shape[2] for kv in kvs)
-    keys, values, valid, positions = [], [], [], []
-    for kv in kvs:
-        b, h, n, _ = kv.keys.shape
-        extra = length - n
-        keys.append(_pad(kv.keys, extra))
-        values.append(_pad(kv.values, extra))
-        ok = kv.valid if kv.valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=kv.keys.device)
-        valid.append(torch.nn.functional.pad(ok, (0, extra), value=False))
-        pos = kv.positions if kv.positions is not None else torch.arange(n, device=kv.keys.device).expand(b, h, n)
-        # padded positions repeat the newest one, so `positions[..., -1]` is each row's query position
-        positions.append(torch.cat([pos, pos[..., -1:].expand(b, h, extra)], dim=-1) if extra else pos)
+def pad(kvs: Sequence[DecodeKV], positions: bool = True) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """All rows' keys and values `[S, H_kv, L, D]` (L = the longest; one copy into one buffer), which entries are
+    valid `[S, H_kv, L]` (None: all) and, with `positions`, their positions `[S, H_kv, L]`: padding follows each row's
+    entries and repeats its newest position, so `positions[..., -1]` is each row's query position."""
     if len(kvs) == 1:
-        return keys[0], values[0], valid[0], positions[0]
-    return torch.cat(keys), torch.cat(values), torch.cat(valid), torch.cat(positions)
-
-
-def _pad(t: Tensor, extra: int) -> Tensor:
-    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+        kv = kvs[0]
+        return kv.keys, kv.values, kv.valid, kv.positions if positions else None
+    length = max(kv.keys.shape[2] for kv in kvs)
+    rows = sum(kv.keys.shape[0] for kv in kvs)
+    first = kvs[0].keys
+    keys = first.new_zeros(rows, first.shape[1], length, first.shape[-1])
+    values = kvs[0].values.new_zeros(rows, first.shape[1], length, kvs[0].values.shape[-1])
+    valid = torch.zeros(rows, first.shape[1], length, dtype=torch.bool, device=first.device)
+    where = torch.zeros(rows, first.shape[1], length, dtype=torch.long, device=first.device) if positions else None
+    start = 0
+    for kv in kvs:
+        b, _, n, _ = kv.keys.shape
+        keys[start:start + b, :, :n] = kv.keys
+        values[start:start + b, :, :n] = kv.values
+        valid[start:start + b, :, :n] = True if kv.valid is None else kv.valid
+        if where is not None:
+            pos = kv.positions if kv.positions is not None else torch.arange(n, device=first.device)
+            where[start:start + b, :, :n] = pos
+            where[start:start + b, :, n:] = where[start:start + b, :, n - 1:n]
+        start += b
+    return keys, values, valid, where
 
 
 def _scales(scaling, kvs: Sequence[DecodeKV], device) -> Tensor:

@@ -425,13 +425,11 @@ def scattered(tensor: Tensor, slot_idx: list[int], row_idx: list[int], n_rows: i
 
 class PrefilledOnce(BatchedDecoder):
     """For benchmarks: prefills each prompt (by `Request.tag`) the first time it joins; later joins decode from a
-    copy of that compressed cache, so decode speed can be measured at several batch sizes without re-prefilling.
-    `join_s` is the time spent joining. Methods with per-sample decode hooks cannot be copied this way."""
+    copy of that compressed cache (its method state and hooks copied with it), so decode speed can be measured at
+    several batch sizes without re-prefilling. `join_s` is the time spent joining."""
 
     def __init__(self, *args, memo: dict, **kwargs):
         super().__init__(*args, **kwargs)
-        if getattr(self.method, "evicts_while_decoding", False) or hasattr(self.method, "attach"):
-            raise ValueError(f"{self.method.registry_name}: its decode hooks hold the original cache; cannot copy")
         self.memo, self.join_s = memo, 0.0
 
     def _join(self, request: Request) -> Slot:
@@ -439,7 +437,8 @@ class PrefilledOnce(BatchedDecoder):
         if request.tag not in self.memo:
             self.memo[request.tag] = super()._join(request)
         original = self.memo[request.tag]
-        slot = copy.deepcopy(original, {id(original.request): request, id(original.decoding): original.decoding})
+        shared = (original.decoding, original.decoding.method, self.capture, self.model)  # not copied
+        slot = copy.deepcopy(original, {id(original.request): request, **{id(x): x for x in shared}})
         self.join_s += time.perf_counter() - t0
         return slot
 

@@ -107,13 +107,26 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
     if state is not None and method.evicts_while_decoding:
-        fixed = capture.window_layers  # sliding-window layers keep the model's own window semantics
-        capture.decode_hook = lambda i, query, key, scaling, bias=None, logits=None: (
-            None if i in fixed else state.decode(i, cache.layers[i], query, key, scaling, bias,
-                                                 capture.softcap.get(i), logits))
+        capture.decode_hook = EvictionHook(state, cache, capture.window_layers, dict(capture.softcap))
     capture.trim_window_layers(cache)
     enable_shift(cache, inv_freq)
     return None
+
+
+@dataclass
+class EvictionHook:
+    """The capture's decode hook of one sample's decode-time evictor: after each layer's attention, its state scores
+    the step and evicts from `cache`. A plain object (not a closure), so a prepared sample can be deep-copied."""
+
+    state: EvictionState
+    cache: KVCache
+    fixed: frozenset[int]  # sliding-window layers keep the model's own window semantics
+    softcap: dict[int, float]
+
+    def __call__(self, i: int, query: Tensor, key: Tensor, scaling: float, bias: Tensor | None = None,
+                 logits: Tensor | None = None) -> None:
+        if i not in self.fixed:
+            self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits)
 
 
 @torch.no_grad()

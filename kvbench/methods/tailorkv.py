@@ -31,6 +31,25 @@ from kvbench.registry import METHODS
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Prefetch:
+    """The capture's input hook of one sample: before each layer's attention, start the step's ledger (layer 0) and
+    prefetch the next offloaded layer's channels from its predicted query. A plain object (not a closure), so a
+    prepared sample can be deep-copied (with `capture` kept shared)."""
+
+    layers: list
+    ledger: TransferLedger
+    capture: object
+    predictable: frozenset[int]
+
+    def __call__(self, layer_idx: int, hidden, position_embeddings) -> None:
+        if layer_idx == 0:
+            self.ledger.begin_step(sum(layer.nbytes() for layer in self.layers))
+        following = layer_idx + 1
+        if following in self.predictable and isinstance(self.layers[following], OffloadedLayer):
+            self.layers[following].prefetch(self.capture.predict_query(following, hidden, position_embeddings))
+
+
 @METHODS.register("tailorkv")
 @dataclass
 class TailorKV(Method):
@@ -115,13 +134,6 @@ class TailorKV(Method):
             logger.warning("tailorkv: layers %s follow a layer with another position encoding; they pick channels "
                            "from their own query", unpredictable)
 
-        def before_attention(layer_idx, hidden, position_embeddings):
-            if layer_idx == 0:
-                ledger.begin_step(sum(layer.nbytes() for layer in layers))
-            following = layer_idx + 1
-            if following in predictable and isinstance(layers[following], OffloadedLayer):
-                layers[following].prefetch(capture.predict_query(following, hidden, position_embeddings))
-
-        capture.input_hook = before_attention
+        capture.input_hook = Prefetch(layers, ledger, capture, frozenset(predictable))
         capture.cache = cache
         return ledger

@@ -54,9 +54,10 @@ def reference(query, heads, scale, softcap=None, slopes=None, window=None):
     return out, logits_of
 
 
+@pytest.mark.parametrize("padded", [True, False])  # one padded block (CUDA without flash) / per sequence (CPU)
 @pytest.mark.parametrize("shaping", [{}, {"softcap": 0.7}, {"slopes": True}, {"window": 200},
                                      {"softcap": 1.5, "slopes": True, "window": 300}])
-def test_one_call_equals_each_sequence_and_head_alone(shaping):
+def test_one_call_equals_each_sequence_and_head_alone(shaping, padded):
     gen = torch.Generator().manual_seed(len(shaping))
     lengths = [[5, 17], [40, 1], [23, 23], [3, 30]]  # per sequence, per KV head
     sequences = [ragged_sequence(gen, n) for n in lengths]
@@ -65,7 +66,7 @@ def test_one_call_equals_each_sequence_and_head_alone(shaping):
     slopes = 2.0 ** -torch.arange(1, H_KV * G + 1).float() if shaping.get("slopes") else None
     kw = dict(softcap=shaping.get("softcap"), window=shaping.get("window"))
     out, logits = decode_attention(query, [kv for _, kv in sequences], scales, alibi_slopes=slopes,
-                                   return_logits=True, **kw)
+                                   return_logits=True, padded=padded, **kw)
     assert out.shape == (4, 1, H_KV * G, D) and logits.shape[:2] == (4, H_KV * G)
     for s, (heads, kv) in enumerate(sequences):
         expected, expected_logits = reference(query[s, :, 0], heads, scales[s], slopes=slopes, **kw)
@@ -85,7 +86,7 @@ def test_padding_never_changes_a_sequence():
     gen = torch.Generator().manual_seed(7)
     short, long = ragged_sequence(gen, [4, 2]), ragged_sequence(gen, [90, 60])
     query = torch.randn(2, H_KV * G, 1, D, generator=gen)
-    together, _ = decode_attention(query, [short[1], long[1]], 0.3)
+    together, _ = decode_attention(query, [short[1], long[1]], 0.3, padded=True)
     alone, _ = decode_attention(query[:1], [short[1]], 0.3)
     torch.testing.assert_close(together[:1], alone, rtol=1e-6, atol=1e-7)
 
@@ -112,14 +113,15 @@ def every_layer_type() -> list[KVLayer]:
     return layers
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("slopes", [None, 2.0 ** -torch.arange(1, H_KV * G + 1).float()])
-def test_every_layer_type_in_one_call_equals_each_alone(slopes):
+def test_every_layer_type_in_one_call_equals_each_alone(slopes, padded):
     query = torch.randn(4, H_KV * G, 1, D, generator=torch.Generator().manual_seed(6))
     alone = [attend(layer, query[i:i + 1], 0.3, softcap=2.0, alibi_slopes=slopes)
              for i, layer in enumerate(every_layer_type())]
     layers = every_layer_type()  # (the offloaded layer frees what it fetched for a query after each step)
     together, _ = decode_attention(query, [layer.decode_kv(query[i:i + 1]) for i, layer in enumerate(layers)], 0.3,
-                                   softcap=2.0, alibi_slopes=slopes)
+                                   softcap=2.0, alibi_slopes=slopes, padded=padded)
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-6, atol=1e-7)
 
 
