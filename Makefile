@@ -110,16 +110,31 @@ tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedd
 #   EXTRA_<paper>_<id>                the runs that sweep cannot express, each a quoted list of overrides
 #   kvbench/report/published/<paper>/<id>.json   its published numbers (python -m kvbench.report --paper --table)
 # Add a table: its id to TABLES_<paper>, and EXTRA_<paper>_<id> if it needs extra runs. A table that reads other
-# presets' runs names them in PRESETS_<paper>_<id> (default: its own preset). The smoke forms: SMOKE_<paper> (default
+# presets' runs names them in PRESETS_<paper>_<id> (default: its own preset; `none`: nothing kvbench can run, the
+# table only shows the published numbers and why). The smoke forms: SMOKE_<paper> (default
 # <paper>_smoke, one tiny sweep on the embedded model that every table of the paper reads) + EXTRA_<smoke preset>.
 PAPERS := pyramidkv adakv tailorkv keyformer buzz
-TABLES_pyramidkv := t11
+TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
 TABLES_adakv     := t1
 TABLES_tailorkv  := t14
 TABLES_keyformer := t3
 TABLES_buzz      := t2
 
 EXTRA_pyramidkv_t11 := "method=full"
+EXTRA_pyramidkv_t12 := "method=full"
+EXTRA_pyramidkv_t13 := "method=full"
+EXTRA_pyramidkv_t15 := "method=full"
+EXTRA_pyramidkv_t15_mistral := "method=full"
+EXTRA_pyramidkv_t15_70b := "method=full"
+PRESETS_pyramidkv_t1  := pyramidkv_t11 pyramidkv_t12 pyramidkv_t13   # Table 1 = the Full/64/2048 rows of 11-13
+PRESETS_pyramidkv_t2  := pyramidkv_t11 pyramidkv_t2                  # 2048 and Full are Table 11's runs
+PRESETS_pyramidkv_t4  := pyramidkv_t11   # the linear row; the other allocations are not implemented
+PRESETS_pyramidkv_t7  := pyramidkv_t11   # the PyramidKV row; MInference is not implemented
+PRESETS_pyramidkv_t8  := pyramidkv_t11   # the PyramidKV row; PyramidInfer is not implemented
+PRESETS_pyramidkv_t9  := none            # latency: not measured by kvbench's runs (the table says why)
+PRESETS_pyramidkv_t10 := none
+PRESETS_pyramidkv_t15 := pyramidkv_t15 pyramidkv_t15_mistral pyramidkv_t15_70b
+SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"
 EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift"
@@ -133,7 +148,7 @@ SMOKE_DIR ?= results/smoke
 
 # where a preset's runs go: smoke presets (<paper>..._smoke) under $(SMOKE_DIR)/<paper>, the others $(REPRODUCE_DIR)
 preset_dir = $(if $(filter %_smoke,$(1)),$(SMOKE_DIR)/$(firstword $(subst _, ,$(1))),$(REPRODUCE_DIR))
-table_presets = $(or $(PRESETS_$(1)_$(2)),$(1)_$(2))
+table_presets = $(filter-out none,$(or $(PRESETS_$(1)_$(2)),$(1)_$(2)))   # none: a table without runs
 
 run-paper-%: setup  # one preset: its sweep, then its extra runs
 	$(PYTHON) -m kvbench.run -m paper=$* results_dir=$(call preset_dir,$*)

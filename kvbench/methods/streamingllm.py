@@ -2,7 +2,8 @@
 
 Applied once after prefill, as the KV papers' baselines do (PyramidKV's LongBench script: 4 sinks + B - 4 recent;
 kvpress `StreamingLLMPress(n_sink=4)`). Positions are kept as original (no re-rotation), matching those baselines.
-Quirk: PyramidKV's NIAH script used window 32, i.e. B - 32 *first* tokens + 32 recent; set `n_sink=B-32` for that.
+`recent=r` is the other split: the last r tokens and the first B - r (PyramidKV's paper text, §5.1.3: "the last
+alpha tokens and the first k - alpha", r = alpha = 8; its NIAH script's window 32 is the same split with r = 32).
 """
 from __future__ import annotations
 
@@ -19,18 +20,25 @@ from kvbench.registry import METHODS
 @dataclass
 class StreamingLLM(Method):
     n_sink: int = 4  # initial tokens always kept (the attention sinks); counted inside the budget
+    recent: int | None = None  # instead of n_sink: keep the last `recent` tokens and the first B - recent
 
     def __post_init__(self):
         if self.n_sink < 0:
             raise ValueError(f"streamingllm: n_sink={self.n_sink} must be >= 0")
+        if self.recent is not None and self.recent < 1:
+            raise ValueError(f"streamingllm: recent={self.recent} must be >= 1 (or null: n_sink sinks + recent rest)")
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
-        if budget <= self.n_sink:
+        if self.recent is not None and budget <= self.recent:
+            raise ValueError(f"streamingllm: budget={budget} must be > recent={self.recent} (the first B - recent "
+                             "tokens are kept too); raise budget or lower method.recent.")
+        if self.recent is None and budget <= self.n_sink:
             raise ValueError(f"streamingllm: budget={budget} must be > n_sink={self.n_sink} (sinks count inside "
                              "the budget); raise budget or lower method.n_sink.")
 
     def select(self, view: LayerView, n_keep: int) -> Tensor:
         b, h_kv, n = view.keys.shape[:3]
-        idx = torch.cat([torch.arange(self.n_sink), torch.arange(n - (n_keep - self.n_sink), n)])
+        first = n_keep - self.recent if self.recent is not None else self.n_sink
+        idx = torch.cat([torch.arange(first), torch.arange(n - (n_keep - first), n)])
         return idx.to(view.keys.device).expand(b, h_kv, n_keep)

@@ -159,3 +159,38 @@ def needle_panels(df: pd.DataFrame, path: str | Path, title: str | None = None, 
         fig.suptitle(title or default, fontsize=FONT + 4)
     _save(fig, path)
     return fig
+
+
+def needle_grid(df: pd.DataFrame, methods: list[str], title: str | None = None) -> Figure:
+    """The methods' heatmaps side by side, one row per (model, budget), e.g. FullKV / StreamingLLM / H2O / SnapKV /
+    PyramidKV at KV 64, 96, 128 (PyramidKV Figs. 9-17 laid out as a grid). The full-cache run has no budget: it
+    fills its column in every row. A method without a run at a row's budget leaves its panel empty."""
+    df = df[df[LENGTH].notna() & df[DEPTH].notna()] if has_needle_grid(df) else df.iloc[:0]
+    if df.empty:
+        raise ValueError("needle_grid: no records with meta.context_length/meta.depth_percent (no NIAH runs)")
+    rows = [(model, int(b)) for model, g in df.groupby("model", sort=True)
+            for b in sorted(g.loc[g["method"] != "full", "budget"].dropna().unique())] \
+        or [(model, None) for model in sorted(df["model"].unique())]
+    width = _width(max(needle_matrix(g).shape[1] for _, g in df.groupby("run_dir")))
+    fig = Figure(figsize=(width * len(methods) / 2, 3.2 * len(rows) + 1.2), layout="constrained")
+    axes = fig.subplots(len(rows), len(methods), squeeze=False)
+    vmax, im = _vmax(df["score"].astype(float)), None
+    for r, (model, budget) in enumerate(rows):
+        for c, method in enumerate(methods):
+            ax, runs = axes[r, c], df[(df["model"] == model) & (df["method"] == method)]
+            if method != "full":
+                runs = runs[runs["budget"] == budget]
+            run_dirs = runs["run_dir"].unique()
+            if len(run_dirs) == 0:
+                ax.set_axis_off()
+                ax.set_title(f"{method_label(method)}, KV Size={budget}: no run", fontsize=FONT - 2)
+                continue
+            one = runs[runs["run_dir"] == run_dirs[0]]
+            im = _draw(ax, needle_matrix(one), vmax, xlabel=r == len(rows) - 1)
+            ax.set_title(run_caption(one), fontsize=FONT - 2)
+            ax.set_ylabel(f"{model}\nDepth Percent" if c == 0 else "", fontsize=FONT - 2)
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist()).set_label("Score", fontsize=FONT)
+    if title:
+        fig.suptitle(title, fontsize=FONT + 4)
+    return fig

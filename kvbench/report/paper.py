@@ -13,15 +13,18 @@ The published numbers ship with the package, one file per table or figure:
 - `model` (kvbench's model name in the manifests) and `model_config` (configs/model/), `dataset` (the runs'
   dataset name), `cell` (how a cell is rebuilt from records: `{"kind": "longbench_task"}`, `{"kind":
   "metric_mean", "scale": 100}` with each column's `metric`, `{"kind": "geomean", "metrics": [...], "scale": 100}`);
-- `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget; `mean_of_columns:
-  true` for an average the report recomputes from the row);
-- `rows`: `{group, label, match, values}` (+ `implemented: false` and `note` for rows kvbench cannot run);
+- `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget or a method;
+  `mean_of_columns: true` for an average the report recomputes from the row; `cell` to rebuild this column
+  another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}`);
+- `rows`: `{group, label, match, values}` (+ `implemented: false` and `note` for rows kvbench cannot run; `model`
+  and `model_config` for tables with a block per model, e.g. PyramidKV Table 1);
   `match` selects the runs: manifest keys `method`, `budget`, `ratio` or any dotted key of the resolved config
   (`positions`, `method.logn`, `dataset.protocol`); `values` maps every column key to the published number (null
   where the paper prints none);
 - optional: `match` at the top (merged into every row's: the settings that set this table's runs apart from the
   paper's other tables on the same dataset), `notes` (lines printed under the table: where the paper's own numbers
-  disagree, which reading of the paper ran).
+  disagree, which reading of the paper ran), `figure` (`budget`, the default: score vs KV size; `needle`: the NIAH
+  heatmaps side by side; `none`).
 
 Every cell shows `rebuilt / published (difference)`; a cell without a rebuilt value says why: not run, dataset not
 present, model not available, not implemented in kvbench, or not in the run's records. Rebuilt values come from the
@@ -42,6 +45,7 @@ import pandas as pd
 import yaml
 from matplotlib.figure import Figure
 
+from kvbench.report.heatmap import has_needle_grid, needle_grid
 from kvbench.report.tables import tex_escape
 
 logger = logging.getLogger(__name__)
@@ -87,11 +91,12 @@ def load_published(paper: str, table: str | None = None) -> dict:
 
 
 def preset_table(preset: str) -> tuple[str, str]:
-    """configs/paper/<preset>.yaml -> (paper, table id): `pyramidkv_t13` -> (pyramidkv, t13); `pyramidkv` and
-    `pyramidkv_smoke` (the paper's shared smoke sweep) -> the headline table."""
+    """configs/paper/<preset>.yaml -> (paper, table id): `pyramidkv_t13` -> (pyramidkv, t13), and a table's other
+    presets `pyramidkv_t15_mistral` -> (pyramidkv, t15); `pyramidkv` and `pyramidkv_smoke` (the paper's shared
+    smoke sweep) -> the headline table."""
     stem = preset.removesuffix("_smoke")
-    paper, _, table = stem.partition("_")
-    return paper, table or headline_id(paper)
+    paper, _, rest = stem.partition("_")
+    return paper, rest.split("_")[0] or headline_id(paper)
 
 
 def paper_models(paper: str) -> set[str]:
@@ -120,6 +125,7 @@ class PaperTable:
     model: str | None  # the model the rebuilt values come from
     rows: list[dict] = field(default_factory=list)  # {"group", "label", "cells": {column key: Cell}}
     other_datasets: list[str] = field(default_factory=list)  # runs found, but none on the paper's dataset
+    records: pd.DataFrame | None = None  # the records on the table's dataset and models (for its figure)
 
     @property
     def columns(self) -> list[dict]:
@@ -169,8 +175,18 @@ _defaults = {"positions": "original", "method.logn": False}  # config keys older
 
 
 def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float | None, str]:
-    """The rebuilt value of one cell from its records, or (None, why)."""
+    """The rebuilt value of one cell from its records, or (None, why). `spec` is the table's `cell`, updated by the
+    column's own `cell` (a memory column in a table of scores): `record_max` = scale x the largest value of a record
+    field (`field`), `record_ratio` = scale x max(field) / max(`per`)."""
     kind = spec["kind"]
+    if kind in ("record_max", "record_ratio"):  # a record field (kv_bytes ...): its largest value in the run
+        col = spec["field"]
+        if col not in records or records[col].dropna().empty:
+            return None, f"{col} not in the records"
+        value = float(records[col].astype(float).max())
+        if kind == "record_ratio":
+            value /= float(records[spec["per"]].astype(float).max())
+        return round(spec.get("scale", 1) * value, 2), ""
     if kind == "longbench_task":
         rec = records[records[TASK] == column["key"]] if TASK in records else records.iloc[0:0]
         if rec.empty:
@@ -240,7 +256,8 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
     own_models = model in table_models(spec)  # else a stand-in model fills every row
     df = df.iloc[0:0] if model is None else df
     configs = run_configs(df) if not df.empty else {}
-    table = PaperTable(spec, model if not df.empty else None, other_datasets=other_datasets)
+    table = PaperTable(spec, model if not df.empty else None, other_datasets=other_datasets,
+                       records=df[df["model"].isin(table_models(spec) if own_models else {model})])
     for row in spec["rows"]:
         cells = {}
         row_model = row.get("model", spec["model"]) if own_models else model
@@ -258,7 +275,7 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
             if records is None or records.empty:
                 cell.note = missing_reason(spec, row, not df.empty)
             else:
-                cell.rebuilt, cell.note = cell_value(records, spec["cell"], col)
+                cell.rebuilt, cell.note = cell_value(records, {**spec["cell"], **col.get("cell", {})}, col)
             cells[col["key"]] = cell
         for col in spec["columns"]:  # Avg.: the plain mean of the row's other columns, when all are rebuilt
             if col.get("mean_of_columns"):
@@ -376,7 +393,19 @@ def budget_figure(table: PaperTable) -> Figure | None:
     return fig
 
 
-FIGURES = {"budget": budget_figure}  # a table's `figure` (default "budget") -> its figure builder
+def needle_figure(table: PaperTable) -> Figure | None:
+    """The NIAH heatmaps of the table's runs side by side (its columns' methods, FullKV first), one row per model and
+    budget: PyramidKV Table 15's figures (Figs. 4, 9-17)."""
+    records = table.records
+    if records is None or not has_needle_grid(records):
+        return None
+    methods = [m for m in NEEDLE_METHODS if m in set(records["method"])]
+    return needle_grid(records, methods, title=table.spec["table"])
+
+
+NEEDLE_METHODS = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]  # the panels' order, left to right
+# a table's `figure` (default "budget") -> its figure builder; "none": tables whose rows are no budget series
+FIGURES = {"budget": budget_figure, "needle": needle_figure, "none": lambda table: None}
 
 
 def write_paper_report(df: pd.DataFrame, name: str, out_dir: str | Path, model: str | None = None,

@@ -56,8 +56,9 @@ def test_smoke_form_runs_through_make(paper, tmp_path):
         cell = [r for r in rows if r["method"] == label and r["column"] == column and r["rebuilt"]]
         assert cell, (label, column)
     if paper == "pyramidkv":  # the paper-era settings reached the runs
-        cfg = yaml.safe_load(next((tmp_path / paper).rglob("h2o/*/config.yaml")).read_text())
+        cfg = yaml.safe_load(next((tmp_path / paper).rglob("longbench/*/h2o/*/config.yaml")).read_text())
         assert cfg["method"]["variant"] == "kvcache_factory" and cfg["method"]["granularity"] == "query_head"
+        pyramidkv_tables(tmp_path / paper, manifests, out.stdout)
     if paper == "keyformer":  # beam 4 and the code's rule reached the runs; New Pos ran with positions=shift
         cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("keyformer/*/config.yaml")]
         assert {c["positions"] for c in cfgs} == {"original", "shift"}
@@ -65,3 +66,24 @@ def test_smoke_form_runs_through_make(paper, tmp_path):
     if paper == "buzz":
         cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("buzz/*/config.yaml")]
         assert {c["method"]["logn"] for c in cfgs} == {False, True} and {c["positions"] for c in cfgs} == {"shift"}
+
+
+def pyramidkv_tables(root: Path, manifests: list[dict], stdout: str) -> None:
+    """One smoke sweep per dataset fills a row of every PyramidKV table kvbench can run; the needle runs carry the
+    needle script's settings, the manifests the table and the reading that ran, and the heatmaps are drawn."""
+    report = root / "report" / "pyramidkv"
+    for table in ("t1", "t2", "t4", "t5", "t6", "t7", "t8", "t11", "t12", "t13", "t14", "t15"):
+        rows = list(csv.DictReader((report / f"paper_pyramidkv_{table}.csv").open()))
+        assert any(r["rebuilt"] for r in rows), table
+    assert "No runs here for t9, t10 of pyramidkv" in stdout  # latency: published only, each cell says why
+    assert (report / "paper_pyramidkv_t15_needle.png").stat().st_size > 10_000
+    assert {m["paper"]["id"] for m in manifests} == {"t11", "t15"}
+    for m in manifests:  # the reading of the paper that ran: the code's, in the presets
+        assert m["paper"]["reading"]["pyramidkv_exact"] in (None, False)
+        recent = m["paper"]["reading"]["streamingllm_recent"]
+        assert recent == (32 if m["method"] == "streamingllm" and m["dataset"] == "niah_pyramidkv" else None)
+    snap = yaml.safe_load(next(root.rglob("niah_pyramidkv/*/snapkv/*/config.yaml")).read_text())
+    assert snap["method"]["window"] == 32 and snap["method"]["granularity"] == "query_head"
+    t15 = {(r["group"], r["method"], r["column"]): r for r in csv.DictReader((report / "paper_pyramidkv_t15.csv").open())}
+    full = t15[("LLaMa-3-8B, 8k", "KV Cache 64", "Full KV Acc.")]
+    assert float(full["rebuilt"]) > 50 and float(full["published"]) == 100.0  # the needle is found with the full cache

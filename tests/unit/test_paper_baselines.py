@@ -135,6 +135,19 @@ def test_rolling_windows_hold_sinks_and_the_last_entries_after_every_step(name, 
                 assert all(row == expected for row in heads), (t, heads[0])
 
 
+@pytest.mark.parametrize("kw,first", [({}, 4), ({"n_sink": 2}, 2), ({"recent": 8}, 24 - 8), ({"recent": 20}, 4)])
+def test_streamingllm_code_and_paper_splits(kw, first):
+    """The code's 4 sinks + B - 4 recent, and PyramidKV's paper text: the last r (alpha) + the first B - r."""
+    n, budget = 50, 24
+    model, ids = tiny_model("llama", layers=2), prompt(n)
+    kept = kept_after_prefill(model, ids, METHODS["streamingllm"](**kw), budget)
+    expected = list(range(first)) + list(range(n - (budget - first), n))
+    for layer in kept:
+        assert all(sorted(row.tolist()) == expected for row in layer)
+    with pytest.raises(ValueError, match="budget=8 must be > recent=8"):
+        METHODS["streamingllm"](recent=8).check_budget(8)
+
+
 def test_rolling_windows_compute_no_prefill_scores():
     model, ids = tiny_model("llama", layers=2), prompt(40)
     calls = []
