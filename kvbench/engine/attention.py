@@ -159,7 +159,7 @@ def _flash(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, softcap: float
     s, h_q, _, d = query.shape
     flat_k, flat_v, lengths = [], [], []
     for kv in kvs:
-        valid = kv.valid if kv.valid is not None else None
+        valid = kv.valid
         flat_k.append(kv.keys[valid] if valid is not None else kv.keys.reshape(-1, d))
         flat_v.append(kv.values[valid] if valid is not None else kv.values.reshape(-1, d))
         n = kv.keys.shape[2]
@@ -171,7 +171,8 @@ def _flash(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, softcap: float
     cu_q = torch.arange(s * h_kv + 1, device=query.device, dtype=torch.int32)
     base = float(scale.max())
     q = (query[:, :, 0].float() * (scale / base)[:, None, None]).to(query.dtype).reshape(s * h_kv, -1, d)
-    out = _flash_varlen()(q.contiguous(), torch.cat(flat_k).view(-1, 1, d), torch.cat(flat_v).view(-1, 1, d),
+    flat_k, flat_v = (torch.cat(x).to(query.dtype).view(-1, 1, d) for x in (flat_k, flat_v))  # (dequantized: fp32)
+    out = _flash_varlen()(q.contiguous(), flat_k, flat_v,
                           cu_q, cu_k, 1, int(lengths.max()), softmax_scale=base, causal=False,
                           softcap=softcap or 0.0)
     return out.reshape(s, 1, h_q, d).to(query.dtype)

@@ -147,3 +147,33 @@ def test_a_query_that_does_not_fit_is_refused():
     kv = DecodeKV(torch.zeros(1, H_KV, 4, D), torch.zeros(1, H_KV, 4, D))
     with pytest.raises(ValueError, match="decode attention: query"):
         decode_attention(torch.zeros(2, H_KV * G, 1, D), [kv], 0.3)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, softcap=0.0):
+    """flash-attn's `flash_attn_varlen_func` as documented, segment by segment (one query token each here), in
+    PyTorch: query heads over `k.shape[1]` KV heads, soft cap applied to the scaled logits."""
+    out = torch.empty_like(q)
+    for i in range(len(cu_q) - 1):
+        qs, ks = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]]  # [1, G, D], [n, 1, D]
+        logits = torch.einsum("qgd,kd->gqk", qs.float(), ks[:, 0].float()) * softmax_scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("gqk,kd->qgd", logits.softmax(-1),
+                                                v[cu_k[i]:cu_k[i + 1], 0].float()).to(q.dtype)
+    return out
+
+
+def test_flash_layout_equals_the_torch_path(monkeypatch):
+    """The CUDA path's segment layout (valid entries flattened per (sequence, KV head), offsets, per-sequence scale
+    folded into the query, soft cap) checked on the CPU with flash-attn's documented semantics in PyTorch; the
+    kernel itself is checked in tests/gpu."""
+    from kvbench.engine import attention
+
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: varlen_reference)
+    layers = every_layer_type()
+    query = torch.randn(4, H_KV * G, 1, D, generator=torch.Generator().manual_seed(9))
+    kvs = [layer.decode_kv(query[i:i + 1]) for i, layer in enumerate(layers)]
+    scales = torch.tensor([0.3, 0.2, 0.3, 0.25])
+    flash = attention._flash(query, kvs, scales, 1.5)
+    torch_path, _ = decode_attention(query, kvs, scales.tolist(), softcap=1.5)
+    torch.testing.assert_close(flash, torch_path, rtol=1e-5, atol=1e-6)
