@@ -63,15 +63,17 @@ def test_submitit_sweep_of_configs_x_shards_requeues_a_preempted_job(tmp_path):
                              *grid, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline, shard_file = time.monotonic() + 400, None  # a guard against a hang, not a speed assumption
-    while time.monotonic() < deadline and proc.poll() is None:
-        shard_file = next(tmp_path.rglob("snapkv/*/predictions.shard-0-of-2.jsonl"), None)
-        if shard_file is not None and shard_file.read_text().count("\n") >= 1:
-            break
-        time.sleep(0.02)
-    holder = (shard_file.parent / ".lock.shard-0-of-2").read_text().split()  # "<host> pid <pid>"
-    written = shard_file.read_text().splitlines()
-    os.kill(int(holder[2]), signal.SIGUSR2)
-    release.touch()  # the other jobs, and the requeued one, may go on
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            shard_file = next(tmp_path.rglob("snapkv/*/predictions.shard-0-of-2.jsonl"), None)
+            if shard_file is not None and shard_file.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.02)
+        holder = (shard_file.parent / ".lock.shard-0-of-2").read_text().split()  # "<host> pid <pid>"
+        written = shard_file.read_text().splitlines()
+        os.kill(int(holder[2]), signal.SIGUSR2)
+    finally:
+        release.touch()  # the other jobs, and the requeued one, may go on (also if this test failed)
     assert len(written) == 1
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err

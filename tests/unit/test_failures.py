@@ -61,6 +61,26 @@ def test_failed_samples_are_recorded_counted_and_retried(tmp_path, caplog):
     assert scores["n"] == 3 and scores["n_failed"] == 0 and scores["failures_counted_as"] == "excluded"
 
 
+def ctrl_c_as_from_a_terminal() -> None:
+    """SIGINT handled as Python's default, whatever this test inherited: a shell that starts a job in the background
+    (CI scripts, `cmd &`) leaves SIGINT ignored, and an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def signal_each_after_its_first_record(procs: dict) -> None:
+    waiting = dict(procs)
+    deadline = time.time() + 300  # a guard against a hang, not a speed assumption
+    while waiting and time.time() < deadline:
+        for signum, (results, proc) in list(waiting.items()):
+            found = list(results.rglob("predictions.jsonl"))
+            if proc.poll() is not None or (found and found[0].read_text().count("\n") >= 1):
+                proc.send_signal(signum)
+                del waiting[signum]
+        time.sleep(0.05)
+    for _, (_, proc) in waiting.items():
+        proc.kill()
+
+
 def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_path):
     """SIGTERM (what SLURM sends before a kill) and SIGINT (Ctrl-C), to two runs at once: exit 143 / 130 with one
     line, every record written so far whole, no temp files, the run-dir lock released. Each run is signalled once its
@@ -73,20 +93,17 @@ def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_pat
                 "dataset._target_=tests.unit.faulty.HeldNeedle", f"+dataset.release={tmp_path / 'never'}",
                 f"results_dir={results}"]
         procs[signum] = (results, subprocess.Popen([sys.executable, "-m", "kvbench.run", *args], cwd=ROOT, env=ENV,
-                                                   stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True))
-    waiting = dict(procs)
-    deadline = time.time() + 300  # a guard against a hang, not a speed assumption
-    while waiting and time.time() < deadline:
-        for signum, (results, proc) in list(waiting.items()):
-            found = list(results.rglob("predictions.jsonl"))
-            if proc.poll() is not None or (found and found[0].read_text().count("\n") >= 1):
-                proc.send_signal(signum)
-                del waiting[signum]
-        time.sleep(0.05)
+                                                   stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                                   preexec_fn=ctrl_c_as_from_a_terminal))
+    try:
+        signal_each_after_its_first_record(procs)
+        stderrs = {signum: proc.communicate(timeout=120)[1] for signum, (_, proc) in procs.items()}
+    finally:
+        for _, proc in procs.values():
+            if proc.poll() is None:  # a run the signal did not stop would wait in HeldNeedle for ever
+                proc.kill()
     for signum, (results, proc) in procs.items():
-        if signum in waiting:
-            proc.kill()
-        _, stderr = proc.communicate(timeout=120)
+        stderr = stderrs[signum]
         assert proc.returncode == 128 + signum, stderr
         last = stderr.strip().splitlines()[-1]
         assert last.startswith("kvbench: stopped by SIGTERM" if signum == signal.SIGTERM else "kvbench: interrupted")
