@@ -131,8 +131,7 @@ PRESETS_pyramidkv_t2  := pyramidkv_t11 pyramidkv_t2                  # 2048 and 
 PRESETS_pyramidkv_t4  := pyramidkv_t11   # the linear row; the other allocations are not implemented
 PRESETS_pyramidkv_t7  := pyramidkv_t11   # the PyramidKV row; MInference is not implemented
 PRESETS_pyramidkv_t8  := pyramidkv_t11   # the PyramidKV row; PyramidInfer is not implemented
-PRESETS_pyramidkv_t9  := none            # latency: not measured by kvbench's runs (the table says why)
-PRESETS_pyramidkv_t10 := none
+PRESETS_pyramidkv_t9  := pyramidkv_t10   # latency: Table 9 reads Table 10's PyramidKV runs
 PRESETS_pyramidkv_t15 := pyramidkv_t15 pyramidkv_t15_mistral pyramidkv_t15_70b
 SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"

@@ -15,12 +15,14 @@ The published numbers ship with the package, one file per table or figure:
   "metric_mean", "scale": 100}` with each column's `metric`, `{"kind": "geomean", "metrics": [...], "scale": 100}`);
 - `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget or a method;
   `mean_of_columns: true` for an average the report recomputes from the row; `cell` to rebuild this column
-  another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}`);
+  another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}`; `digits`
+  for numbers printed with more than 2 decimals);
 - `rows`: `{group, label, match, values}` (+ `implemented: false` and `note` for rows kvbench cannot run; `model`
   and `model_config` for tables with a block per model, e.g. PyramidKV Table 1);
   `match` selects the runs: manifest keys `method`, `budget`, `ratio` or any dotted key of the resolved config
-  (`positions`, `method.logn`, `dataset.protocol`); `values` maps every column key to the published number (null
-  where the paper prints none);
+  (`positions`, `method.logn`, `dataset.protocol`), and `meta.*` keys the records within them (a latency cell's
+  `meta.prompt_length`); `values` maps every column key to the published number (null where the paper prints
+  none);
 - optional: `match` at the top (merged into every row's: the settings that set this table's runs apart from the
   paper's other tables on the same dataset), `notes` (lines printed under the table: where the paper's own numbers
   disagree, which reading of the paper ran), `figure` (`budget`, the default: score vs KV size; `needle`: the NIAH
@@ -154,19 +156,23 @@ def _same(a, b) -> bool:
 
 def matching_records(df: pd.DataFrame, configs: dict, match: dict) -> pd.DataFrame:
     """Records of the runs whose manifest (method, budget, ratio) and resolved config (any dotted key, e.g.
-    `positions`, `method.logn`) equal `match`. A full-cache row matches whatever budget its run had."""
+    `positions`, `method.logn`) equal `match`, and among them those whose record meta equals its `meta.*` keys.
+    A full-cache row matches whatever budget its run had."""
     keep = []
     for run_dir, g in df.groupby("run_dir", sort=False):
         row, cfg = g.iloc[0], configs.get(run_dir, {})
         ok = True
         for key, want in match.items():
-            if key == "budget" and row["method"] == "full":
+            if key == "budget" and row["method"] == "full" or key.startswith("meta."):
                 continue
             have = row[key] if key in ("method", "budget", "ratio") else cfg.get(key, _defaults.get(key))
             if have is None or (isinstance(have, float) and math.isnan(have)) or not _same(have, want):
                 ok = False
                 break
         if ok:
+            for key in (k for k in match if k.startswith("meta.")):  # record-level: e.g. a latency cell's lengths
+                values = g[key] if key in g else pd.Series(dtype=object)
+                g = g.loc[values.index[[_same(have, match[key]) for have in values]]] if len(values) else g.iloc[0:0]
             keep.append(g)
     return pd.concat(keep) if keep else df.iloc[0:0]
 
@@ -177,8 +183,16 @@ _defaults = {"positions": "original", "method.logn": False}  # config keys older
 def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float | None, str]:
     """The rebuilt value of one cell from its records, or (None, why). `spec` is the table's `cell`, updated by the
     column's own `cell` (a memory column in a table of scores): `record_max` = scale x the largest value of a record
-    field (`field`), `record_ratio` = scale x max(field) / max(`per`)."""
+    field (`field`), `record_ratio` = scale x max(field) / max(`per`), `record_sum` = the mean over records of the sum
+    of `fields` (timings), `not_measured` = no value, `note` says why."""
     kind = spec["kind"]
+    if kind == "not_measured":
+        return None, spec["note"]
+    if kind == "record_sum":  # seconds: the mean over records of the sum of timing fields
+        missing = [f for f in spec["fields"] if f not in records or records[f].dropna().empty]
+        if missing:
+            return None, f"{missing[0]} not in the records"
+        return float(records[spec["fields"]].astype(float).sum(axis=1).mean()), ""
     if kind in ("record_max", "record_ratio"):  # a record field (kv_bytes ...): its largest value in the run
         col = spec["field"]
         if col not in records or records[col].dropna().empty:
@@ -299,12 +313,15 @@ def _num(v: float | None, digits: int = 2) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def cell_text(cell: Cell) -> str:
-    """`rebuilt / published (difference)`; a missing rebuilt value gives its reason instead of a difference."""
+def cell_text(cell: Cell, digits: int = 2) -> str:
+    """`rebuilt / published (difference)`; a missing rebuilt value gives its reason instead of a difference.
+    `digits`: a column's own precision (`digits` in its spec, e.g. 6 for Table 9's allocation seconds)."""
     if cell.rebuilt is None:
-        return f"– / {_num(cell.published)} ({cell.note})" if cell.note else f"– / {_num(cell.published)}"
-    return f"{_num(cell.rebuilt)} / {_num(cell.published)} ({cell.diff:+.2f})" if cell.diff is not None \
-        else f"{_num(cell.rebuilt)} / –"
+        text = f"– / {_num(cell.published, digits)}"
+        return f"{text} ({cell.note})" if cell.note else text
+    if cell.diff is None:
+        return f"{_num(cell.rebuilt, digits)} / –"
+    return f"{_num(cell.rebuilt, digits)} / {_num(cell.published, digits)} ({cell.diff:+.{digits}f})"
 
 
 def header(table: PaperTable) -> list[str]:
@@ -326,7 +343,7 @@ def to_markdown(table: PaperTable) -> str:
     lines.append("| | Method | " + " | ".join(c["label"] for c in cols) + " |")
     lines.append("|:---|:---|" + "|".join("---:" for _ in cols) + "|")
     for row in table.rows:
-        cells = " | ".join(cell_text(row["cells"][c["key"]]) for c in cols)
+        cells = " | ".join(cell_text(row["cells"][c["key"]], c.get("digits", 2)) for c in cols)
         lines.append(f"| {row['group']} | {row['label']} | {cells} |")
     if table.spec.get("notes"):  # where the paper's own numbers disagree; which reading of the paper ran
         lines += [""] + [f"Note: {note}" for note in table.spec["notes"]]
@@ -338,7 +355,8 @@ def to_latex(table: PaperTable) -> str:
     lines = [r"\begin{tabular}{ll" + "r" * len(cols) + "}", r"\toprule",
              " & Method & " + " & ".join(tex_escape(c["label"]) for c in cols) + r" \\", r"\midrule"]
     for row in table.rows:
-        cells = [f"{_num(row['cells'][c['key']].rebuilt)} / {_num(row['cells'][c['key']].published)}" for c in cols]
+        cells = [f"{_num(row['cells'][c['key']].rebuilt, c.get('digits', 2))} / "
+                 f"{_num(row['cells'][c['key']].published, c.get('digits', 2))}" for c in cols]
         lines.append(" & ".join([tex_escape(row["group"]), tex_escape(row["label"]), *cells]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"

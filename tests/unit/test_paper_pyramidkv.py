@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -149,7 +150,8 @@ def table_presets(table: str) -> list[str]:
     return next(line.split()[2:] for line in out.splitlines() if line.split()[:2] == ["pyramidkv", table])
 
 
-@pytest.mark.parametrize("table", ["t1", "t2", "t4", "t5", "t6", "t7", "t8", "t12", "t13", "t14", "t15"])
+@pytest.mark.parametrize("table", ["t1", "t2", "t4", "t5", "t6", "t7", "t8", "t9", "t10", "t12", "t13", "t14",
+                                   "t15"])
 def test_every_row_and_column_is_run_by_the_tables_presets(table):
     """Each implemented cell's match (row + column, on the row's model and the table's dataset) is met by a run
     `make reproduce-pyramidkv-<table>` starts; and every run of the table's own presets fills some cell."""
@@ -166,6 +168,7 @@ def test_every_row_and_column_is_run_by_the_tables_presets(table):
             hits = {i for i, (_, r) in enumerate(runs)
                     if r["model"] == row.get("model", spec["model"]) and r["dataset"] == spec["dataset"]
                     and all(k == "budget" and r["method"] == "full" or str(r.get(k)) == str(v)
+                            or k.startswith("meta.") and v in r[f"dataset.{k[5:]}s"]  # a sample of the run
                             for k, v in want.items())}
             assert hits, (table, row["label"], col["key"], want)
             used |= hits
@@ -218,3 +221,26 @@ def test_table_15_needle_cells_and_figure(tmp_path):
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == ["FullKV, acc 62.5", "StreamingLLM, KV Size=64, acc 62.5", "SnapKV, KV Size=64, acc 62.5",
                       "PyramidKV, KV Size=64, acc 62.5"]
+
+
+def test_latency_tables_read_the_timings_of_each_length_pair(tmp_path):
+    def rec(i, p, g, prefill, compress, decode):
+        return record(i, 1.0, meta={"prompt_length": p, "generation_length": g}, scores={"generated": 1.0},
+                      prefill_s=prefill, compress_s=compress, decode_s=decode)
+
+    for method, scale in [("pyramidkv", 1.0), ("snapkv", 2.0)]:
+        recs = [rec(0, 512, 512, 0.5 * scale, 0.01, 10.0), rec(1, 512, 1024, 0.5, 0.03, 20.0 * scale)]
+        make_run(tmp_path, method, 128, recs, dataset="fixed_length", model="llama-3-8b-instruct", primary="generated")
+    df = load_runs([tmp_path])
+    t9 = {(r["group"], r["label"]): r["cells"] for r in build_paper_table(df, "pyramidkv", table="t9").rows}
+    cell = t9[("prompt 512", "generate 512")]
+    assert math.isclose(cell["inference_s"].rebuilt, 10.51) and cell["inference_s"].published == 18.26
+    assert math.isclose(cell["selection_s"].rebuilt, 0.01) and cell["allocation_s"].note.startswith("not timed apart")
+    assert math.isclose(t9[("prompt 512", "generate 1024")]["inference_s"].rebuilt, 20.53)
+    assert t9[("prompt 1024", "generate 512")]["inference_s"].note == "not run"
+    text = to_markdown(build_paper_table(df, "pyramidkv", table="t9"))
+    assert "0.0100 / 0.0194 (-0.0094)" in text and "– / 0.000003 (not timed apart" in text
+    t10 = {(r["group"], r["label"]): r["cells"] for r in build_paper_table(df, "pyramidkv", table="t10").rows}
+    assert math.isclose(t10[("prompt 512", "generate 512")]["snapkv"].rebuilt, 11.01)
+    assert math.isclose(t10[("prompt 512", "generate 1024")]["snapkv"].rebuilt, 40.53)
+    assert t10[("prompt 512", "generate 512")]["h2o"].note == "not run"

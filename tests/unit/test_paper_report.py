@@ -181,6 +181,7 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
                 assert reading == {"streamingllm_recent": cfg.method.get("recent"),
                                    "pyramidkv_exact": cfg.method.get("exact")}
             obj = instantiate(cfg.method)
+            instantiate(cfg.dataset)  # the preset's dataset settings fit its dataset (no stray keys from a parent)
             if cfg.budget is not None:
                 obj.check_budget(cfg.budget)
             if base in ("pyramidkv", "adakv") and method not in ("full", "streamingllm"):
