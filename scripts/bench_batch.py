@@ -56,8 +56,7 @@ def main() -> None:
     ids = prompts(tok, args.n, args.min_len, args.max_len, device)
     methods = [METHODS[name]() for name in args.methods]
     for method in methods:
-        if hasattr(method, "prepare"):  # TailorKV: its layer split, identified once on the calibration prompt
-            method.prepare(model, tok)
+        method.prepare(model, tok)  # TailorKV: its layer split, identified once on the calibration prompt
     print(f"# device={device} threads={torch.get_num_threads()} methods={args.methods} budget={args.budget} "
           f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
     best, same, reference, memo = {}, {}, None, {}

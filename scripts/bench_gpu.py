@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import PrefilledOnce, Request
 from kvbench.engine.generation import generate
+from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from shapes import LLAMA3_1_8B  # scripts/shapes.py
@@ -161,7 +162,7 @@ def main() -> None:
             with AttentionCapture(model, window=window) as capture:
                 for batch in batches:
                     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-                    if getattr(method, "evicts_while_decoding", False) or hasattr(method, "attach"):
+                    if getattr(method, "evicts_while_decoding", False) or method.kind is Kind.STORAGE:
                         cells.append("n/a")
                     elif free is not None and (batch + 1) * gen.kv_bytes_final * 1.2 > free:
                         cells.append("no memory")

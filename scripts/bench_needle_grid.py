@@ -143,8 +143,9 @@ def build_method(spec: str, model, tok, model_cfg=None):
     if name == "tailorkv" and model_cfg is not None:
         kwargs.setdefault("quant_layers", model_cfg.get("quant_friendly_layers"))
     method = METHODS[name](**kwargs)
-    if hasattr(method, "prepare"):
-        print(f"# {spec}: {method.prepare(model, tok)}", flush=True)
+    prepared = method.prepare(model, tok)
+    if prepared is not None:
+        print(f"# {spec}: {prepared}", flush=True)
     return method
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from kvbench.cache import KVCache
 from kvbench.engine.generation import Generation, eos_token_ids, prepare
-from kvbench.methods.base import Method
+from kvbench.methods.base import Kind, Method
 from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture
 
@@ -55,7 +55,7 @@ def beam_generate(model, tokenizer, method: Method, capture: AttentionCapture, i
     """Beam search from one prompt `[1, L]`; see the module docstring. Returns the best hypothesis."""
     if num_beams < 1:
         raise ValueError(f"generation: num_beams={num_beams} must be >= 1")
-    if hasattr(method, "attach"):
+    if method.kind is Kind.STORAGE:
         raise ValueError(f"beam search needs a dense cache; {method.registry_name} rebuilds its own layers")
     eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else eos_ids
     device = input_ids.device

@@ -18,8 +18,8 @@ from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
-from kvbench.methods.base import LayerView, Method
-from kvbench.methods.decoding import DecodingMethod, EvictionState
+from kvbench.methods.base import Kind, LayerView, Method
+from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture
 
 
@@ -95,7 +95,7 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     `layers_done`: each layer was already evicted inside the prefill forward (`kvbench.engine.layerwise`)."""
     if not method.compresses:
         return None
-    if hasattr(method, "attach"):
+    if method.kind is Kind.STORAGE:
         ledger = method.attach(cache, capture, budget)
         capture.trim_window_layers(cache)  # sliding-window layers keep what the model's window still shows
         return ledger
@@ -292,7 +292,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     prefill and compress a copy of a shared one (the grid launcher)."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
-    if positions == "shift" and hasattr(method, "attach"):
+    if positions == "shift" and method.kind is Kind.STORAGE:
         raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
     if compress_after not in ("layer", "prefill"):
         raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
@@ -312,9 +312,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         cache, state, held_elsewhere = KVCache(), None, 0
         capture.reset()
         capture.window = method.query_window
-        if isinstance(method, DecodingMethod):
+        if method.kind is Kind.EVICTOR:
             state = method.start(prompt_len, budget, max_new_tokens, seed)
-            if "column_scores" in method.needs:
+            if method.accumulates_attention:
                 capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
                 capture.column_block = method.causal_block(state.budget)
         in_forward = compress_after == "layer" and layerwise.applies(method)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from kvbench.cache import KVCache
-from kvbench.methods.base import Method
+from kvbench.methods.base import Kind, Method
 
 
 def applies(method: Method) -> bool:
     """Whether `method` can compress one layer at a time (eviction methods, not storage methods or `full`)."""
-    return method.compresses and not hasattr(method, "attach")
+    return method.compresses and method.kind is not Kind.STORAGE
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvbench.cache import KVCache
 from kvbench.engine.generation import prepare
-from kvbench.methods.decoding import DecodingMethod
+from kvbench.methods.base import Kind
 from kvbench.registry import METHODS
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def stream_nll(model, method, capture, rows: list[list[int]], budget, positions:
         raise ValueError("wikitext_ppl: a stream with no token pair to score (all rows shorter than 2 tokens)")
     device = next(model.parameters()).device
     first, label = feeds[0]
-    decoding = isinstance(method, DecodingMethod)  # others select once from a prompt: none here, keep all
+    decoding = method.kind is Kind.EVICTOR  # others select once from a prompt: none here, keep all
     prep = prepare(model, method if decoding else METHODS["full"](), capture, torch.tensor([[first]], device=device),
                    budget, len(feeds), positions, seed)
     cache, state, logits = prep.cache, prep.state, prep.logits

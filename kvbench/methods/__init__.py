@@ -6,6 +6,6 @@ import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass
 from kvbench.methods import (  # noqa: F401
     adakv, buzz, full, h2o, keyformer, pyramidkv, snapkv, streamingllm, tailorkv, window,
 )
-from kvbench.methods.base import LayerView, Method, Phase
+from kvbench.methods.base import Kind, LayerView, Method
 
-__all__ = ["LayerView", "Method", "Phase"]
+__all__ = ["Kind", "LayerView", "Method"]

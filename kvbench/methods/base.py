@@ -1,7 +1,7 @@
 """What every method shares: the `Method` base, the per-layer view it scores, and the selection helpers.
 
-A method declares its knobs (dataclass fields, mirrored by `configs/method/<name>.yaml`) and capabilities
-(`phase`, `needs`, `granularity`), turns a budget into per-layer entry counts (`layer_budgets`), and picks which
+A method declares its knobs (dataclass fields, mirrored by `configs/method/<name>.yaml`), what it is (`kind`) and
+its capabilities (`query_window`, `granularity`), turns a budget into per-layer entry counts (`layer_budgets`), and picks which
 entries of one layer survive (`select`). It never loads models, registers hooks, touches files or frees memory:
 `kvbench.engine.generation.compress` applies its choice to the cache.
 """
@@ -16,10 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-class Phase(enum.Enum):
-    PREFILL = "prefill"  # one-shot eviction after the prompt
-    DECODE = "decode"  # eviction while generating
-    BOTH = "both"
+class Kind(enum.Enum):
+    """What a method is; the engine dispatches on it (never on which attributes a class happens to have)."""
+
+    SELECTOR = "prefill selector"  # picks the prompt entries to keep, once, at prefill: `select` (SnapKV, full)
+    EVICTOR = "decode-time evictor"  # evicts at prefill and while generating, from scores it accumulates:
+    #                                   `DecodingMethod` (H2O, Keyformer, BUZZ, the rolling windows)
+    STORAGE = "storage"  # keeps every entry in layers with their own storage and retrieval: `attach` (TailorKV)
 
 
 @dataclass
@@ -49,8 +52,7 @@ class LayerView:
 class Method:
     """Base class: subclasses are dataclasses registered with `@METHODS.register(name)`."""
 
-    phase: ClassVar[Phase] = Phase.PREFILL
-    needs: ClassVar[frozenset[str]] = frozenset()  # "window_queries": the capture records `self.window` queries
+    kind: ClassVar[Kind] = Kind.SELECTOR
     own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
     # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
 
@@ -61,7 +63,12 @@ class Method:
     @property
     def query_window(self) -> int:
         """How many of the prompt's last queries the capture records for this method at prefill (0: none)."""
-        return getattr(self, "window", 0) if "window_queries" in self.needs else 0
+        return 0
+
+    def prepare(self, model, tokenizer) -> dict | None:
+        """Once per run, after the model loads: per-run setup whose result goes into manifest.json (TailorKV's
+        layer split), or None."""
+        return None
 
     def check_budget(self, budget: int | None) -> None:
         """Raise ValueError (one line, naming the fix) if `budget` makes no sense for this method."""

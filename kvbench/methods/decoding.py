@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from kvbench.cache.kv_cache import KVLayer
-from kvbench.methods.base import Method, Phase, reduce_groups
+from kvbench.methods.base import Kind, Method, reduce_groups
 
 
 @dataclass
@@ -88,8 +88,8 @@ class DecodingMethod(Method):
 
     gqa_reduce: Literal["mean", "sum", "max"] = "mean"  # query heads of a KV group -> one score (MHA: no-op)
 
-    phase: ClassVar[Phase] = Phase.BOTH
-    needs: ClassVar[frozenset[str]] = frozenset({"column_scores"})
+    kind: ClassVar[Kind] = Kind.EVICTOR
+    accumulates_attention: ClassVar[bool] = True  # scores start from the capture's prefill column sums
 
     @property
     def evicts_while_decoding(self) -> bool:

@@ -15,7 +15,7 @@ Defaults follow the reference scripts: window 32, max-pool 7. Quirks and their s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from torch import Tensor
 
@@ -35,7 +35,9 @@ class WindowScorer(Method):
     granularity: Granularity = "kv_head"
     gqa_reduce: Literal["mean", "max", "sum"] = "mean"  # how query heads of a KV group are combined (kv_head)
 
-    needs: ClassVar[frozenset[str]] = frozenset({"window_queries"})
+    @property
+    def query_window(self) -> int:
+        return self.window  # the capture records the last `window` queries of the prompt
 
     def __post_init__(self):
         name = type(self).registry_name

@@ -25,7 +25,7 @@ from kvbench.cache.kv_cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
-from kvbench.methods.base import Method, Phase
+from kvbench.methods.base import Kind, Method
 from kvbench.registry import METHODS
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class TailorKV(Method):
     channel_query: str = "predicted"  # predicted: q̂ from the previous layer's input (paper); current: the layer's
     #                                   own query (an oracle ablation: exact channels, no one-layer-ahead prefetch)
 
-    phase: ClassVar[Phase] = Phase.DECODE
+    kind: ClassVar[Kind] = Kind.STORAGE
     own_storage: ClassVar[bool] = True
 
     def __post_init__(self):

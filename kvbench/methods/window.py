@@ -25,7 +25,7 @@ class RollingWindow(DecodingMethod):
 
     n_sink: int = 0
 
-    needs: ClassVar[frozenset[str]] = frozenset()  # no column sums: selection is by position only
+    accumulates_attention: ClassVar[bool] = False  # no column sums: selection is by position only
 
     def __post_init__(self):
         if self.n_sink < 0:

@@ -40,6 +40,7 @@ from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
 from kvbench.runs.failures import failure_record, stop_on_signals
 from kvbench.engine.generation import Prefilled, Sampling, prefill
+from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.runs.store import RunStore, sha256_text
 
@@ -99,7 +100,7 @@ def shares_prefill(config: ConfigRun, budget: int | None) -> bool:
     method = config.method
     if getattr(method, "logit_scale", None) is not None:  # BUZZ log n: a temperature on the model's attention
         return False
-    return not (isinstance(method, DecodingMethod) and method.causal_block(budget) is not None)
+    return not (method.kind is Kind.EVICTOR and method.causal_block(budget) is not None)
 
 
 def plan(jobs: list[GridJob]) -> tuple[list[list[ConfigRun]], list[ConfigRun]]:
@@ -120,7 +121,7 @@ def plan(jobs: list[GridJob]) -> tuple[list[list[ConfigRun]], list[ConfigRun]]:
             groups.setdefault(prefill_key(job.cfg), []).append(config)
     for configs in groups.values():
         for i, config in enumerate(configs):
-            if isinstance(config.method, DecodingMethod) and "column_scores" in config.method.needs:
+            if config.method.kind is Kind.EVICTOR and config.method.accumulates_attention:
                 plain = type(config.method).row_score is DecodingMethod.row_score
                 config.scorer = "softmax" if plain else f"config{i}"  # a plain softmax sum serves H2O and BUZZ alike
     return list(groups.values()), alone
@@ -253,7 +254,7 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
 def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int) -> None:
     cfg, run_dir = config.cfg, config.job.run_dir
     config.store = RunStore(run_dir)
-    prepared = config.method.prepare(model, tokenizer) if hasattr(config.method, "prepare") else None
+    prepared = config.method.prepare(model, tokenizer)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     old = config.store.read_json("manifest.json")
     info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,

@@ -146,7 +146,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
     model, tokenizer = load(spec)
-    prepared = method.prepare(model, tokenizer) if hasattr(method, "prepare") else None
+    prepared = method.prepare(model, tokenizer)
     samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if cfg.limit is not None:
         samples = samples[: cfg.limit]

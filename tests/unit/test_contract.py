@@ -11,6 +11,7 @@ from transformers import AttentionInterface
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.generation import generate
+from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
@@ -52,7 +53,7 @@ def test_method_contract(name, family):
         per_entry = gen.full_kv_bytes / (N * model.config.num_key_value_heads * model.config.num_hidden_layers)
         heads = max(len(layer) for layer in gen.kept_per_head)
         mean_kept = gen.kv_bytes / per_entry / heads / model.config.num_hidden_layers
-        if hasattr(method, "attach"):  # storage (TailorKV): sparse layers attend exactly `budget` prompt entries
+        if method.kind is Kind.STORAGE:  # storage (TailorKV): sparse layers attend exactly `budget` prompt entries
             assert all(kept == [budget] * len(kept) for kept in gen.kept_per_head[1:])
             layers = model.config.num_hidden_layers  # host: K, V and Kᵀ of every offloaded layer
             assert gen.kv_bytes < gen.full_kv_bytes
@@ -63,3 +64,18 @@ def test_method_contract(name, family):
         else:  # one-shot: the mean kept per head is the budget (pyramid rounding may add a few percent)
             assert budget * 0.9 <= mean_kept <= budget * 1.35, (name, budget, mean_kept)
             assert gen.kv_bytes < gen.full_kv_bytes
+
+
+@pytest.mark.parametrize("name", METHODS.names())
+def test_method_declares_what_it_is(name):
+    """`kind` is what the engine dispatches on, so it must match what the class implements: a selector's `select`
+    (or `full`, which keeps everything), an evictor's `evict` (a DecodingMethod), a storage method's `attach`."""
+    method = configured(name)
+    cls = type(method)
+    implements = {Kind.SELECTOR: cls.select is not kvbench.methods.Method.select or not method.compresses,  # full
+                  Kind.EVICTOR: isinstance(method, DecodingMethod),
+                  Kind.STORAGE: callable(getattr(cls, "attach", None))}
+    assert [kind for kind, yes in implements.items() if yes] == [method.kind], (name, implements)
+    expected = {"full": Kind.SELECTOR, "snapkv": Kind.SELECTOR, "h2o": Kind.EVICTOR, "tailorkv": Kind.STORAGE}
+    assert method.kind is expected.get(name, method.kind)
+    assert method.query_window == (getattr(method, "window", 0) if method.kind is Kind.SELECTOR else 0)

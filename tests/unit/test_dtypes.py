@@ -10,6 +10,7 @@ import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import Request, generate_batched
 from kvbench.engine import attention
 from kvbench.engine.generation import decode, generate, prepare
+from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.test_contract import configured
@@ -46,7 +47,7 @@ def test_method_runs_in_half_precision(name, half_model):
     assert dtypes == {dtype}  # every tensor the layers hold is in the model dtype: no fp32 upcast kept
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert full.kv_bytes == 2 * N * model.config.num_key_value_heads * head_dim * 2 * model.config.num_hidden_layers
-    if hasattr(method, "attach"):  # TailorKV: quantized / offloaded stores account for themselves
+    if method.kind is Kind.STORAGE:  # TailorKV: quantized / offloaded stores account for themselves
         assert gen.kv_bytes < full.kv_bytes
         return
     for kept, nbytes in zip(gen.kept_per_head, gen.kv_bytes_per_layer):

@@ -19,6 +19,7 @@ import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.engine.generation import generate, prefill
+from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir
 from kvbench.models.loader import RANDOM_FAMILIES
@@ -186,7 +187,7 @@ def check_contract(family: str, name: str):
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
         window = model.config.sliding_window
         assert kept[i] is not None and all(p.tolist() == list(range(N - window + 1, N)) for p in kept[i])
-    if not hasattr(method, "attach"):  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
+    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
         head_dim = seen["layers"][0].keys.shape[-1]
         assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * 2 * head_dim * 4
 
