@@ -84,6 +84,7 @@ def pyramidkv_tables(root: Path, manifests: list[dict], stdout: str) -> None:
         assert recent == (32 if m["method"] == "streamingllm" and m["dataset"] == "niah_pyramidkv" else None)
     snap = yaml.safe_load(next(root.rglob("niah_pyramidkv/*/snapkv/*/config.yaml")).read_text())
     assert snap["method"]["window"] == 32 and snap["method"]["granularity"] == "query_head"
-    t15 = {(r["group"], r["method"], r["column"]): r for r in csv.DictReader((report / "paper_pyramidkv_t15.csv").open())}
+    t15 = {(r["group"], r["method"], r["column"]): r
+           for r in csv.DictReader((report / "paper_pyramidkv_t15.csv").open())}
     full = t15[("LLaMa-3-8B, 8k", "KV Cache 64", "Full KV Acc.")]
     assert float(full["rebuilt"]) > 50 and float(full["published"]) == 100.0  # the needle is found with the full cache

@@ -150,8 +150,7 @@ def table_presets(table: str) -> list[str]:
     return next(line.split()[2:] for line in out.splitlines() if line.split()[:2] == ["pyramidkv", table])
 
 
-@pytest.mark.parametrize("table", ["t1", "t2", "t4", "t5", "t6", "t7", "t8", "t9", "t10", "t12", "t13", "t14",
-                                   "t15"])
+@pytest.mark.parametrize("table", table_ids("pyramidkv"))
 def test_every_row_and_column_is_run_by_the_tables_presets(table):
     """Each implemented cell's match (row + column, on the row's model and the table's dataset) is met by a run
     `make reproduce-pyramidkv-<table>` starts; and every run of the table's own presets fills some cell."""
