@@ -117,8 +117,8 @@ PAPERS := pyramidkv adakv tailorkv keyformer buzz
 TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
 TABLES_adakv     := t1
 TABLES_tailorkv  := t14
-TABLES_keyformer := t3
-TABLES_buzz      := t2
+TABLES_keyformer := t2 t3 t4 f7
+TABLES_buzz      := t2 t3 ta tb tc f6
 
 EXTRA_pyramidkv_t11 := "method=full"
 EXTRA_pyramidkv_t12 := "method=full"
@@ -138,6 +138,18 @@ EXTRA_adakv_t1      := "method=full"
 EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
+PRESETS_keyformer_t2 := none   # lm-eval runs (python -m kvbench.harness, docs/reproduce.md): published numbers only
+PRESETS_keyformer_t4 := keyformer_t4 keyformer_t4_gptj keyformer_t4_cerebras
+PRESETS_keyformer_f7 := keyformer_f7 keyformer_f7_gptj keyformer_f7_cerebras
+EXTRA_keyformer_t4 := "method=h2o"
+EXTRA_keyformer_t4_gptj := "method=h2o"
+EXTRA_keyformer_t4_cerebras := "method=h2o"
+EXTRA_keyformer_f7 := "method=full"
+EXTRA_keyformer_f7_gptj := "method=full"
+EXTRA_keyformer_f7_cerebras := "method=full"
+PRESETS_buzz_tb := buzz_t2   # Table B = Table 2's runs, per ROUGE
+EXTRA_buzz_tc := "-m method=buzz method.logn=true"
+EXTRA_buzz_t3 := "-m method=buzz method.logn=true" "method=full"
 # The smoke forms sweep one budget, so FullKV sits in their sweep (one process fewer each, for CI's time).
 EXTRA_tailorkv_smoke  := "method=tailorkv method.bits=2"
 EXTRA_keyformer_smoke := "method=keyformer positions=shift"

@@ -9,7 +9,10 @@ accumulated attention ("local heavy hitters", first maximum on ties). Scores are
 Parameters: sink 4, stride 5. With `window`/`threshold` unset they follow the budget in "peak" mode (the spec's
 recommended mapping): sink + window + T = budget and T / window = (s^2 + 1) / (s + 1) for odd s (s - 1 for even s),
 Theorem 3.1's optimum, so the cache never holds more than `budget` entries after a step. Set both to rebuild the
-paper's runs (code defaults: window 160, T 400).
+paper's runs (code defaults: window 160, T 400). `tw_ratio` replaces the theorem's T / w (Table A's ablation).
+`budget_mode="average"` is the paper's reading of a budget (Sec. 4.2.1: "the percentage of the average cache
+size"): the budget is the mean occupancy over an eviction cycle, sink + window + (a* + T) / 2 with the middle after
+an eviction a* = T / theorem_ratio(stride) (Theorem 3.1's fixed point), so the cache peaks above `budget`.
 `prefill_mode="loop"` (default) follows Remark 2: after prefill's local-max pass, the middle is interval-thinned
 until it fits T; `single_pass` is the code, which leaves the thinning to the first decode steps.
 `logn=True` is the paper's "BUZZ (with log n)" rows (Sec. 3.5; a commented-out line of the code): every layer's
@@ -68,12 +71,18 @@ class BUZZ(DecodingMethod):
     threshold: int | None = None  # T, the middle's capacity; None = budget - n_sink - window
     prefill_mode: Literal["loop", "single_pass"] = "loop"
     logn: bool = False  # attention temperature log_512(n_keys) on every layer (the "with log n" rows)
+    tw_ratio: float | None = None  # T / w for a budget; None = Theorem 3.1's optimum for the stride
+    budget_mode: Literal["peak", "average"] = "peak"  # what `budget` caps: the cache after a step, or its mean
 
     def __post_init__(self):
         if self.stride < 2 or self.n_sink < 0:
             raise ValueError(f"buzz: stride={self.stride} must be >= 2 and n_sink={self.n_sink} >= 0")
         if self.prefill_mode not in ("loop", "single_pass"):
             raise ValueError(f"buzz: prefill_mode={self.prefill_mode!r} is not one of loop, single_pass")
+        if self.budget_mode not in ("peak", "average"):
+            raise ValueError(f"buzz: budget_mode={self.budget_mode!r} is not one of peak, average")
+        if self.tw_ratio is not None and self.tw_ratio <= 0:
+            raise ValueError(f"buzz: tw_ratio={self.tw_ratio} must be > 0")
 
     @property
     def logit_scale(self):
@@ -81,11 +90,16 @@ class BUZZ(DecodingMethod):
         return logn_scale if self.logn else None
 
     def sizes(self, budget: int) -> tuple[int, int]:
-        """(window, threshold) for a budget."""
+        """(window, threshold) for a budget: peak k + w + T = budget; average k + w + (a* + T) / 2 = budget."""
+        ratio = self.tw_ratio if self.tw_ratio is not None else theorem_ratio(self.stride)
+        # T per unit of budget beyond the window: 1 at peak; (1 + a*/T) / 2 on average
+        share = 1.0 if self.budget_mode == "peak" else (1 + 1 / theorem_ratio(self.stride)) / 2
         window = self.window
         if window is None:
-            window = round((budget - self.n_sink) / (1 + theorem_ratio(self.stride)))
-        threshold = self.threshold if self.threshold is not None else budget - self.n_sink - window
+            window = round((budget - self.n_sink) / (1 + ratio * share))
+        threshold = self.threshold
+        if threshold is None:
+            threshold = budget - self.n_sink - window if self.budget_mode == "peak" else round(ratio * window)
         return window, threshold
 
     def check_budget(self, budget: int | None) -> None:

@@ -17,6 +17,9 @@ Budget: `budget` entries, or `budget_fraction` of the prompt length (the paper's
 takes the fraction of 1920 instead, the base of the released runs (every prompt left-padded to 1920 tokens:
 k = int(1920 * fraction), e.g. 1152 at 60 %, whatever the article's length). Noise is seeded per sample (run `seed`) and drawn on the model's
 device (CPU and CUDA draw different numbers from the same seed).
+`logit_adjustment` is Table 4's ablation: `gumbel` (the method), `gaussian` (noise of the Gumbel's mean 0.5772 and
+std 1.2825), `constant` (c = 0.5772 on every logit: softmax is shift-invariant, so only the temperature acts) or
+`none` (plain softmax(x / tau); the paper's "None" column is H2O in the same framework: method=h2o).
 Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
 """
 from __future__ import annotations
@@ -32,6 +35,11 @@ from kvbench.methods.decoding import DecodingMethod, EvictionState, heavy_recent
 from kvbench.registry import METHODS
 
 
+EULER_GAMMA = 0.5772  # the standard Gumbel's mean (Table 4's Gaussian mean and constant c)
+GUMBEL_STD = 1.2825  # its standard deviation, pi / sqrt(6)
+ADJUSTMENTS = ("gumbel", "gaussian", "constant", "none")
+
+
 @METHODS.register("keyformer")
 @dataclass
 class Keyformer(DecodingMethod):
@@ -41,6 +49,7 @@ class Keyformer(DecodingMethod):
     selection: Literal["paper", "code_frozen"] = "paper"
     budget_fraction: float | None = None  # k = int(prompt_len * fraction) instead of `budget`
     padded_length: int | None = None  # with budget_fraction: k = int(padded_length * fraction) (released runs: 1920)
+    logit_adjustment: Literal["gumbel", "gaussian", "constant", "none"] = "gumbel"  # Table 4's score noise
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:
@@ -53,6 +62,9 @@ class Keyformer(DecodingMethod):
             raise ValueError(f"keyformer: budget_fraction={self.budget_fraction} must be in (0, 1]")
         if self.padded_length is not None and (self.budget_fraction is None or self.padded_length < 1):
             raise ValueError(f"keyformer: padded_length={self.padded_length} needs budget_fraction and must be >= 1")
+        if self.logit_adjustment not in ADJUSTMENTS:
+            raise ValueError(f"keyformer: logit_adjustment={self.logit_adjustment!r} is not one of "
+                             f"{', '.join(ADJUSTMENTS)}")
 
 
     def check_budget(self, budget: int | None) -> None:
@@ -69,10 +81,18 @@ class Keyformer(DecodingMethod):
         t = state.step if decoding else 0
         return self.tau_init + t * (self.tau_end - self.tau_init) / max(state.max_new_tokens, 1)
 
+    def noise(self, logits: Tensor, state: EvictionState) -> Tensor | float:
+        """The logit adjustment added before the tempered softmax, drawn where the logits live."""
+        if self.logit_adjustment in ("none", "constant"):
+            return 0.0 if self.logit_adjustment == "none" else EULER_GAMMA
+        draw = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        gen = state.generator_on(logits.device)
+        if self.logit_adjustment == "gaussian":
+            return draw.normal_(EULER_GAMMA, GUMBEL_STD, generator=gen)
+        return -draw.exponential_(generator=gen).log()  # standard Gumbel
+
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
-        exp = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # drawn where the logits live
-        gumbel = -exp.exponential_(generator=state.generator_on(logits.device)).log()
-        return ((logits + gumbel) / self.tau(state, decoding)).softmax(dim=-1)
+        return ((logits + self.noise(logits, state)) / self.tau(state, decoding)).softmax(dim=-1)
 
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
         k = state.budget

@@ -12,7 +12,8 @@ The published numbers ship with the package, one file per table or figure:
   `--paper <paper>` without runs stand for;
 - `model` (kvbench's model name in the manifests) and `model_config` (configs/model/), `dataset` (the runs'
   dataset name), `cell` (how a cell is rebuilt from records: `{"kind": "longbench_task"}`, `{"kind":
-  "metric_mean", "scale": 100}` with each column's `metric`, `{"kind": "geomean", "metrics": [...], "scale": 100}`);
+  "metric_mean", "scale": 100}` with each column's `metric`, `{"kind": "geomean", "metrics": [...], "scale": 100}`,
+  `{"kind": "record_ppl"}`: exp(total NLL / total tokens) over the records, a perplexity table);
 - `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget or a method;
   `mean_of_columns: true` for an average the report recomputes from the row; `cell` to rebuild this column
   another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}`; `digits`
@@ -201,6 +202,10 @@ def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float |
         if kind == "record_ratio":
             value /= float(records[spec["per"]].astype(float).max())
         return round(spec.get("scale", 1) * value, 2), ""
+    if kind == "record_ppl":  # perplexity over the run's streams: exp(total NLL / total tokens), as scores.json
+        if "nll_sum" not in records or records["nll_sum"].dropna().empty:
+            return None, "nll_sum not in the records"
+        return math.exp(records["nll_sum"].astype(float).sum() / records["n_tokens"].astype(float).sum()), ""
     if kind == "longbench_task":
         rec = records[records[TASK] == column["key"]] if TASK in records else records.iloc[0:0]
         if rec.empty:
