@@ -138,7 +138,7 @@ EXTRA_adakv_t1      := "method=full"
 EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
-PRESETS_keyformer_t2 := none   # lm-eval runs (python -m kvbench.harness, docs/reproduce.md): published numbers only
+PRESETS_keyformer_t2 := none   # lm-eval runs + python -m kvbench.report.lm_eval_runs (docs/reproduce.md)
 PRESETS_keyformer_t4 := keyformer_t4 keyformer_t4_gptj keyformer_t4_cerebras
 PRESETS_keyformer_f7 := keyformer_f7 keyformer_f7_gptj keyformer_f7_cerebras
 EXTRA_keyformer_t4 := "method=h2o"

@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from kvbench.report import load_runs  # noqa: E402
+from kvbench.report.lm_eval_runs import main as import_main  # noqa: E402
 from kvbench.runs.harness import KVBenchLM, main  # noqa: E402
 
 CONTEXT = ("The keeper of the kvbench lighthouse painted its door blue in 1931, and the harbour board paid for "
@@ -76,3 +78,9 @@ def test_lm_eval_command_line_runs_a_local_task(tmp_path, monkeypatch):
     expected = sum(max(range(len(s["filtered_resps"])), key=lambda i: float(s["filtered_resps"][i][0])) == 0
                    for s in logged) / len(logged)
     assert len(logged) == 2 and acc == expected
+    # imported as a kvbench run (Keyformer Table 2's path into the report): its records average to lm-eval's acc
+    import_main([str(tmp_path / "out"), "--out", str(tmp_path / "runs")])
+    df = load_runs([tmp_path / "runs"])
+    assert df["scores.acc"].mean() == acc and set(df["meta.task"]) == {"kvbench_mc"}
+    assert set(df["meta.num_fewshot"]) == {0}
+    assert (df["method"].iloc[0], df["budget"].iloc[0], df["model"].iloc[0]) == ("h2o", 8, "tiny-llama")
