@@ -24,7 +24,8 @@ The published numbers ship with the package, one file per table or figure:
   (`positions`, `method.logn`, `dataset.protocol`), and `meta.*` keys the records within them (a latency cell's
   `meta.prompt_length`); `values` maps every column key to the published number (null where the paper prints
   none);
-- optional: `match` at the top (merged into every row's: the settings that set this table's runs apart from the
+- optional: `runner` (the command that makes the runs of a table no preset runs: Keyformer Table 2's lm-eval),
+  `match` at the top (merged into every row's: the settings that set this table's runs apart from the
   paper's other tables on the same dataset), `notes` (lines printed under the table: where the paper's own numbers
   disagree, which reading of the paper ran), `figure` (`budget`, the default: score vs KV size; `needle`: the NIAH
   heatmaps side by side; `none`).
