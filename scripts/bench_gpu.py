@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import PrefilledOnce, Request
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

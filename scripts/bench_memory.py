@@ -28,7 +28,7 @@ def child(order: str, args) -> None:
     """Run every method once with `order`, printing one JSON line per method."""
     import kvbench.methods  # noqa: F401
     from kvbench.data.niah import NeedleHaystack
-    from kvbench.engine.generation import generate
+    from kvbench.engine.batching import generate
     from kvbench.models import AttentionCapture, ModelSpec, load
     from kvbench.registry import METHODS
 

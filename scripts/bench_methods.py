@@ -15,7 +15,7 @@ import torch
 
 import kvbench.methods  # noqa: F401
 from kvbench.data.niah import NeedleHaystack
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 

@@ -29,7 +29,8 @@ from hydra.utils import instantiate
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.engine.generation import compress, decode, eos_token_ids, generate, prefill
+from kvbench.engine.generation import Prepared, compress, eos_token_ids, prefill
+from kvbench.engine.batching import decode, generate
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
@@ -84,8 +85,9 @@ def main() -> None:
                 ledger = compress(method, cache, capture, budget)
                 kv_bytes = cache.nbytes()
                 t0 = time.perf_counter()
-                tokens, text, steps = decode(model, cache, logits, ids.shape[1], sample.max_new_tokens, eos,
-                                             sample.stop, tok)
+                gen = decode(model, tok, method, capture, Prepared.from_cache(cache, logits, ids.shape[1], ledger),
+                             sample.max_new_tokens, eos, sample.stop)
+                text, steps = gen.text, max(len(gen.token_ids) - 1, 0)
                 elapsed = time.perf_counter() - t0
                 key = (length, name, budget)
                 acc[key].append(dataset.score(sample, text)[dataset.primary_metric])

@@ -17,7 +17,7 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.full import Full
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture

@@ -37,7 +37,7 @@ import copy
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +80,8 @@ class Request:
     tag: object = None
     decoding: Decoding | None = None  # None: the decoder's; a grid sweep mixes its configurations in one batch
     prefilled: Prefilled | None = None  # a prefill shared with other requests: compress a copy (`generation.prepare`)
+    prepared: Prepared | None = None  # already prefilled and compressed (by hand): decode it as it is
+    on_logits: Callable[[int, Tensor], None] | None = None  # sees step t's logits before the token is chosen
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -205,21 +207,24 @@ class BatchedDecoder:
                             yield slot.request, e
         finally:
             AttentionInterface._global_mapping.pop(self.name, None)
-            self.capture.logit_scale = None  # set per method by `prepare`, as `generate` leaves it
+            if self.batch_size == 1:  # the last sample's hooks
+                self.capture.reset()
+            self.capture.logit_scale = None  # set per method by `prepare`
             self.rows = {}
 
     def _join(self, request: Request) -> Slot:
         """Prefill and compress one prompt alone (or a copy of its shared prefill); keep the hooks its method set
         on the capture."""
         decoding = request.decoding or self.decoding
-        run = prepare(self.model, decoding.method, self.capture, request.input_ids, request.budget,
-                      request.max_new_tokens, decoding.positions, request.seed, decoding.compress_after,
-                      request.prefilled)
+        run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
+                                          request.budget, request.max_new_tokens, decoding.positions, request.seed,
+                                          decoding.compress_after, request.prefilled)
         generator = sampling_generator(decoding.sampling, run.logits.device)
         slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
                     self.capture.logit_scale, generator, run.logits)
-        self.capture.reset()
-        self.capture.logit_scale = None
+        if self.batch_size > 1:  # the hooks travel with the slot; a batch of one keeps them on the capture
+            self.capture.reset()
+            self.capture.logit_scale = None
         return slot
 
     def _into_rows(self, slot: Slot) -> Slot:
@@ -261,11 +266,13 @@ class BatchedDecoder:
             return e
 
     def _choose(self, slot: Slot) -> Tensor | None:
-        """The slot's next token `[1, 1]` as `generation.decode` picks it (left on the device); None when the
+        """The slot's next token `[1, 1]` (left on the device); None when the
         sample has generated all it may."""
         request, logits = slot.request, slot.logits
         if slot.t >= request.max_new_tokens:
             return None
+        if request.on_logits is not None:
+            request.on_logits(slot.t, logits)
         enders = self.eos_ids | set(request.stop_token_ids)
         if slot.t < request.min_new_tokens and enders:
             logits = logits.clone()
@@ -309,19 +316,25 @@ class BatchedDecoder:
         device = stepping[0][1].device
         input_ids = torch.cat([token for _, token in stepping])
         positions = torch.tensor([[self._position(slot)] for slot in slots], device=device)
-        self.cache = BatchedCache(slots)
         capture_name = self.model.config._attn_implementation
-        hooked = [slot for slot in slots if slot.input_hook is not None]
-        if hooked:
-            self.capture.input_hook = self._input_hook
-        self.model.set_attn_implementation(self.name)
+        if self.batch_size == 1:  # a batch of one: its own cache, the capture's attention and hooks as they are
+            (slot,) = slots  # (every family, attention replaced or windowed included, decodes this way)
+            past, attention = slot.run.cache, capture_name
+            self.capture.cache = slot.run.cache
+        else:
+            past = self.cache = BatchedCache(slots)
+            attention = self.name
+            if any(slot.input_hook is not None for slot in slots):
+                self.capture.input_hook = self._input_hook
+        self.model.set_attn_implementation(attention)
         t0 = time.perf_counter()
         try:
-            logits = self.model(input_ids=input_ids, past_key_values=self.cache, position_ids=positions,
+            logits = self.model(input_ids=input_ids, past_key_values=past, position_ids=positions,
                                 use_cache=True).logits[:, -1]
         finally:
             self.model.set_attn_implementation(capture_name)
-            self.capture.reset()
+            if self.batch_size > 1:
+                self.capture.reset()
             self.cache = None
         if logits.is_cuda:  # the next token's .item() would wait anyway; waiting here makes the time right
             torch.cuda.synchronize(logits.device)
@@ -452,3 +465,39 @@ def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture
     decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids,
                              compress_after)
     yield from decoder.run(requests)
+
+
+def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
+             budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
+             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
+             positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
+             min_new_tokens: int = 0, compress_after: str = "layer",
+             prefilled: Prefilled | None = None) -> Generation:
+    """One prompt end to end: a batch of one through the engine, with timings and the cache's accounting.
+    `capture` must be active on `model`. A failure raises (batches report it per sample instead).
+
+    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
+    sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift).
+    `seed` seeds per-sample randomness of a method (Keyformer's Gumbel noise). `on_logits(t, logits)` sees each
+    step's logits. `compress_after` and `prefilled`: see `generation.prepare`."""
+    request = Request(input_ids, budget, max_new_tokens, tuple(stop), tuple(stop_token_ids), min_new_tokens, seed,
+                      prefilled=prefilled, on_logits=on_logits)
+    return _alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids,
+                                 compress_after), request)
+
+
+def decode(model, tokenizer, method: Method, capture: AttentionCapture, prepared: Prepared, max_new_tokens: int,
+           eos_ids: set[int], stop: tuple[str, ...] = (), positions: str = "original",
+           sampling: Sampling = Sampling()) -> Generation:
+    """Decode a cache prefilled and compressed by hand (`Prepared.from_cache`, or `prepare`) through the engine;
+    the caller keeps `prepared.cache` to look at afterwards. The decode hooks are those compression left on
+    `capture`."""
+    request = Request(None, None, max_new_tokens, tuple(stop), prepared=prepared)
+    return _alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids), request)
+
+
+def _alone(decoder: BatchedDecoder, request: Request) -> Generation:
+    ((_, outcome),) = decoder.run([request])
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

@@ -1,9 +1,9 @@
-"""prefill -> compress -> decode, as free functions with explicit positions (gpt-fast style).
+"""prefill -> compress, as free functions with explicit positions (gpt-fast style), and what decoding needs.
 
 Prefill runs full attention over the whole prompt (so the first generated token equals the full cache's), the
-method then drops entries from the cache, and decoding appends one token at a time. The t-th generated token gets
-position `prompt_len + t`, never the cache length: kept keys keep their original RoPE positions.
-No Hydra, no files: `kvbench.run` owns those.
+method then drops entries from the cache; the engine's step (`kvbench.engine.batching`) then appends one token at a
+time, for one sample or many. The t-th generated token gets position `prompt_len + t`, never the cache length: kept
+keys keep their original RoPE positions. No Hydra, no files: `kvbench.runs` owns those.
 """
 from __future__ import annotations
 
@@ -187,54 +187,10 @@ def next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | 
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 
-@torch.no_grad()
-def decode(model, cache: KVCache, first_logits: Tensor, prompt_len: int, max_new_tokens: int,
-           eos_ids: set[int], stop: tuple[str, ...] = (), tokenizer=None, sampling: Sampling = Sampling(),
-           on_logits=None, positions: str = "original", stop_token_ids: tuple[int, ...] = (),
-           min_new_tokens: int = 0) -> tuple[list[int], str, int]:
-    """Generate up to `max_new_tokens` (batch 1); stop at EOS, at a stop token, or when a stop string appears (the
-    prediction is cut before it). Before `min_new_tokens` tokens, EOS and stop tokens are forbidden.
-
-    Returns (token ids, text, number of decode forwards). `on_logits(t, logits)` sees each step's logits.
-    """
-    generator = sampling_generator(sampling, first_logits.device)
-    logits, tokens, text, n_forward = first_logits, [], "", 0
-    enders = set(eos_ids) | set(stop_token_ids)
-    for t in range(max_new_tokens):
-        if on_logits is not None:
-            on_logits(t, logits)
-        if t < min_new_tokens and enders:
-            logits = logits.clone()
-            logits[:, sorted(enders)] = float("-inf")
-        token = next_token(logits, sampling, generator)
-        value = token.item()  # the one device->host read of the step
-        if value in enders:
-            break
-        tokens.append(value)
-        if stop and tokenizer is not None:
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                return tokens, text[:cut], n_forward
-        if t + 1 == max_new_tokens:
-            break
-        if positions == "shift":  # computed at layer 0's length; every layer places its keys before it by slot
-            slot = cache.layers[0].keys.shape[-2]
-            for layer in cache.layers:
-                layer.next_position = slot
-            pos = torch.tensor([[slot]], device=token.device)
-        else:
-            pos = torch.tensor([[prompt_len + t]], device=token.device)
-        logits = model(input_ids=token, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
-        n_forward += 1
-    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
-    return tokens, text, n_forward
-
-
 @dataclass
 class Prepared:
     """A prompt after prefill and compression, ready to decode: its cache, first logits and accounting.
-    `generate` decodes it alone; `kvbench.engine.batching` decodes several together."""
+    The engine (`kvbench.engine.batching`) decodes it, alone or with others."""
 
     cache: KVCache
     logits: Tensor  # [1, V], the prompt's last position: the first generated token's distribution
@@ -247,6 +203,13 @@ class Prepared:
     timings: dict[str, float]
     state: EvictionState | None = None  # a decode-time method's per-sample state (beam search reorders it)
     held_elsewhere: int = 0  # KV bytes held beside this cache (a grid sweep's shared prefilled cache)
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, logits: Tensor, prompt_len: int, ledger: TransferLedger | None = None,
+                   full_kv_bytes: int | None = None) -> Prepared:
+        """A cache prefilled and compressed by hand (`prefill` + `compress`), to decode through the engine."""
+        return cls(cache, logits, prompt_len, cache.nbytes() if full_kv_bytes is None else full_kv_bytes,
+                   cache.nbytes(), cache.entries_per_head(), [layer.nbytes() for layer in cache.layers], ledger, {})
 
     def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float) -> Generation:
         """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds)."""
@@ -333,29 +296,6 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger,
                     {"prefill_s": t1 - t0, "compress_s": t2 - t1}, state, held_elsewhere)
-
-
-def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_ids: Tensor,
-             budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (),
-             sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
-             positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
-             min_new_tokens: int = 0, compress_after: str = "layer",
-             prefilled: Prefilled | None = None) -> Generation:
-    """One prompt end to end, with timings and the cache's accounting. `capture` must be active on `model`.
-
-    `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
-    sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift). `seed` seeds per-sample
-    randomness of a method (Keyformer's Gumbel noise). `compress_after` and `prefilled`: see `prepare`."""
-    if eos_ids is None:
-        eos_ids = eos_token_ids(model, tokenizer)
-    run = prepare(model, method, capture, input_ids, budget, max_new_tokens, positions, seed, compress_after,
-                  prefilled)
-    t2 = time.perf_counter()
-    tokens, text, n_steps = decode(model, run.cache, run.logits, run.prompt_len, max_new_tokens, eos_ids, stop,
-                                   tokenizer, sampling, on_logits, positions, stop_token_ids, min_new_tokens)
-    capture.reset()
-    capture.logit_scale = None
-    return run.finish(tokens, text, n_steps, time.perf_counter() - t2)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

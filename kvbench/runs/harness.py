@@ -148,7 +148,7 @@ class KVBenchLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from kvbench.engine.generation import generate
+        from kvbench.engine.batching import generate
 
         out = []
         device = next(self.model.parameters()).device

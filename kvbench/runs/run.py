@@ -48,7 +48,7 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
     `prefilled` (`generation.Prefilled`): a prefill shared with other configurations (the grid launcher)."""
     import torch
 
-    from kvbench.engine.generation import generate
+    from kvbench.engine.batching import generate
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

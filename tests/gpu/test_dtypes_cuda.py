@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import kvbench.methods  # noqa: E402,F401
 from kvbench.engine.batching import Request, generate_batched  # noqa: E402
-from kvbench.engine.generation import generate  # noqa: E402
+from kvbench.engine.batching import generate  # noqa: E402
 from kvbench.models import AttentionCapture  # noqa: E402
 from kvbench.registry import METHODS  # noqa: E402
 from tests.unit.test_contract import configured  # noqa: E402

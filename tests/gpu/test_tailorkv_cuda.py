@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kvbench.cache import KVCache  # noqa: E402
-from kvbench.engine.generation import compress, decode, prefill  # noqa: E402
+from kvbench.engine.generation import Prepared, compress, prefill  # noqa: E402
+from kvbench.engine.batching import decode  # noqa: E402
 from kvbench.methods.tailorkv import TailorKV  # noqa: E402
 from kvbench.models import AttentionCapture  # noqa: E402
 from tests.unit.tiny import prompt, tiny_model  # noqa: E402
@@ -29,7 +30,8 @@ def selections(model, ids):
         ledger = compress(method, cache, capture, 96)
         for layer in cache.layers[1:]:
             layer.selections = []
-        tokens, _, _ = decode(model, cache, logits, N, NEW, eos_ids=set())
+        tokens = decode(model, None, method, capture, Prepared.from_cache(cache, logits, N, ledger), NEW,
+                        eos_ids=set()).token_ids
     return tokens, [layer.selections for layer in cache.layers[1:]], ledger.summary()
 
 

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from kvbench.runs.config import CONFIG_DIR
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 

@@ -12,7 +12,7 @@ import kvbench.methods  # noqa: F401
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.engine.attention import attend
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

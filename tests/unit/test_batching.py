@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import Decoding, Request, generate_batched
-from kvbench.engine.generation import Sampling, generate
+from kvbench.engine.generation import Sampling
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY
 from kvbench.models.loader import RANDOM_FAMILIES

@@ -7,7 +7,7 @@ import torch
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.beam import beam_generate
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit.tiny import prompt, tiny_model

@@ -77,7 +77,7 @@ def test_ada_pyramid_cache_holds_the_official_layer_budgets(alpha):
     """Real cache on a tiny model, n between B and 2(B - w): each layer's heads hold the official layer budget
     (per-head split by Ada, total within rounding drift of +-H per layer)."""
     import kvbench.methods  # noqa: F401
-    from kvbench.engine.generation import generate
+    from kvbench.engine.batching import generate
     from kvbench.models import AttentionCapture
     from kvbench.registry import METHODS
     from tests.unit.tiny import prompt, tiny_model

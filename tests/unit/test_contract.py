@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from transformers import AttentionInterface
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.buzz import theorem_ratio
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

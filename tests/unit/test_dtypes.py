@@ -9,7 +9,8 @@ import torch
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import Request, generate_batched
 from kvbench.engine import attention
-from kvbench.engine.generation import decode, generate, prepare
+from kvbench.engine.generation import prepare
+from kvbench.engine.batching import decode, generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
@@ -30,10 +31,10 @@ def run(model, method, budget, positions="original"):
     window = method.query_window
     with AttentionCapture(model, window=window) as capture:
         prepared = prepare(model, method, capture, prompt(N), budget, NEW, positions)
-        tokens, text, steps = decode(model, prepared.cache, prepared.logits, N, NEW, set(), positions=positions)
+        gen = decode(model, None, method, capture, prepared, NEW, set(), positions=positions)
     held = [t for layer in prepared.cache.layers for t in vars(layer).values()
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return prepared.finish(tokens, text, steps, 1.0), {t.dtype for t in held}
+    return gen, {t.dtype for t in held}
 
 
 @pytest.mark.parametrize("name", METHODS.names())

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
-from kvbench.engine.generation import generate, prefill
+from kvbench.engine.generation import prefill
+from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir

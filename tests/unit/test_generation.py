@@ -8,9 +8,12 @@ from transformers import AttentionInterface, DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.engine.generation import Sampling, compress, generate, prefill
+from kvbench.engine.generation import Sampling, compress, prefill
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
+from kvbench.models.loader import RANDOM_FAMILIES
+from kvbench.models.tiny import tiny_random_model
 from tests.unit.tiny import attention_function, prompt, tiny_model
 
 N, NEW = 200, 12
@@ -157,3 +160,16 @@ def test_stop_tokens_and_min_new_tokens_follow_hf_semantics():
     assert cut.token_ids == free[: free.index(free[2])]
     assert first.token_ids == []
     assert forced.token_ids and forced.token_ids[0] != free[0]  # the next-best token instead
+
+
+@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+def test_full_cache_through_the_engine_equals_transformers_generate_on_every_family(family):
+    """Batch 1 is a batch of one through the engine's step: every family (attention replaced, windowed, soft-capped
+    included) decodes exactly what transformers' own greedy `generate` does with its own cache."""
+    model = tiny_random_model(family, layers=2, seed=1)
+    ids = prompt(64)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                              pad_token_id=0)[0, 64:].tolist()
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, METHODS["full"](), capture, ids, None, 8, eos_ids=set())
+    assert gen.token_ids == expected and len(expected) == 8

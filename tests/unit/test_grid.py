@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.engine.generation import Sampling
 from kvbench.runs.grid import ConfigRun, GridJob, share_prefill

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.engine.generation import compress, generate, prefill
+from kvbench.engine.generation import compress, prefill
+from kvbench.engine.batching import generate
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

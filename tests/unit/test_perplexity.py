@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
 from kvbench.engine.perplexity import stream_nll, window_nll
 from kvbench.registry import METHODS

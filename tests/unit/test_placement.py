@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.generation import generate
+from kvbench.engine.batching import generate
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture, ModelSpec
 from kvbench.models.placement import execution_device, layer_devices

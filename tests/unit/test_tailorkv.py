@@ -15,7 +15,8 @@ from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
 from kvbench.engine.attention import attend
-from kvbench.engine.generation import compress, generate, prefill
+from kvbench.engine.generation import compress, prefill
+from kvbench.engine.batching import generate
 from kvbench.methods.tailorkv import TailorKV
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
