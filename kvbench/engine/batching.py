@@ -82,6 +82,7 @@ class Request:
     prefilled: Prefilled | None = None  # a prefill shared with other requests: compress a copy (`generation.prepare`)
     prepared: Prepared | None = None  # already prefilled and compressed (by hand): decode it as it is
     on_logits: Callable[[int, Tensor], None] | None = None  # sees step t's logits before the token is chosen
+    forced: list[int] | None = None  # a teacher-forced stream: step t feeds forced[t] (no EOS or stop ends it)
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -273,6 +274,10 @@ class BatchedDecoder:
             return None
         if request.on_logits is not None:
             request.on_logits(slot.t, logits)
+        if request.forced is not None:  # the token rule of a teacher-forced stream; after its last, it ends
+            if slot.t >= len(request.forced):
+                return None
+            return torch.tensor([[request.forced[slot.t]]], device=logits.device)
         enders = self.eos_ids | set(request.stop_token_ids)
         if slot.t < request.min_new_tokens and enders:
             logits = logits.clone()
@@ -283,6 +288,9 @@ class BatchedDecoder:
         """Take the chosen token's id; False when the sample ends with it (EOS, a stop string, the length)."""
         request = slot.request
         slot.t += 1
+        if request.forced is not None:
+            slot.tokens.append(value)
+            return True
         if value in self.eos_ids or value in request.stop_token_ids:
             return False
         slot.tokens.append(value)
@@ -494,6 +502,16 @@ def decode(model, tokenizer, method: Method, capture: AttentionCapture, prepared
     `capture`."""
     request = Request(None, None, max_new_tokens, tuple(stop), prepared=prepared)
     return _alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids), request)
+
+
+def teacher_force(model, capture: AttentionCapture, prepared: Prepared, tokens: list[int],
+                  on_logits: Callable[[int, Tensor], None], positions: str = "original") -> Generation:
+    """Feed `tokens` one per step after a prepared cache (a teacher-forced stream: perplexity, lm-eval's
+    loglikelihood) through the engine's step; `on_logits(t, logits)` sees the logits before `tokens[t]` is fed
+    (t = 0: the prepared logits) and, last, those after `tokens[-1]` (t = len(tokens)). The decode hooks are those
+    compression left on `capture`."""
+    request = Request(None, None, len(tokens) + 1, prepared=prepared, on_logits=on_logits, forced=list(tokens))
+    return _alone(BatchedDecoder(model, None, None, capture, 1, positions=positions, eos_ids=set()), request)
 
 
 def _alone(decoder: BatchedDecoder, request: Request) -> Generation:

@@ -2,7 +2,8 @@
 
 Perplexity is teacher forcing, not generation: each position's logits are scored against the next true token, and
 that token (not a sampled one) is fed next. The cache, the capture and the methods are the generation path's own:
-`generation.prepare` (prefill, then compress), then one token per forward, so decode-time methods (H2O, Keyformer,
+`generation.prepare` (prefill, then compress), then one token per step of the engine (`batching.teacher_force`: a
+forced-token sequence through the same step as generation), so decode-time methods (H2O, Keyformer,
 BUZZ, any `DecodingMethod`) score and evict after every step through the same `EvictionState` / capture
 `decode_hook` as in generation.
 
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import KVCache
-from kvbench.engine.generation import prepare
+from kvbench.engine import batching as engine
+from kvbench.engine.generation import Prepared, prepare
 from kvbench.methods.base import Kind
 from kvbench.registry import METHODS
 
@@ -54,38 +56,24 @@ class NLL:
         return math.exp(self.nll_sum / self.n_tokens) if self.n_tokens else float("nan")
 
 
-def _position(cache: KVCache, fed: int, positions: str) -> int:
-    """Where the next fed token sits: its index in the stream, or (shift) right after the kept entries."""
-    if positions != "shift":
-        return fed
-    slot = cache.layers[0].keys.shape[-2]
-    for layer in cache.layers:
-        layer.next_position = slot
-    return slot
-
-
 def _nll(logits: torch.Tensor, label: int) -> float:
     return F.cross_entropy(logits.float(), torch.tensor([label], device=logits.device)).item()
 
 
-@torch.no_grad()
-def teacher_force(model, cache: KVCache, logits: torch.Tensor, feeds: list[tuple[int, int | None]], fed: int,
+def teacher_force(model, capture, prep: Prepared, feeds: list[tuple[int, int | None]],
                   positions: str) -> tuple[float, int]:
-    """Feed `(token, label)` pairs one per forward after `logits` (the last position's); returns (NLL sum, count).
+    """Feed `(token, label)` pairs after the prepared cache, one per step of the engine (a forced-token sequence);
+    returns (NLL sum, count). A pair's label, when given, is scored against the logits its own token produces."""
+    labels = [label for _, label in feeds]
+    total = [0.0, 0]
 
-    Before each pair, `logits` predicts `token` only when the previous pair's label said so; so a pair's label is
-    scored against the logits its own token produces."""
-    device = logits.device
-    total, count = 0.0, 0
-    for token, label in feeds:
-        pos = _position(cache, fed, positions)
-        logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
-                       position_ids=torch.tensor([[pos]], device=device), use_cache=True).logits[:, -1]
-        fed += 1
-        if label is not None:
-            total += _nll(logits, label)
-            count += 1
-    return total, count
+    def score(t: int, logits: torch.Tensor) -> None:
+        if t and labels[t - 1] is not None:  # (t = 0: the prepared logits, scored by the caller)
+            total[0] += _nll(logits, labels[t - 1])
+            total[1] += 1
+
+    engine.teacher_force(model, capture, prep, [token for token, _ in feeds], score, positions)
+    return total[0], total[1]
 
 
 @torch.no_grad()
@@ -111,7 +99,7 @@ def stream_nll(model, method, capture, rows: list[list[int]], budget, positions:
             state.scores[i] = method.prefill_scores(one, cache.layers[i].keys.shape[1]).to(scores)
     t0, t1 = 0.0, prep.timings["prefill_s"] + prep.timings["compress_s"]
     t_start = time.perf_counter()
-    more, n = teacher_force(model, cache, logits, feeds[1:], 1, positions)
+    more, n = teacher_force(model, capture, prep, feeds[1:], positions)
     t2 = t1 + time.perf_counter() - t_start
     capture.reset()
     return NLL(total + more, count + n, cache.nbytes(), token_bytes * len(feeds),
@@ -134,7 +122,7 @@ def window_nll(model, method, capture, tokens: list[int], context: int, budget, 
     t0, t1 = 0.0, prep.timings["prefill_s"] + prep.timings["compress_s"]
     total, count = _nll(logits, tokens[context]), 1
     t_start = time.perf_counter()
-    more, n = teacher_force(model, cache, logits, feeds[:-1], context, positions)  # the last token is not fed
+    more, n = teacher_force(model, capture, prep, feeds[:-1], positions)  # the last token is not fed
     t2 = t1 + time.perf_counter() - t_start
     capture.reset()
     return NLL(total + more, count + n, cache.nbytes(), token_bytes * (len(tokens) - 1),
@@ -180,16 +168,15 @@ def continuation_logprob(model, method, capture, context: list[int], continuatio
     device = next(model.parameters()).device
     prep = prepare(model, method, capture, torch.tensor([context], device=device), budget, max(len(continuation), 1),
                    positions, seed)
-    cache, logits = prep.cache, prep.logits
-    total, greedy, fed = 0.0, True, len(context)
-    for i, token in enumerate(continuation):
+    total, greedy = 0.0, True
+
+    def score(t: int, logits: torch.Tensor) -> None:
+        nonlocal total, greedy
         logp = logits.float().log_softmax(dim=-1)[0]
-        total += logp[token].item()
-        greedy = greedy and int(logp.argmax()) == token
-        if i + 1 < len(continuation):
-            pos = _position(cache, fed, positions)
-            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
-                           position_ids=torch.tensor([[pos]], device=device), use_cache=True).logits[:, -1]
-            fed += 1
+        total += logp[continuation[t]].item()
+        greedy = greedy and int(logp.argmax()) == continuation[t]
+
+    if continuation:  # each token is scored by the logits before it; the last is not fed
+        engine.teacher_force(model, capture, prep, continuation[:-1], score, positions)
     capture.reset()
     return total, greedy

@@ -84,3 +84,18 @@ def test_lm_eval_command_line_runs_a_local_task(tmp_path, monkeypatch):
     assert df["scores.acc"].mean() == acc and set(df["meta.task"]) == {"kvbench_mc"}
     assert set(df["meta.num_fewshot"]) == {0}
     assert (df["method"].iloc[0], df["budget"].iloc[0], df["model"].iloc[0]) == ("h2o", 8, "tiny-llama")
+
+
+def test_full_cache_equals_lm_evals_own_hf_model_on_loglikelihood_requests(full):
+    """The same requests through lm-eval's `hf` model (HFLM over the same weights and tokenizer) and through
+    kvbench's teacher-forced streams: equal log-likelihoods and greedy flags."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    pairs = [(CONTEXT, " blue and white"), (CONTEXT, " red"), ("The harbour board paid for", " the paint, the ladder")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    hf = HFLM(pretrained=full.model, tokenizer=full.tokenizer, batch_size=1, device="cpu")
+    want, got = hf.loglikelihood(requests, disable_tqdm=True), full.loglikelihood(requests, disable_tqdm=True)
+    assert len(got) == len(want) == 3
+    for (lp, greedy), (lp_hf, greedy_hf) in zip(got, want):
+        assert lp == pytest.approx(lp_hf, rel=1e-5, abs=1e-5) and greedy == greedy_hf

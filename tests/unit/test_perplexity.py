@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import generate
+from kvbench.engine.batching import generate, teacher_force
+from kvbench.engine.generation import prepare
 from kvbench.models import AttentionCapture
 from kvbench.engine.perplexity import stream_nll, window_nll
 from kvbench.registry import METHODS
@@ -35,6 +36,20 @@ def test_full_stream_is_one_causal_forward_over_the_fed_tokens():
         got = stream_nll(model, METHODS["full"](), capture, rows, None)
     assert got.n_tokens == n == 6 + 11 and got.nll_sum == pytest.approx(expected, rel=1e-5)
     assert got.kv_bytes == got.full_kv_bytes  # nothing evicted
+
+
+def test_full_stream_logits_equal_one_teacher_forced_forward():
+    """A forced-token sequence through the engine's step, full cache: every step's logits are those of one forward
+    over the whole text."""
+    model, ids = tiny_model(), prompt(24, 4)[0].tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    seen = []
+    with AttentionCapture(model) as capture:
+        prep = prepare(model, METHODS["full"](), capture, torch.tensor([ids[:1]]), None, len(ids), "original", 0)
+        teacher_force(model, capture, prep, ids[1:], lambda t, logits: seen.append(logits[0].float().clone()))
+    got = torch.stack(seen)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name", ["h2o", "buzz"])
