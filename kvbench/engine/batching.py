@@ -328,7 +328,9 @@ class BatchedDecoder:
         if self.batch_size == 1:  # a batch of one: its own cache, the capture's attention and hooks as they are
             (slot,) = slots  # (every family, attention replaced or windowed included, decodes this way)
             past, attention = slot.run.cache, capture_name
-            self.capture.cache = slot.run.cache
+            self.capture.cache = slot.run.cache  # its own hooks (a copied slot's are not those prepare left)
+            self.capture.decode_hook, self.capture.input_hook = slot.decode_hook, slot.input_hook
+            self.capture.logit_scale = slot.logit_scale
         else:
             past = self.cache = BatchedCache(slots)
             attention = self.name

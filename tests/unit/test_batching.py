@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import Decoding, Request, generate_batched
+from kvbench.engine.batching import Decoding, PrefilledOnce, Request, generate_batched
 from kvbench.engine.generation import Sampling
 from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
@@ -115,6 +115,23 @@ def test_a_batch_mixing_every_method_equals_each_alone(monkeypatch):
     assert scores["batched"].keys() == scores["alone"].keys() and len(scores["alone"]) > 50
     for key, expected in scores["alone"].items():
         torch.testing.assert_close(scores["batched"][key], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_copied_slots_decode_with_their_own_hooks_at_batch_1():
+    """PrefilledOnce (scripts/bench_batch.py) decodes copies of compressed caches: at batch 1 each copy's
+    decode-time evictor must act on that copy, not on the last prepared sample's cache."""
+    model, method = tiny_model(), METHODS["h2o"]()
+    prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS[:3])]
+    with AttentionCapture(model) as capture:
+        alone = [generate(model, None, method, capture, ids, 16, 8, eos_ids=set(), seed=i).token_ids
+                 for i, ids in enumerate(prompts)]
+        memo, got = {}, {}
+        for batch in (2, 1):
+            decoder = PrefilledOnce(model, None, method, capture, batch, eos_ids=set(), memo=memo)
+            done = {r.tag: g for r, g in decoder.run([Request(ids, 16, 8, seed=i, tag=i)
+                                                      for i, ids in enumerate(prompts)])}
+            got[batch] = [done[i].token_ids for i in range(len(prompts))]
+    assert got[1] == got[2] == alone
 
 
 def test_gqa_family_with_shift_positions_and_prefill_only_h2o():
