@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ ruler: setup  ## RULER 4k on the embedded model: full vs snapkv/pyramidkv at 128
 
 ruler-data:  ## SQuAD v2 dev + HotpotQA dev for RULER qa_1/qa_2 (needs the sources' hosts)
 	$(PYTHON) scripts/download_ruler_qa.py
+
+scbench-data:  ## SCBench's six task files (microsoft/SCBench data/<task>.jsonl) into data/scbench (needs the Hub)
+	HF_HUB_OFFLINE=0 $(PYTHON) scripts/download_scbench.py
 
 ruler-fixtures:  ## regenerate RULER golden fixtures with upstream's generator (RULER_REPO=<NVIDIA/RULER clone>)
 	$(PYTHON) tests/fixtures/ruler/make_fixtures.py --ruler-repo $(RULER_REPO)
