@@ -83,6 +83,7 @@ class Request:
     prepared: Prepared | None = None  # already prefilled and compressed (by hand): decode it as it is
     on_logits: Callable[[int, Tensor], None] | None = None  # sees step t's logits before the token is chosen
     forced: list[int] | None = None  # a teacher-forced stream: step t feeds forced[t] (no EOS or stop ends it)
+    beams: object = None  # `beam.BeamSearch`: the token rule of a beam sequence (its cache has a row per beam)
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -186,11 +187,12 @@ class BatchedDecoder:
                 if not active:
                     return
                 chosen = [(slot, self._try(self._choose, slot)) for slot in active]
-                picked = [token for _, token in chosen if isinstance(token, Tensor)]
+                picked = [token for slot, token in chosen if isinstance(token, Tensor) and not slot.request.beams]
                 values = iter(torch.cat(picked).view(-1).tolist() if picked else [])  # one device->host read
                 stepping = []
                 for slot, token in chosen:  # going on: True; ended: False, None or the exception that ended it
-                    going = self._try(self._accept, slot, next(values)) if isinstance(token, Tensor) else token
+                    value = None if slot.request.beams else next(values, None)
+                    going = self._try(self._accept, slot, value) if isinstance(token, Tensor) else token
                     if going is True:
                         stepping.append((slot, token))
                         continue
@@ -217,6 +219,8 @@ class BatchedDecoder:
         """Prefill and compress one prompt alone (or a copy of its shared prefill); keep the hooks its method set
         on the capture."""
         decoding = request.decoding or self.decoding
+        if request.beams is not None and self.batch_size > 1:
+            raise ValueError("beam search decodes at batch_size=1 (its cache has a row per beam)")
         run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
                                           request.budget, request.max_new_tokens, decoding.positions, request.seed,
                                           decoding.compress_after, request.prefilled)
@@ -272,6 +276,8 @@ class BatchedDecoder:
         request, logits = slot.request, slot.logits
         if slot.t >= request.max_new_tokens:
             return None
+        if request.beams is not None:
+            return request.beams.choose(logits, slot.t, slot.run)
         if request.on_logits is not None:
             request.on_logits(slot.t, logits)
         if request.forced is not None:  # the token rule of a teacher-forced stream; after its last, it ends
@@ -288,6 +294,8 @@ class BatchedDecoder:
         """Take the chosen token's id; False when the sample ends with it (EOS, a stop string, the length)."""
         request = slot.request
         slot.t += 1
+        if request.beams is not None:  # (its rule reads its tokens itself and says when the search ends)
+            return True
         if request.forced is not None:
             slot.tokens.append(value)
             return True
@@ -303,6 +311,8 @@ class BatchedDecoder:
         return slot.t < request.max_new_tokens
 
     def _finish(self, slot: Slot) -> Generation:
+        if slot.request.beams is not None:
+            slot.tokens = slot.request.beams.best()
         if not slot.stopped:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True) if self.tokenizer else ""
         return slot.run.finish(slot.tokens, slot.text, slot.n_forward, slot.decode_s)
@@ -322,8 +332,9 @@ class BatchedDecoder:
     def _forward(self, stepping: list[tuple[Slot, Tensor]]) -> None:
         slots = [slot for slot, _ in stepping]
         device = stepping[0][1].device
-        input_ids = torch.cat([token for _, token in stepping])
-        positions = torch.tensor([[self._position(slot)] for slot in slots], device=device)
+        input_ids = torch.cat([token for _, token in stepping])  # a beam sequence brings a token per beam
+        positions = torch.tensor([[self._position(slot)] * len(token) for slot, token in stepping],
+                                 device=device).view(-1, 1)
         capture_name = self.model.config._attn_implementation
         if self.batch_size == 1:  # a batch of one: its own cache, the capture's attention and hooks as they are
             (slot,) = slots  # (every family, attention replaced or windowed included, decodes this way)
@@ -350,7 +361,7 @@ class BatchedDecoder:
             torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - t0
         for i, slot in enumerate(slots):
-            slot.logits = logits[i:i + 1]
+            slot.logits = logits if self.batch_size == 1 else logits[i:i + 1]
             slot.n_forward += 1
             slot.decode_s += seconds
 
@@ -492,7 +503,7 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
     step's logits. `compress_after` and `prefilled`: see `generation.prepare`."""
     request = Request(input_ids, budget, max_new_tokens, tuple(stop), tuple(stop_token_ids), min_new_tokens, seed,
                       prefilled=prefilled, on_logits=on_logits)
-    return _alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids,
+    return run_alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids,
                                  compress_after), request)
 
 
@@ -503,7 +514,7 @@ def decode(model, tokenizer, method: Method, capture: AttentionCapture, prepared
     the caller keeps `prepared.cache` to look at afterwards. The decode hooks are those compression left on
     `capture`."""
     request = Request(None, None, max_new_tokens, tuple(stop), prepared=prepared)
-    return _alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids), request)
+    return run_alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids), request)
 
 
 def teacher_force(model, capture: AttentionCapture, prepared: Prepared, tokens: list[int],
@@ -513,10 +524,10 @@ def teacher_force(model, capture: AttentionCapture, prepared: Prepared, tokens: 
     (t = 0: the prepared logits) and, last, those after `tokens[-1]` (t = len(tokens)). The decode hooks are those
     compression left on `capture`."""
     request = Request(None, None, len(tokens) + 1, prepared=prepared, on_logits=on_logits, forced=list(tokens))
-    return _alone(BatchedDecoder(model, None, None, capture, 1, positions=positions, eos_ids=set()), request)
+    return run_alone(BatchedDecoder(model, None, None, capture, 1, positions=positions, eos_ids=set()), request)
 
 
-def _alone(decoder: BatchedDecoder, request: Request) -> Generation:
+def run_alone(decoder: BatchedDecoder, request: Request) -> Generation:
     ((_, outcome),) = decoder.run([request])
     if isinstance(outcome, Exception):
         raise outcome

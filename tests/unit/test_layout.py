@@ -97,3 +97,24 @@ def test_a_cycle_hidden_in_a_function_body_is_found(tmp_path):
     assert graph["pkg.sub.b"] == {"pkg.c": 2}
     cycle = find_cycle(graph)
     assert cycle is not None and {"pkg.a", "pkg.sub.b", "pkg.c"} <= set(cycle)
+
+
+def model_forward_calls(root: Path) -> list[str]:
+    """Calls that run a model forward, as `module:line`: any call given `past_key_values=` (how a decoder runs
+    over a cache), and any call of something named `model` (`model(...)`, `self.model(...)`)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if callee == "model" or "past_key_values" in {k.arg for k in node.keywords}:
+                found.append(f"{module_name(path, root)}:{node.lineno}")
+    return found
+
+
+def test_the_model_runs_in_two_places_prefill_and_the_step():
+    """One engine: the prefill (engine/generation.py) and the decode step (engine/batching.py) are the only model
+    forwards; beams, streams and lm-eval are sequences of the step."""
+    modules = sorted(site.split(":")[0] for site in model_forward_calls(PACKAGE))
+    assert modules == ["kvbench.engine.batching", "kvbench.engine.generation"], model_forward_calls(PACKAGE)
