@@ -277,3 +277,59 @@ def test_cli_runs_on_fixtures_with_tiny_model(tmp_path):
     row = table.iloc[0]
     assert row["Retr.KV T2"] == pytest.approx(100 * kv[1]) and row["En.MultiChoice T1"] == pytest.approx(100 * choice[0])
     assert row["Avg."] == pytest.approx((100 * sum(kv) / 2 + 100 * sum(choice) / 2) / 2)
+
+
+
+def scbench_greedy_search(model, segments: list[list[int]], max_new_tokens: int, scdq: bool = False):
+    """An independent replay of upstream's `GreedySearch.test` (golden context) with transformers' own cache: prefill
+    each turn's segment on the shared cache, decode greedily, then drop the decoded entries (upstream's
+    `clear_temp_kv_cache`), so the next segment lands right after this one. `scdq` replays `test_scdq` instead:
+    segment 0 (the context) is prefilled alone, and each query is dropped with its answer. Returns each turn's step
+    logits."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, outputs = DynamicCache(), []
+    with torch.no_grad():
+        if scdq:
+            model(input_ids=torch.tensor([segments[0]]), past_key_values=cache, use_cache=True)
+            segments = segments[1:]
+        for segment in segments:
+            kept = cache.get_seq_length() + (0 if scdq else len(segment))
+            logits = model(input_ids=torch.tensor([segment]), past_key_values=cache, use_cache=True).logits[0, -1]
+            steps = [logits]
+            for _ in range(max_new_tokens - 1):
+                word = int(logits.argmax())
+                logits = model(input_ids=torch.tensor([[word]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                steps.append(logits)
+            if cache.get_seq_length() > kept:  # transformers 5: crop by a negative count
+                cache.crop(kept - cache.get_seq_length())
+            outputs.append(torch.stack(steps))
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["multi_turn", "scdq"])
+def test_full_cache_turns_equal_scbench_replay(smollm2_tokenizer, mode):
+    """With the full cache, each turn's sample gives the logits upstream's loop gets for that turn over its shared
+    cache: a turn's sample holds exactly the ids SCBench's cache holds when the turn is asked."""
+    import torch
+
+    from kvbench.engine.batching import generate
+    from kvbench.models import AttentionCapture
+    from kvbench.models.loader import random_model
+    from kvbench.registry import METHODS
+
+    tok = smollm2_tokenizer
+    model = random_model("llama", tok, seed=3).eval()
+    ds = SCBench(root=str(FIXTURES), tasks=["scbench_kv"], limit_per_task=1, mode=mode)
+    conv = ds.conversations(tok, 8000)[0]
+    turns = conv.turns if mode == "scdq" else conv.turns[1:]  # multi_turn: turn 0's question is in segment 0
+    want = scbench_greedy_search(model, [list(conv.context_ids)] + [list(t.ids) for t in turns], 3, mode == "scdq")
+    samples = ds.build(tok, 8000)
+    assert len(samples) == len(want) == 3
+    for sample, ref in zip(samples, want):
+        seen = []
+        with AttentionCapture(model) as capture:
+            generate(model, None, METHODS["full"](), capture, torch.tensor([sample.input_ids]), None, 3, eos_ids=set(),
+                     on_logits=lambda t, logits: seen.append(logits.reshape(-1).clone()))
+        torch.testing.assert_close(torch.stack(seen), ref, atol=2e-4, rtol=1e-4)
