@@ -139,7 +139,7 @@ PRESETS_pyramidkv_t15 := pyramidkv_t15 pyramidkv_t15_mistral pyramidkv_t15_70b
 SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"
 EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
-EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift"
+EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # lm-eval runs + python -m kvbench.report.lm_eval_runs (docs/reproduce.md)
 PRESETS_keyformer_t4 := keyformer_t4 keyformer_t4_gptj keyformer_t4_cerebras

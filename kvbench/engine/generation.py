@@ -104,6 +104,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         budgets = method.layer_budgets(cache.layers[0].keys.shape[-2], n_layers, budget)
         for layer_idx, n_keep in enumerate(budgets):
             compress_layer(method, cache, capture, layer_idx, n_layers, n_keep, state)
+    if state is not None:
+        state.prefill_done()  # a method deciding across layers (Keyformer's shared score) evicts now
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
     if state is not None and method.evicts_while_decoding:
@@ -145,7 +147,8 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
             return
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
-                         capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx))
+                         capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
+                         capture.rotary.get(layer_idx))
         idx = method.select(view, n_keep)
         if isinstance(idx, Tensor):
             layer.keep(idx)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvbench.models.rotary import Rotary
+
 
 class Kind(enum.Enum):
     """What a method is; the engine dispatches on it (never on which attributes a class happens to have)."""
@@ -31,7 +33,8 @@ class LayerView:
 
     keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None;
     window_bias: the model's additive position bias of the window rows `[B, H_q, w, n]` (ALiBi), or None;
-    softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None.
+    softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None;
+    rotary: the layer's rotary encoding (`kvbench.models.rotary.Rotary`; `Rotary.none()` without RoPE), or None.
     """
 
     layer_idx: int
@@ -42,6 +45,7 @@ class LayerView:
     scaling: float
     window_bias: Tensor | None = None
     softcap: float | None = None
+    rotary: Rotary | None = None  # the layer's position encoding (rotary angles), for scorers that rotate queries
 
     @property
     def prompt_len(self) -> int:

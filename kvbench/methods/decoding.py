@@ -34,6 +34,8 @@ class EvictionState:
     extra: dict[int, dict] = field(default_factory=dict)  # per-layer method state (e.g. BUZZ's old-sample count)
     step: int = 0  # decode forwards so far (counted at layer 0)
     device_generators: dict = field(default_factory=dict)  # the same seed on other devices, made on first use
+    layers: dict[int, KVLayer] = field(default_factory=dict, repr=False)  # each scored layer, as last handed over
+    # (refreshed by every `prefill`/`decode` call, so a copied state never reaches another cache's layers)
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The sample's noise source on `device`, so noise is drawn where the scores live (no host copy). The CPU
@@ -49,6 +51,7 @@ class EvictionState:
             column_sums = layer.keys.new_zeros(layer.keys.shape[:3], dtype=torch.float32)
         scores = self.method.prefill_scores(column_sums, layer.keys.shape[1])
         self.scores[layer_idx] = scores
+        self.layers[layer_idx] = layer
         self.extra[layer_idx] = {}
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=True))
 
@@ -59,6 +62,7 @@ class EvictionState:
         attention (batched decoding's one call), so they are not computed again."""
         if layer_idx == 0:
             self.step += 1
+        self.layers[layer_idx] = layer
         h_kv = key.shape[1]
         if logits is None:
             b, h_q, _, d = query.shape
@@ -68,12 +72,23 @@ class EvictionState:
                 logits = softcap * torch.tanh(logits / softcap)
             if bias is not None:
                 logits = logits + bias
-        row = self.method.row_score(logits, self, decoding=True)[:, :, 0]
-        old = self.scores[layer_idx]
-        grown = torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1)
-        scores = grown + reduce_groups(row, h_kv, self.method.gqa_reduce)
+        row = reduce_groups(self.method.row_score(logits, self, decoding=True)[:, :, 0], h_kv, self.method.gqa_reduce)
+        if self.method.keeps_history:
+            old = self.scores[layer_idx]
+            scores = torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1) + row
+        else:  # the step's own row replaces the scores (TOVA)
+            scores = row
         self.scores[layer_idx] = scores
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=False))
+
+    def prefill_done(self) -> None:
+        """Called once every layer's prefill eviction ran: a method that decides across layers (Keyformer's shared
+        score) evicts here."""
+        self.method.after_prefill(self)
+
+    def apply(self, layer_idx: int, idx: Tensor) -> None:
+        """Keep entries `idx` of scored layer `layer_idx` (another layer than the one being scored)."""
+        self._apply(layer_idx, self.layers[layer_idx], idx)
 
     def _apply(self, layer_idx: int, layer: KVLayer, idx: Tensor | None) -> None:
         if idx is None:
@@ -90,6 +105,7 @@ class DecodingMethod(Method):
 
     kind: ClassVar[Kind] = Kind.EVICTOR
     accumulates_attention: ClassVar[bool] = True  # scores start from the capture's prefill column sums
+    keeps_history: ClassVar[bool] = True  # each step's row adds to the scores; False: it replaces them (TOVA)
 
     @property
     def evicts_while_decoding(self) -> bool:
@@ -115,6 +131,9 @@ class DecodingMethod(Method):
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
         """Indices `[B, H_kv, k]` (sorted) to keep, or None to keep everything."""
         raise NotImplementedError  # pragma: no cover - interface
+
+    def after_prefill(self, state: EvictionState) -> None:
+        """After every layer's prefill eviction (`EvictionState.prefill_done`); per-layer methods do nothing."""
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         return [prompt_len] * n_layers  # selection happens in the state, not through `select`

@@ -21,6 +21,15 @@ device (CPU and CUDA draw different numbers from the same seed).
 std 1.2825), `constant` (c = 0.5772 on every logit: softmax is shift-invariant, so only the temperature acts) or
 `none` (plain softmax(x / tau); the paper's "None" column is H2O in the same framework: method=h2o).
 Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
+`score=shared` is Table 3's "shared score function" row (Keyformer (Org Pos), Shared), which the released code does
+not have; this is the spec's RECONSTRUCTION (specs/seed-keyformer.md, quirks table row 12), labelled as such: one
+(KV head x entry) accumulator summed over all layers, head index aligned ("a single global score function for all
+decoder layers, with accumulation across decoder layers and decoding stages"), so every layer keeps the same entries
+per head. The selection rule is applied once to that sum: after the prefill of every layer, and at each decode step
+after the last layer's attention, to all layers at once (the spec's "mask computed after the last layer, applied at
+the next step": the next step attends the evicted cache). Because all layers keep the same entries, the sum of the
+per-layer accumulated scores is that accumulator, so beams reorder it with the per-layer scores. Sliding-window
+layers (Gemma 2/3) keep their own window and are left out of the sum.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ from kvbench.registry import METHODS
 EULER_GAMMA = 0.5772  # the standard Gumbel's mean (Table 4's Gaussian mean and constant c)
 GUMBEL_STD = 1.2825  # its standard deviation, pi / sqrt(6)
 ADJUSTMENTS = ("gumbel", "gaussian", "constant", "none")
+SCORES = ("per_layer", "shared")
 
 
 @METHODS.register("keyformer")
@@ -50,6 +60,7 @@ class Keyformer(DecodingMethod):
     budget_fraction: float | None = None  # k = int(prompt_len * fraction) instead of `budget`
     padded_length: int | None = None  # with budget_fraction: k = int(padded_length * fraction) (released runs: 1920)
     logit_adjustment: Literal["gumbel", "gaussian", "constant", "none"] = "gumbel"  # Table 4's score noise
+    score: Literal["per_layer", "shared"] = "per_layer"  # shared: Table 3's row, the spec's reconstruction
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:
@@ -65,7 +76,8 @@ class Keyformer(DecodingMethod):
         if self.logit_adjustment not in ADJUSTMENTS:
             raise ValueError(f"keyformer: logit_adjustment={self.logit_adjustment!r} is not one of "
                              f"{', '.join(ADJUSTMENTS)}")
-
+        if self.score not in SCORES:
+            raise ValueError(f"keyformer: score={self.score!r} is not one of {', '.join(SCORES)}")
 
     def check_budget(self, budget: int | None) -> None:
         if self.budget_fraction is None:
@@ -95,6 +107,30 @@ class Keyformer(DecodingMethod):
         return ((logits + self.noise(logits, state)) / self.tau(state, decoding)).softmax(dim=-1)
 
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
+        if self.score == "per_layer":
+            return self.keep_rule(state, layer_idx, scores, prefill)
+        if prefill or layer_idx != max(state.scores):  # shared: wait for the step's last scored layer
+            return None
+        return self.shared_keep(state, prefill=False, scored_now=layer_idx)
+
+    def after_prefill(self, state: EvictionState) -> None:
+        if self.score == "shared" and state.scores:
+            self.shared_keep(state, prefill=True)
+
+    def shared_keep(self, state: EvictionState, prefill: bool, scored_now: int | None = None) -> Tensor | None:
+        """The selection rule on the sum over layers; applied to every scored layer except `scored_now` (whose
+        eviction the state applies with the returned indices)."""
+        layers = sorted(state.scores)
+        total = torch.stack([state.scores[i] for i in layers]).sum(dim=0)
+        idx = self.keep_rule(state, layers[0], total, prefill)  # the rule's own state lives with the first layer
+        if idx is not None:
+            for i in layers:
+                if i != scored_now:
+                    state.apply(i, idx)
+        return idx
+
+    def keep_rule(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
+        """Indices to keep under `selection` (paper / code_frozen), from scores `[B, H_kv, n]`."""
         k = state.budget
         w = int(k * self.recent_ratio)
         if self.selection == "paper":

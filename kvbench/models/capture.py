@@ -4,7 +4,9 @@
 model's own implementation (sdpa or eager), points *this* model at it, and restores the model on exit. Nothing global
 is patched: another model in the same process keeps its attention untouched.
 
-What it records at prefill, per layer: the last `window` post-RoPE queries `[B, H_q, w, D]` and the softmax scale.
+What it records at prefill, per layer: the last `window` post-RoPE queries `[B, H_q, w, D]` and the softmax scale,
+and once per layer (a model constant, kept across samples) its rotary angles (`rotary`, `kvbench.models.rotary`), so
+a scorer can rotate queries back or forward (Expected Attention).
 That is all SnapKV-style scoring needs, so the n x n attention matrix is never built. For accumulated-attention
 policies (H2O, Keyformer, BUZZ) it also computes, when `column_score` is given, the column sums of a row-wise score
 of the causal prefill logits, `[B, H_q, n]`, in chunks of query rows (memory chunk x n, never n x n); a grid sweep
@@ -37,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvbench.engine.attention import attend
 from kvbench.models.adapters import adapter_for
 from kvbench.models.placement import to_device_of, weights_present
+from kvbench.models.rotary import Rotary
 
 _ids = itertools.count()
 
@@ -63,6 +66,8 @@ class AttentionCapture:
         self.column_scores: dict[str, Callable[[Tensor], Tensor]] = {}  # more named scorers, one prefill (grid)
         self.named_column_sums: dict[str, dict[int, Tensor]] = {}  # their column sums, by name then layer
         self.scaling: dict[int, float] = {}
+        self.rotary: dict[int, Rotary] = {}  # each layer's position encoding, read at its first prefill; a model
+        # constant, so `reset` keeps it (Expected Attention rotates query statistics with it)
         self.cache = None  # set by `generation.compress`: lets decode attention find per-head variable layers
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
@@ -118,8 +123,20 @@ class AttentionCapture:
     # --- before each attention module (decode only) -------------------------------------------------------------
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary:
+            self._record_rotary(module, kwargs)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
             self.input_hook(module.layer_idx, hidden, self.adapter.position_embeddings(module, kwargs))
+
+    def _record_rotary(self, module, kwargs) -> None:
+        """The layer's rotary angles from the (cos, sin) its prefill rotates with (none for learned/ALiBi)."""
+        if self.adapter.positions != "rope":
+            self.rotary[module.layer_idx] = Rotary.none()
+            return
+        embeddings = self.adapter.position_embeddings(module, kwargs) if (
+            "position_ids" in kwargs or self.adapter.rotary_layout == "half") else None
+        if embeddings is not None:  # (absent: a method that needs it says so)
+            self.rotary[module.layer_idx] = Rotary.from_embeddings(*embeddings, self.adapter.rotary_layout)
 
     def can_predict(self, layer_idx: int) -> bool:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position

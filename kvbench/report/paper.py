@@ -179,7 +179,7 @@ def matching_records(df: pd.DataFrame, configs: dict, match: dict) -> pd.DataFra
     return pd.concat(keep) if keep else df.iloc[0:0]
 
 
-_defaults = {"positions": "original", "method.logn": False}  # config keys older runs may lack
+_defaults = {"positions": "original", "method.logn": False, "method.score": "per_layer"}  # keys older runs lack
 
 
 def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float | None, str]:

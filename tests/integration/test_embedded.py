@@ -108,3 +108,29 @@ def test_bf16_run_retrieves_the_needle_with_a_bf16_cache():
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert gen.kv_bytes == 128 * cfg.num_key_value_heads * head_dim * 2 * 2 * cfg.num_hidden_layers
+
+
+@pytest.fixture(scope="module")
+def needle_600(smollm2):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["dataset.context_lengths=[600]", "dataset.depth_percents=[50]"])
+    (sample,) = instantiate(cfg.dataset).build(smollm2[1], 8000)
+    return sample
+
+
+@pytest.mark.parametrize("name,knobs", [("knorm", {}), ("tova", {}), ("expected_attention", {}),
+                                        ("keyformer", {"score": "shared"})], ids=lambda v: v if isinstance(v, str)
+                         else None)
+def test_issue_22_methods_run_on_the_embedded_model(smollm2, needle_600, name, knobs):
+    """knorm, tova, expected_attention and Keyformer's shared score on a short needle prompt at budget 64, four new
+    tokens: they generate and hold at most the budget per head (selectors exactly the budget after prefill)."""
+    model, tok = smollm2
+    method = METHODS[name](**knobs)
+    ids = torch.tensor([tok(needle_600.prompt).input_ids])
+    with AttentionCapture(model, window=method.query_window) as capture:
+        gen = generate(model, tok, method, capture, ids, 64, 4, eos_ids=set())
+    assert len(gen.token_ids) == 4 and gen.prompt_len > 400
+    assert max(max(layer) for layer in gen.kept_per_head) <= 64
+    assert gen.kv_bytes <= gen.full_kv_bytes * 64 / gen.prompt_len + 1
+    if name in ("knorm", "expected_attention"):
+        assert gen.effective_budget == 64

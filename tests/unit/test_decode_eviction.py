@@ -202,6 +202,74 @@ def test_buzz_matches_masked_simulation_every_step():
     assert max(len(row) for step in history for layer in step for row in layer) <= BUDGET
 
 
+# --- TOVA: the current query's attention, not accumulated ---------------------------------------------------------
+def tova_rows(logits, step):
+    """Softmax rows; at prefill only the prompt's last query row (TOVA scores with `attn_weights[:, :, -1, :]`)."""
+    probs = logits.softmax(-1)
+    if step == 0:
+        probs = probs.clone()
+        probs[..., :-1, :] = 0
+    return probs
+
+
+@pytest.mark.parametrize("selection", ["layer", "kv_head"])
+def test_tova_matches_masked_simulation_every_step(selection):
+    """Each step keeps the `budget` entries with the highest attention from the current query: averaged over all
+    query heads, one set per layer (the reference code), or per KV head. The Reference accumulates row scores, so
+    the rule clears them after use: each step sees only its own row."""
+    model, ids = tiny_model("llama", layers=2), prompt(N)
+    gen, history = ours(model, "tova", {"selection": selection}, ids)
+
+    def rule(layer, heads, scores, prefill):
+        if len(heads[0]) > BUDGET:
+            if selection == "layer":
+                mean = {p: sum(s[p] for s in scores) / len(scores) for p in heads[0]}
+                kept = sorted(sorted(heads[0], key=lambda p: -mean[p])[:BUDGET])
+                heads = [kept] * len(heads)
+            else:
+                heads = [sorted(sorted(k, key=lambda p: -s[p])[:BUDGET]) for k, s in zip(heads, scores)]
+        for s in scores:
+            s.clear()
+        return heads
+
+    assert history == run_reference(model, ids, gen.token_ids, rule, tova_rows)
+    assert max(len(row) for step in history for layer in step for row in layer) == BUDGET
+    if selection == "layer":
+        assert all(row == layer[0] for step in history for layer in step for row in layer)
+
+
+# --- Keyformer, shared score function (Table 3 row; the spec's reconstruction) -----------------------------------
+@pytest.mark.parametrize("selection", ["paper", "code_frozen"])
+def test_keyformer_shared_score_matches_masked_simulation(selection):
+    """One accumulator summed over all layers (head index aligned); the rule runs once the last layer has scored
+    (after prefill, and at each step after the last layer's attention) and every layer keeps the same entries."""
+    model, ids = tiny_model("llama", layers=3), prompt(N)
+    gen, history = ours(model, "keyformer", {"selection": selection, "score": "shared"}, ids, seed=3)
+    w, last = int(BUDGET * 0.3), model.config.num_hidden_layers - 1
+    ref = Reference(model, None, gumbel_rows(torch.Generator().manual_seed(3)))
+    keep = heavy_recent if selection == "paper" else None
+
+    def rule(layer, heads, scores, prefill):
+        if layer != last:
+            return heads  # grows until the last layer has scored this step
+        total = [{p: sum(ref.score[i][h][p] for i in range(last + 1)) for p in heads[h]} for h in range(len(heads))]
+        if keep is not None:
+            chosen = [keep(k, t, BUDGET, w) for k, t in zip(heads, total)]
+        else:
+            chosen = [keyformer_frozen(k, t, BUDGET, w, prefill) for k, t in zip(heads, total)]
+        for i in range(last):
+            ref.kept[i] = [list(c) for c in chosen]
+        return chosen
+
+    ref.rule = rule
+    cache = ref.prefill(ids)
+    for t, token in enumerate(gen.token_ids[:-1]):
+        ref.step(cache, torch.tensor([[token]]), N + t, step=t + 1)
+    assert history == ref.history
+    assert all(layer == step[0] for step in history for layer in step)  # one selection shared by every layer
+    assert max(len(row) for step in history for layer in step for row in layer) == BUDGET
+
+
 # --- BUZZ eviction trace (seed-buzz.md §1.7) --------------------------------------------------------------------
 def test_buzz_eviction_trace_from_the_spec():
     """k=4, w=160, T=400, s=5, a 1000-token prompt: evictions at decode steps 233, 531, 837 with the spec's

@@ -23,6 +23,9 @@ CASES = [  # (method, its knobs, budget, positions): every prefill-time selectio
     ("h2o", {}, 40, "original"),
     ("keyformer", {}, 40, "original"),
     ("buzz", {}, 40, "shift"),
+    ("knorm", {}, 40, "original"),
+    ("tova", {}, 40, "original"),
+    ("expected_attention", {"window": 8}, 40, "original"),
 ]
 
 
