@@ -340,3 +340,25 @@ def test_budget_at_or_above_everything_equals_full(name):
         a = generate(model, None, full, capture, ids, None, 10, eos_ids=set())
         b = generate(model, None, method, capture, ids, N + 20, 10, eos_ids=set())
     assert a.token_ids == b.token_ids and b.kv_bytes_final == a.kv_bytes_final
+
+
+def test_keyformer_shared_score_under_beam_search(monkeypatch):
+    """Table 3 runs 4 beams: with the shared score every beam row keeps the same entries in every layer, within the
+    budget, each time the beams are reordered."""
+    from kvbench.engine import beam
+
+    seen, reorder = [], beam.reorder
+
+    def spy(cache, beam_idx, state):
+        reorder(cache, beam_idx, state)
+        seen.append([layer.positions.clone() for layer in cache.layers])
+
+    monkeypatch.setattr(beam, "reorder", spy)
+    model, ids = tiny_model("llama", layers=3), prompt(N)
+    with AttentionCapture(model) as capture:
+        gen = beam.beam_generate(model, None, METHODS["keyformer"](score="shared"), capture, ids, BUDGET, 8, 3,
+                                 eos_ids=set(), seed=1)
+    assert len(gen.token_ids) == 8 and len(seen) >= 8
+    for layers in seen:
+        assert layers[0].shape[:2] == (3, 2) and layers[0].shape[-1] <= BUDGET
+        assert all(torch.equal(layer, layers[0]) for layer in layers)
