@@ -118,7 +118,7 @@ tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedd
 # <paper>_smoke, one tiny sweep on the embedded model that every table of the paper reads) + EXTRA_<smoke preset>.
 PAPERS := pyramidkv adakv tailorkv keyformer buzz
 TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
-TABLES_adakv     := t1
+TABLES_adakv     := t1 t2 f6
 TABLES_tailorkv  := t14
 TABLES_keyformer := t2 t3 t4 f7
 TABLES_buzz      := t2 t3 ta tb tc f6
@@ -138,6 +138,9 @@ PRESETS_pyramidkv_t9  := pyramidkv_t10   # latency: Table 9 reads Table 10's Pyr
 PRESETS_pyramidkv_t15 := pyramidkv_t15 pyramidkv_t15_mistral pyramidkv_t15_70b
 SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"
+EXTRA_adakv_t2      := "method=full"
+EXTRA_adakv_f6      := "method=full"
+SMOKE_adakv := adakv_smoke adakv_f6_smoke   # Tables 1-2 read the LongBench sweep, Figure 6 its needle grid
 EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 # registry name -> name in the papers; the order is the column order of the papers' tables
 METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", "h2o": "H2O",
-                "streamingllm": "StreamingLLM", "adakv": "Ada-KV", "keyformer": "Keyformer", "buzz": "BUZZ",
+                "streamingllm": "StreamingLLM", "adakv": "Ada-KV", "ada_pyramidkv": "Ada-Pyramid",
+                "keyformer": "Keyformer", "buzz": "BUZZ",
                 "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2",
                 "tova": "TOVA", "knorm": "Knorm", "expected_attention": "ExpectedAttention"}  # kvpress's spellings
 

@@ -28,7 +28,8 @@ The published numbers ship with the package, one file per table or figure:
   `match` at the top (merged into every row's: the settings that set this table's runs apart from the
   paper's other tables on the same dataset), `notes` (lines printed under the table: where the paper's own numbers
   disagree, which reading of the paper ran), `figure` (`budget`, the default: score vs KV size; `needle`: the NIAH
-  heatmaps side by side; `none`).
+  heatmaps side by side, in the order of `panels` (methods; default FullKV / StreamingLLM / H2O / SnapKV /
+  PyramidKV); `none`).
 
 Every cell shows `rebuilt / published (difference)`; a cell without a rebuilt value says why: not run, dataset not
 present, model not available, not implemented in kvbench, or not in the run's records. Rebuilt values come from the
@@ -418,12 +419,12 @@ def budget_figure(table: PaperTable) -> Figure | None:
 
 
 def needle_figure(table: PaperTable) -> Figure | None:
-    """The NIAH heatmaps of the table's runs side by side (its columns' methods, FullKV first), one row per model and
-    budget: PyramidKV Table 15's figures (Figs. 4, 9-17)."""
+    """The NIAH heatmaps of the table's runs side by side (the spec's `panels`, else NEEDLE_METHODS, FullKV first), one
+    row per model and budget: PyramidKV Table 15's figures (Figs. 4, 9-17), Ada-KV's Fig. 6."""
     records = table.records
     if records is None or not has_needle_grid(records):
         return None
-    methods = [m for m in NEEDLE_METHODS if m in set(records["method"])]
+    methods = [m for m in table.spec.get("panels", NEEDLE_METHODS) if m in set(records["method"])]
     return needle_grid(records, methods, title=table.spec["table"])
 
 

@@ -63,6 +63,12 @@ def test_smoke_form_runs_through_make(paper, tmp_path):
         cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("keyformer/*/config.yaml")]
         assert {c["positions"] for c in cfgs} == {"original", "shift"}
         assert all(c["generation"]["num_beams"] == 4 and c["method"]["selection"] == "code_frozen" for c in cfgs)
+    if paper == "adakv":  # Table 2 reads the LongBench sweep (its stand-in model's rows), Figure 6 the needle grid
+        for table in ("t2", "f6"):
+            rows = list(csv.DictReader((report / f"paper_adakv_{table}.csv").open()))
+            assert any(r["rebuilt"] for r in rows), table
+        assert (report / "paper_adakv_f6_needle.png").stat().st_size > 10_000
+        assert {m["paper"]["id"] for m in manifests} == {"t1", "f6"}
     if paper == "buzz":
         cfgs = [yaml.safe_load(p.read_text()) for p in (tmp_path / paper).rglob("buzz/*/config.yaml")]
         assert {c["method"]["logn"] for c in cfgs} == {False, True} and {c["positions"] for c in cfgs} == {"shift"}
