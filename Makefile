@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers tailorkv-longbench tailorkv-ruler clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -87,23 +87,8 @@ tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy
 	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \
 		--methods snapkv@64,128,256 tailorkv@192 tailorkv:bits=2@192
 
-TAILORKV_LB := -m dataset=longbench_tailorkv model=llama3_1_8b_instruct
-tailorkv-longbench: setup  ## TailorKV Table 14 (GPU + data/longbench): full, StreamingLLM 64+128, SnapKV 128+64, TailorKV-1/2 at 192
-	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=full
-	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=streamingllm budget=192 method.n_sink=64
-	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=snapkv budget=192 method.window=64
-	$(PYTHON) -m kvbench.run $(TAILORKV_LB) method=tailorkv budget=192 method.bits=1,2
-	$(PYTHON) -m kvbench.report results/longbench_tailorkv --out results/report
-
-TAILORKV_RULER := -m dataset=ruler dataset.lengths=[65536,131072] dataset.num_samples=25 model=llama3_1_8b_instruct
-tailorkv-ruler: setup  ## TailorKV Table 16 (GPU): RULER 64k/128k, budget 1024 (TailorKV 128+896, d_s 12)
-	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=full
-	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=streamingllm budget=1024 method.n_sink=128
-	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=snapkv budget=1024 method.window=128
-	$(PYTHON) -m kvbench.run $(TAILORKV_RULER) method=tailorkv budget=1024 method.bits=1,2 method.start_size=64 \
-		method.recent_size=64 method.channels=12
-	$(PYTHON) -m kvbench.report results/ruler --out results/report
-
+# TailorKV's tables (LongBench Table 14, InfiniteBench Table 15, RULER Table 16 ...): make reproduce-tailorkv-<id>
+# (the paper presets below; docs/reproduce.md)
 tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedded model (per-layer scores + split)
 	$(PYTHON) -m kvbench.methods.tailorkv_layers
 
@@ -119,7 +104,7 @@ tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedd
 PAPERS := pyramidkv adakv tailorkv keyformer buzz
 TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
 TABLES_adakv     := t1 t2 f6
-TABLES_tailorkv  := t14
+TABLES_tailorkv  := t3 t5 t8 t14 t15 t16
 TABLES_keyformer := t2 t3 t4 f7
 TABLES_buzz      := t2 t3 ta tb tc f6
 
@@ -140,8 +125,23 @@ SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"
 EXTRA_adakv_t2      := "method=full"
 EXTRA_adakv_f6      := "method=full"
-SMOKE_adakv := adakv_smoke adakv_f6_smoke   # Tables 1-2 read the LongBench sweep, Figure 6 its needle grid
-EXTRA_tailorkv_t14  := "method=full" "method=tailorkv method.bits=2"
+TAILORKV_EXTRA := "method=full" "method=tailorkv method.bits=2"   # the full cache once, TailorKV-2 beside TailorKV-1
+PRESETS_tailorkv_t14 := tailorkv_t14 tailorkv_t14_yi9b tailorkv_t14_yi6b   # one block per model
+PRESETS_tailorkv_t15 := tailorkv_t15 tailorkv_t15_yi9b tailorkv_t15_yi6b
+PRESETS_tailorkv_t16 := tailorkv_t16 tailorkv_t16_yi9b tailorkv_t16_yi6b
+PRESETS_tailorkv_t3  := $(PRESETS_tailorkv_t14) $(PRESETS_tailorkv_t15)   # class averages of Tables 14 and 15
+PRESETS_tailorkv_t5  := tailorkv_t14   # Table 14's Llama runs; SimLayerKV is not implemented
+PRESETS_tailorkv_t8  := tailorkv_t14   # Table 14's Llama runs (the ‡ rows); the † rows and Quest are not implemented
+EXTRA_tailorkv_t14 := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t14_yi9b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t14_yi6b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t15 := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t15_yi9b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t15_yi6b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t16 := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t16_yi9b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
+SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke   # Tables 14, 5, 8 read the LongBench sweep; 15 and 3 both
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # lm-eval runs + python -m kvbench.report.lm_eval_runs (docs/reproduce.md)

@@ -16,8 +16,10 @@ The published numbers ship with the package, one file per table or figure:
   `{"kind": "record_ppl"}`: exp(total NLL / total tokens) over the records, a perplexity table);
 - `columns`: `{key, label}` (+ `metric`, + `match` for columns that are settings, e.g. a budget or a method;
   `mean_of_columns: true` for an average the report recomputes from the row; `cell` to rebuild this column
-  another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}`; `digits`
-  for numbers printed with more than 2 decimals);
+  another way than the table's, e.g. a memory column `{"kind": "record_max", "field": "kv_bytes"}` or a class
+  average `{"kind": "task_mean", "tasks": [...]}`; `dataset` for a column whose runs are on another dataset than
+  the table's, e.g. TailorKV Table 3's InfiniteBench classes beside its LongBench ones; `digits` for numbers
+  printed with more than 2 decimals);
 - `rows`: `{group, label, match, values}` (+ `implemented: false` and `note` for rows kvbench cannot run; `model`
   and `model_config` for tables with a block per model, e.g. PyramidKV Table 1);
   `match` selects the runs: manifest keys `method`, `budget`, `ratio` or any dotted key of the resolved config
@@ -187,7 +189,8 @@ def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float |
     """The rebuilt value of one cell from its records, or (None, why). `spec` is the table's `cell`, updated by the
     column's own `cell` (a memory column in a table of scores): `record_max` = scale x the largest value of a record
     field (`field`), `record_ratio` = scale x max(field) / max(`per`), `record_sum` = the mean over records of the sum
-    of `fields` (timings), `not_measured` = no value, `note` says why."""
+    of `fields` (timings), `task_mean` = the plain mean of the `tasks`' cells (each as `longbench_task`: a class
+    average, TailorKV Table 3), `not_measured` = no value, `note` says why."""
     kind = spec["kind"]
     if kind == "not_measured":
         return None, spec["note"]
@@ -213,6 +216,12 @@ def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float |
         if rec.empty:
             return None, "task not in the run"
         return round(100 * rec["score"].astype(float).mean(), 2), ""
+    if kind == "task_mean":  # a class of tasks: the mean of its tasks' cells, as the paper averages its own
+        cells = [cell_value(records, {"kind": "longbench_task"}, {"key": task}) for task in spec["tasks"]]
+        missing = [task for task, (v, _) in zip(spec["tasks"], cells) if v is None]
+        if missing:
+            return None, f"task {missing[0]} not in the run"
+        return round(sum(v for v, _ in cells) / len(cells), 2), ""
     scale = spec.get("scale", 1)
     metrics = spec["metrics"] if kind == "geomean" else [column["metric"]]
     means = []
@@ -245,6 +254,11 @@ def missing_reason(spec: dict, row: dict, any_runs: bool) -> str:
     return "not run"
 
 
+def table_datasets(spec: dict) -> set[str]:
+    """The datasets the table's runs are on: the table's, and its columns' own (`dataset` on a column)."""
+    return {spec["dataset"], *(c["dataset"] for c in spec["columns"] if "dataset" in c)}
+
+
 def table_models(spec: dict) -> set[str]:
     """The models this table's rows name (`model` per row for multi-model tables like PyramidKV Table 1)."""
     return {spec["model"], *(r["model"] for r in spec["rows"] if "model" in r)}
@@ -270,7 +284,7 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
     spec = load_published(name, table)
     other_datasets: list[str] = []
     if not df.empty and "dataset" in df:
-        same = df["dataset"].astype(str) == spec["dataset"]  # longbench_tailorkv is its own table's dataset
+        same = df["dataset"].astype(str).isin(table_datasets(spec))  # longbench_tailorkv: its own tables' dataset
         other_datasets = sorted(df.loc[~same, "dataset"].astype(str).unique()) if not same.any() else []
         df = df[same]
     model = choose_model(df, spec, model)
@@ -291,6 +305,8 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
                 cells[col["key"]] = cell
                 continue
             records = base
+            if records is not None and len(table_datasets(spec)) > 1:  # the column's own dataset's runs
+                records = records[records["dataset"].astype(str) == col.get("dataset", spec["dataset"])]
             if records is not None and "match" in col:
                 records = matching_records(records, configs, col["match"])
             if records is None or records.empty:

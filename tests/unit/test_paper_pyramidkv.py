@@ -108,10 +108,15 @@ def test_notes_name_the_averages_that_do_not_fit_their_rows():
 
 
 # --- rows and columns against the presets ---------------------------------------------------------------------------
+def makefile_value(name: str) -> str:
+    """A Makefile variable's `:=` text, with the $(VARIABLE)s it names expanded (TailorKV's shared TAILORKV_EXTRA)."""
+    m = re.search(rf"^{name}\s*:=(.*)$", (REPO / "Makefile").read_text(), re.M)
+    return re.sub(r"\$\((\w+)\)", lambda ref: makefile_value(ref.group(1)), m.group(1)) if m else ""
+
+
 def extra_runs(preset: str) -> list[list[str]]:
     """The Makefile's EXTRA_<preset>: each quoted entry's overrides."""
-    m = re.search(rf"^EXTRA_{preset}\s*:=(.*)$", (REPO / "Makefile").read_text(), re.M)
-    return [entry.split() for entry in re.findall(r'"([^"]*)"', m.group(1))] if m else []
+    return [entry.split() for entry in re.findall(r'"([^"]*)"', makefile_value(f"EXTRA_{preset}"))]
 
 
 def expand(settings: dict[str, str]) -> list[dict[str, str]]:
@@ -142,7 +147,10 @@ def preset_runs(preset: str) -> tuple[dict, ...]:
                 cfg = compose("config", overrides=[f"paper={preset}", f"method={method}"])
                 composed[method] = {**pd.json_normalize(OmegaConf.to_container(cfg, resolve=False), sep=".")
                                     .iloc[0].to_dict(), "model": cfg.model.name, "dataset": cfg.dataset.name}
-            runs.append({**composed[method], **job, "method": method})
+            run = {**composed[method], **job, "method": method}
+            if method == "tailorkv":  # the manifest names the variant (methods/tailorkv.py `label`): tailorkv-<bits>
+                run["method"] = f"tailorkv-{run['method.bits']}"
+            runs.append(run)
     return tuple(runs)
 
 
@@ -173,8 +181,9 @@ def assert_runs_fill_table(spec: dict, presets: list[str]) -> None:
             if col.get("mean_of_columns"):
                 continue
             want = {**spec.get("match", {}), **row["match"], **col.get("match", {})}
+            dataset = col.get("dataset", spec["dataset"])  # a column may read another dataset (TailorKV Table 3)
             hits = {i for i, (_, r) in enumerate(runs)
-                    if r["model"] == row.get("model", spec["model"]) and r["dataset"] == spec["dataset"]
+                    if r["model"] == row.get("model", spec["model"]) and r["dataset"] == dataset
                     and all(k == "budget" and r["method"] == "full" or str(r.get(k)).lower() == str(v).lower()
                             or k.startswith("meta.") and v in r[f"dataset.{k[5:]}s"]  # a sample of the run
                             for k, v in want.items())}
