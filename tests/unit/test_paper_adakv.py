@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbench.report import load_runs
-from kvbench.report.paper import FIGURES, build_paper_table, load_published, table_ids
+from kvbench.report.paper import CONFIGS, FIGURES, build_paper_table, load_published, table_ids
 from tests.unit.test_paper_pyramidkv import assert_runs_fill_table
 from tests.unit.test_report import make_run, niah_records
 
@@ -49,6 +49,20 @@ def test_table_2_has_table_1s_layout_and_averages_that_fit_its_rows():
     keys = [c["key"] for c in t2["columns"] if not c.get("mean_of_columns")]
     for row in t2["rows"]:
         assert abs(sum(row["values"][k] for k in keys) / len(keys) - row["values"]["avg"]) <= 0.02, row["label"]
+
+
+def test_table_2_runs_lwm_as_the_official_script_and_says_so():
+    """runall.sh's LWM block: bf16, --max_length 1048576 (no cut), pred.py's build_chat has no LWM branch; Table 1's
+    method settings; the manifest's choices name the LWM reading, not Mistral's 31500 cut."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=["paper=adakv_t2", "method=ada_pyramidkv"])
+    assert cfg.model.path == "LargeWorldModel/LWM-Text-Chat-1M" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.max_prompt_tokens == 1048576 and cfg.model.chat_template is False
+    assert (cfg.method.window, cfg.method.alpha, cfg.method.granularity) == (32, 0.5, "query_head")
+    assert cfg.paper_settings.id == "t2" and any("no truncation" in c for c in cfg.paper_settings.choices)
+    assert not any("31500" in c for c in cfg.paper_settings.choices)
 
 
 @pytest.mark.parametrize("table", table_ids("adakv"))
