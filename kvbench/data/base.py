@@ -16,6 +16,9 @@ class Sample:
     and chat-template rules, as LongBench's must); otherwise the runner tokenizes `prompt` with the model's policy.
     `stop_token_ids` end generation at a token (excluded from the prediction), as HF's extra `eos_token_id`s do;
     `min_new_tokens` forbids EOS and those tokens before that many new tokens (HF's `min_length`).
+    `context_end` (characters of `prompt`) and, with `input_ids`, `context_tokens` (how many of them) say where the
+    context ends and the question begins (`query=agnostic` compresses the context before the question is fed;
+    `kvbench.data.split`); None: the prompt has no question, and both modes are the same run.
     """
 
     id: str
@@ -27,6 +30,8 @@ class Sample:
     input_ids: tuple[int, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    context_end: int | None = None
+    context_tokens: int | None = None
 
 
 class Dataset:

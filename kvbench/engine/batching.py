@@ -84,6 +84,7 @@ class Request:
     on_logits: Callable[[int, Tensor], None] | None = None  # sees step t's logits before the token is chosen
     forced: list[int] | None = None  # a teacher-forced stream: step t feeds forced[t] (no EOS or stop ends it)
     beams: object = None  # `beam.BeamSearch`: the token rule of a beam sequence (its cache has a row per beam)
+    question_len: int = 0  # query=agnostic: the last tokens of input_ids, fed after compression (generation.prepare)
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -223,7 +224,7 @@ class BatchedDecoder:
             raise ValueError("beam search decodes at batch_size=1 (its cache has a row per beam)")
         run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
                                           request.budget, request.max_new_tokens, decoding.positions, request.seed,
-                                          decoding.compress_after, request.prefilled)
+                                          decoding.compress_after, request.prefilled, request.question_len)
         generator = sampling_generator(decoding.sampling, run.logits.device)
         slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
                     self.capture.logit_scale, generator, run.logits)
@@ -493,16 +494,16 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
              sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
              positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
              min_new_tokens: int = 0, compress_after: str = "layer",
-             prefilled: Prefilled | None = None) -> Generation:
+             prefilled: Prefilled | None = None, question_len: int = 0) -> Generation:
     """One prompt end to end: a batch of one through the engine, with timings and the cache's accounting.
     `capture` must be active on `model`. A failure raises (batches report it per sample instead).
 
     `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
     sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift).
     `seed` seeds per-sample randomness of a method (Keyformer's Gumbel noise). `on_logits(t, logits)` sees each
-    step's logits. `compress_after` and `prefilled`: see `generation.prepare`."""
+    step's logits. `compress_after`, `prefilled` and `question_len`: see `generation.prepare`."""
     request = Request(input_ids, budget, max_new_tokens, tuple(stop), tuple(stop_token_ids), min_new_tokens, seed,
-                      prefilled=prefilled, on_logits=on_logits)
+                      prefilled=prefilled, on_logits=on_logits, question_len=question_len)
     return run_alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids,
                                  compress_after), request)
 

@@ -76,9 +76,11 @@ class Generation:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: Tensor, cache: KVCache) -> Tensor:
-    """Full-attention forward over the prompt; fills `cache`; returns the last position's logits `[B, V]`."""
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+def prefill(model, input_ids: Tensor, cache: KVCache, start: int = 0) -> Tensor:
+    """Full-attention forward over the prompt; fills `cache`; returns the last position's logits `[B, V]`.
+    `start` > 0: a chunk after `start` tokens already in `cache` (compressed or not: the capture masks each layer
+    as long as it is; `query=agnostic` feeds the question this way)."""
+    pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
     out = model(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
@@ -250,19 +252,27 @@ class Prefilled:
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
             max_new_tokens: int, positions: str = "original", seed: int = 0, compress_after: str = "layer",
-            prefilled: Prefilled | None = None) -> Prepared:
+            prefilled: Prefilled | None = None, question_len: int = 0) -> Prepared:
     """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`.
 
     `compress_after`: "layer" evicts each layer inside the prefill forward where the method allows it
     (`kvbench.engine.layerwise`), "prefill" after the whole prefill; the kept entries are the same. `prefilled`: skip the
-    prefill and compress a copy of a shared one (the grid launcher)."""
+    prefill and compress a copy of a shared one (the grid launcher). `question_len` > 0 (`query=agnostic`): the last
+    `question_len` tokens are the question: the context before them is prefilled and compressed alone (the method's
+    window queries are the context's last tokens), then the question is prefilled on top of the compressed cache
+    (`feed`) and kept whole; decoding starts after it, at position n."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
     if positions == "shift" and method.kind is Kind.STORAGE:
         raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
     if compress_after not in ("layer", "prefill"):
         raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
+    if question_len and (prefilled is not None or method.kind is Kind.STORAGE or not 0 < question_len < input_ids.shape[1]):
+        raise ValueError(f"query=agnostic: a {question_len}-token question after a {input_ids.shape[1]}-token "
+                         f"prompt cannot be fed on top of {method.registry_name}'s compressed cache here")
     prompt_len = input_ids.shape[1]
+    question, input_ids = (input_ids[:, input_ids.shape[1] - question_len:],
+                           input_ids[:, :input_ids.shape[1] - question_len]) if question_len else (None, input_ids)
     capture.logit_scale = getattr(method, "logit_scale", None)  # BUZZ log n: a temperature on every layer
     inv_freq = model_inv_freq(model, capture.adapter) if positions == "shift" else None
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
@@ -279,12 +289,12 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         capture.reset()
         capture.window = method.query_window
         if method.kind is Kind.EVICTOR:
-            state = method.start(prompt_len, budget, max_new_tokens, seed)
+            state = method.start(input_ids.shape[1], budget, max_new_tokens, seed)
             if method.accumulates_attention:
                 capture.column_score = lambda logits: method.row_score(logits, state, decoding=False)
                 capture.column_block = method.causal_block(state.budget)
         in_forward = compress_after == "layer" and layerwise.applies(method)
-        with layerwise.compress_each_layer(capture, method, cache, budget, prompt_len, state, active=in_forward,
+        with layerwise.compress_each_layer(capture, method, cache, budget, input_ids.shape[1], state, active=in_forward,
                                            compress_layer=compress_layer) as done:
             sync()
             t0 = time.perf_counter()
@@ -296,9 +306,30 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         t1 -= done.compress_s  # evictions inside the forward count as compression time
     sync()
     t2 = time.perf_counter()
+    timings = {"prefill_s": t1 - t0, "compress_s": t2 - t1}
+    if question is not None:
+        logits = feed(model, capture, cache, question, positions)
+        sync()
+        timings["question_s"] = time.perf_counter() - t2
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
-                    [layer.nbytes() for layer in cache.layers], ledger,
-                    {"prefill_s": t1 - t0, "compress_s": t2 - t1}, state, held_elsewhere)
+                    [layer.nbytes() for layer in cache.layers], ledger, timings, state, held_elsewhere)
+
+
+def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, positions: str = "original") -> Tensor:
+    """Prefill `tokens` `[1, q]` on top of a (compressed) cache, keeping them all: the question of `query=agnostic`,
+    a turn of a conversation. Through `prefill` (no new model call site); the capture masks each layer for its own
+    length and attends layers with their own storage (Ada-KV) itself. Nothing is scored or evicted: the window is
+    off and a decode-time evictor's hook runs on single tokens only. Returns the last token's logits."""
+    start = cache.layers[0].seen_tokens
+    if positions == "shift":  # pos-shift: the chunk goes right after the kept entries, as decoding would place it
+        start = cache.layers[0].keys.shape[-2]
+        for layer in cache.layers:
+            layer.next_position = start
+    window, capture.window = capture.window, 0
+    try:
+        return prefill(model, tokens, cache, start)
+    finally:
+        capture.window = window
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -36,7 +36,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvbench.engine.attention import attend
+from kvbench.cache.kv_cache import DecodeKV
+from kvbench.engine.attention import attend, chunk_attention
 from kvbench.models.adapters import adapter_for
 from kvbench.models.placement import to_device_of, weights_present
 from kvbench.models.rotary import Rotary
@@ -168,6 +169,9 @@ class AttentionCapture:
             softcap = kwargs.get("softcap")
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
+            layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
+            if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
+                return self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs), None
             if q_len > 1:  # prefill: keep only what scoring needs
                 if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
                     score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
@@ -213,6 +217,18 @@ class AttentionCapture:
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
+
+    @staticmethod
+    def _chunk(layer, query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None, score_bias,
+               alibi_slopes, kwargs: dict) -> Tensor:
+        """Several tokens on top of this layer's (compressed) entries (`generation.feed`): the model's mask is sized
+        for the first layer only, and a layer with its own storage returns only its dense part from `update`, so
+        the layer is attended here as it is (`engine.attention.chunk_attention`)."""
+        if kwargs.get("sliding_window") or score_bias is not None or alibi_slopes is not None:
+            raise NotImplementedError("capture: several tokens on top of a compressed cache (query=agnostic, turns) "
+                                      "are not supported with sliding-window or ALiBi attention")
+        kv = layer.decode_kv(query) if getattr(layer, "own_storage", False) else DecodeKV(key, value)
+        return chunk_attention(query, kv, scaling, softcap)
 
     def trim_window_layers(self, cache) -> None:
         """After prefill a sliding-window layer keeps only the entries the next token can still see, the last

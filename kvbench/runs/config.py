@@ -26,8 +26,15 @@ GROUPS = ("method", "dataset", "model")
 PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
 
 
+QUERY_MODES = ("aware", "agnostic")
+
+
 def config_hash(*nodes) -> str:
-    """Short hash of the parts of the config that change results (the run dir's suffix)."""
+    """Short hash of the parts of the config that change results (the run dir's suffix). A last node equal to
+    `aware` (the run-dir pattern ends with `${query}`) is left out, so question-aware runs keep the run dirs they
+    had before `query` existed; `agnostic` enters the hash."""
+    if nodes and isinstance(nodes[-1], str) and nodes[-1] == QUERY_MODES[0]:
+        nodes = nodes[:-1]
     plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
     plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -106,6 +113,7 @@ def setup(cfg: DictConfig):
         if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
+    check_query(cfg, method)
     if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
         raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
@@ -119,6 +127,22 @@ def setup(cfg: DictConfig):
 
     Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
     return method, dataset, spec
+
+
+def check_query(cfg: DictConfig, method) -> None:
+    """`query=aware|agnostic`, and what agnostic (the question fed after compression) does not run with."""
+    from kvbench.methods.base import Kind
+
+    query = cfg.get("query", "aware")
+    if query not in QUERY_MODES:
+        raise ValueError(f"query={query!r} is not one of {', '.join(QUERY_MODES)}")
+    if query == "aware":
+        return
+    if method.kind is Kind.STORAGE:
+        raise ValueError(f"query=agnostic: {method.registry_name}'s quantized/offloaded layers take one token per "
+                         "step, not a question on top; use query=aware")
+    if cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError("query=agnostic runs at generation.num_beams=1 (beam search prefills the whole prompt)")
 
 
 def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:

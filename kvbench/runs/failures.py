@@ -91,9 +91,9 @@ def attempt(sample, make_record: Callable[[], dict], context: dict | None = None
 
 def fail_remaining(jobs, written_ids: set[str], exc: BaseException) -> list[dict]:
     """Failure records for the samples of a decoding batch that raised before they were written (one error stops
-    every sample decoded with it); `jobs` are (sample, ids, budget)."""
+    every sample decoded with it); `jobs` are (sample, ids, budget, ...)."""
     records = [failure_record(s, exc, prompt_tokens=len(ids), budget=budget)
-               for s, ids, budget in jobs if s.id not in written_ids]
+               for s, ids, budget, *_ in jobs if s.id not in written_ids]
     logger.warning("batched decoding failed: %s: %s (at %s); %d unfinished samples recorded as failed, a rerun "
                    "retries them", type(exc).__name__, one_line(exc), where(exc), len(records))
     free_accelerator_memory()

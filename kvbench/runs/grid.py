@@ -92,6 +92,8 @@ def runs_alone(cfg: DictConfig, dataset) -> str | None:
         return "beam search"
     if cfg.get("shard"):
         return "a shard"
+    if cfg.get("query", "aware") != "aware":
+        return "question-agnostic compression (the question is fed after each configuration's compression)"
     return None
 
 

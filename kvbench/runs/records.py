@@ -65,11 +65,13 @@ def peak_mem_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; process-lifetime peak
 
 
-def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
-    """The prediction record of one generated sample (the same at any batch size, timings aside)."""
+def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aware", question_len: int = 0) -> dict:
+    """The prediction record of one generated sample (the same at any batch size, timings aside). `query`: when the
+    question was fed (aware: before compression; agnostic: its `question_tokens` after it)."""
     scores = dataset.score(sample, gen.text)
     return {
-        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids),
+        "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids), "query": query,
+        **({"question_tokens": question_len} if question_len else {}),
         "prediction": gen.text, "references": sample.answers,
         "score": scores[dataset.primary_metric], "scores": scores, "meta": sample.meta,
         "new_tokens": len(gen.token_ids), "budget": budget,
@@ -84,12 +86,12 @@ def sample_record(dataset, sample, ids: list[int], budget, gen) -> dict:
     }
 
 
-def generated_record(dataset, sample, ids: list[int], budget, gen) -> dict:
+def generated_record(dataset, sample, ids: list[int], budget, gen, query: str = "aware", question_len: int = 0) -> dict:
     """The record of a sample that batched decoding finished: its prediction, or the failure it yielded."""
     def make() -> dict:
         if isinstance(gen, Exception):
             raise gen
-        return sample_record(dataset, sample, ids, budget, gen)
+        return sample_record(dataset, sample, ids, budget, gen, query, question_len)
 
     return attempt(sample, make, {"prompt_tokens": len(ids), "budget": budget})
 

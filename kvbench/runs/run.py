@@ -23,29 +23,51 @@ logger = logging.getLogger("kvbench.run")
 
 
 # --- the run --------------------------------------------------------------------------------------------------
-def encode(tokenizer, prompt: str, spec) -> list[int]:
+def render(tokenizer, prompt: str, spec) -> tuple[str, dict]:
+    """The text the model reads (the user turn of its chat template, or the prompt) and how it is tokenized."""
     if spec.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
-        return tokenizer(prompt, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
+        return prompt, {"add_special_tokens": False}
+    return prompt, {}
+
+
+def encode(tokenizer, prompt: str, spec) -> list[int]:
+    text, kwargs = render(tokenizer, prompt, spec)
+    return tokenizer(text, **kwargs).input_ids
 
 
 def prompt_ids(sample, tokenizer, spec) -> list[int]:
     """The token ids a sample runs with: the builder's own (benchmark truncation) or the model's policy, middle-cut."""
+    return prompt_split(sample, tokenizer, spec, split=False)[0]
+
+
+def prompt_split(sample, tokenizer, spec, split: bool = True) -> tuple[list[int], int | None]:
+    """`prompt_ids` and how many of them are context (None: no question, or `split` false). With a chat template
+    the split falls inside the rendered user turn: the template's tail (end of turn, assistant header) is part of
+    the question (`kvbench.data.split`)."""
     if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
-        return list(sample.input_ids)
-    ids = encode(tokenizer, sample.prompt, spec)
+        return list(sample.input_ids), sample.context_tokens if split else None
+    from kvbench.data.split import content_offset, context_token_count, cut_context
+
+    text, kwargs = render(tokenizer, sample.prompt, spec)
+    ids = tokenizer(text, **kwargs).input_ids
+    n_context = None
+    if split and sample.context_end is not None:
+        at = content_offset(text, sample.prompt) + sample.context_end
+        n_context = context_token_count(tokenizer, text, at, ids, **kwargs)
     if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
-        half = spec.max_prompt_tokens // 2
+        half, n_full = spec.max_prompt_tokens // 2, len(ids)
         ids = ids[:half] + ids[-half:]
-    return ids
+        n_context = cut_context(n_context, n_full, len(ids), half) if n_context is not None else None
+    return ids, n_context
 
 
 def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
-               sampling, prefilled=None) -> dict:
+               sampling, prefilled=None, question_len: int = 0) -> dict:
     """Generate one sample and score it: the prediction record that goes into predictions.jsonl.
-    `prefilled` (`generation.Prefilled`): a prefill shared with other configurations (the grid launcher)."""
+    `prefilled` (`generation.Prefilled`): a prefill shared with other configurations (the grid launcher).
+    `question_len` (`query=agnostic`): the prompt's last tokens, fed after the context is compressed."""
     import torch
 
     from kvbench.engine.batching import generate
@@ -64,8 +86,9 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
         gen = generate(model, tokenizer, method, capture, torch.tensor([ids], device=device), budget,
                        sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
                        stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens,
-                       compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled)
-    return sample_record(dataset, sample, ids, budget, gen)
+                       compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled,
+                       question_len=question_len)
+    return sample_record(dataset, sample, ids, budget, gen, cfg.get("query", "aware"), question_len)
 
 
 def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: DictConfig, spec, sampling,
@@ -78,8 +101,9 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
     context: dict = {}
 
     def make() -> dict | None:
-        ids = prompt_ids(sample, tokenizer, spec)
-        budget = context["budget"] = sample_budget(cfg, len(ids))
+        ids, n_context = prompt_split(sample, tokenizer, spec, split=cfg.get("query", "aware") == "agnostic")
+        question_len = len(ids) - n_context if n_context else 0  # no context before it: nothing to compress first
+        budget = context["budget"] = sample_budget(cfg, len(ids) - question_len)  # (ratio: of what is compressed)
         context["prompt_tokens"] = len(ids)
         if cfg.ratio is not None:
             try:
@@ -92,15 +116,16 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
             return perplexity_record(model, method, capture, dataset, sample, budget, cfg.positions,
                                      sample_seed(cfg, sample))
         if defer is not None:
-            return defer((sample, ids, budget))
-        return run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling)
+            return defer((sample, ids, budget, question_len))
+        return run_sample(model, tokenizer, method, capture, dataset, sample, ids, budget, cfg, sampling,
+                          question_len=question_len)
 
     return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
 
 
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
                     desc: str = ""):
-    """Decode `jobs` ((sample, ids, budget) each) with continuous batching and yield one record per sample, in
+    """Decode `jobs` ((sample, ids, budget, question_len) each) with continuous batching and yield one record per sample, in
     completion order: a sample that failed gets its failure record and the others go on. Should the batching loop
     itself raise, the samples it had not finished get failure records."""
     from tqdm import tqdm
@@ -109,7 +134,8 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
     from kvbench.runs.failures import fail_remaining
 
     device = next(model.parameters()).device
-    requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device) for s, ids, budget in jobs]
+    requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device, question_len=q)
+                for s, ids, budget, q in jobs]
     written: set[str] = set()
     try:
         for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
@@ -118,7 +144,8 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
                                  total=len(jobs), desc=desc):
             sample, ids = request.tag
             written.add(sample.id)
-            yield generated_record(dataset, sample, ids, request.budget, gen)
+            yield generated_record(dataset, sample, ids, request.budget, gen, cfg.get("query", "aware"),
+                                   request.question_len)
     except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
         capture.reset()
         yield from fail_remaining(jobs, written, e)
@@ -154,6 +181,7 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     old = store.read_json(manifest_name)
     info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
+    info["query"] = cfg.get("query", "aware")  # aware: question prefilled before compression | agnostic: after
     if shard is not None:  # merge needs the whole run's id order, and what the dataset skipped while building
         info.update(shard=f"{shard.index}/{shard.count}", sample_ids=[s.id for s in samples],
                     dataset_skipped=dict(getattr(dataset, "skipped", {}) or {}))

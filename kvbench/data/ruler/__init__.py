@@ -30,6 +30,7 @@ from pathlib import Path
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.ruler import cache, common_words, freq_words, niah, qa, sources, variable_tracking
 from kvbench.data.ruler.length import token_counter, tokenizer_fingerprint
+from kvbench.data.split import context_token_count, question_offset, split_template
 from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLATES, TASK_CONFIGS, prompt_template,
                                           task_metric, tokens_to_generate)
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
@@ -202,8 +203,12 @@ class Ruler(Dataset):
         for length in self.lengths:
             for task in self.tasks:
                 records = self.records(task, length, counter_tok)
+                question = split_template(prompt_template(task, self.model_template))[1]
                 for r in records or []:
                     ids = tuple(tokenizer(r["input"]).input_ids)
+                    context_end = question_offset(r["input"], question)
+                    if context_end is None:
+                        raise ValueError(f"ruler: {task} sample {r['index']} does not end with its question part")
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise ValueError(f"ruler: {task} at length {length} gives a {len(ids)}-token prompt, above "
                                          f"the model's max_prompt_tokens={max_prompt_tokens}; lower dataset.length "
@@ -212,7 +217,8 @@ class Ruler(Dataset):
                         id=f"{task}-{length}-{r['index']}", prompt=r["input"], answers=list(r["outputs"]),
                         max_new_tokens=tokens_to_generate(task),
                         meta={"task": task, "length": length, "index": r["index"], "upstream_length": r["length"]},
-                        input_ids=ids))
+                        input_ids=ids, context_end=context_end,
+                        context_tokens=context_token_count(tokenizer, r["input"], context_end, ids)))
         if not samples:
             raise ValueError(f"ruler: no samples: every task was skipped ({'; '.join(self.skipped.values())}).")
         return samples

@@ -1,0 +1,164 @@
+"""query=agnostic: the context is compressed alone, then the question is prefilled on top of the compressed cache.
+
+Checked against an independent recomputation: one plain forward of the whole prompt (+ the first generated token)
+whose attention, per layer and per query head, lets the question rows see only the context entries the method
+kept (and every question token causally), while the context rows see the whole context as in a normal prefill.
+That is exactly what compressing the context and then prefilling the question must compute, without kvbench's
+cache, capture or chunk attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+import kvbench.methods  # noqa: F401
+from kvbench.data.longbench_prompts import CONTEXT_TEMPLATES, DATASET2PROMPT, QUESTION_TEMPLATES
+from kvbench.data.split import context_token_count, cut_context, question_offset, split_template
+from kvbench.engine.batching import generate, teacher_force
+from kvbench.engine.generation import prepare
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from kvbench.runs.config import CONFIG_DIR, config_hash, setup
+from tests.unit.tiny import attention_function, prompt, tiny_model
+
+N, Q = 160, 12  # prompt tokens, of which the last Q are the question
+METHODS_UNDER_TEST = {  # name -> (kwargs, budget)
+    "snapkv": ({"window": 8}, 40), "pyramidkv": ({"window": 8}, 40), "adakv": ({"window": 8}, 40),
+    "adakv_qh": ({"window": 8, "granularity": "query_head"}, 40), "streamingllm": ({}, 32),
+    "h2o": ({}, 48),
+}
+
+
+def kept_positions(layer) -> list[torch.Tensor]:
+    if getattr(layer, "is_varlen", False):  # flattened prompt entries per head, then the dense part (the question)
+        heads = layer.flat_positions.split(layer.head_lens.tolist())
+        return [torch.cat([p, layer.positions[0, h]]) for h, p in enumerate(heads)]
+    return list(layer.positions[0].clone())
+
+
+def reference_logits(model, ids: torch.Tensor, n_context: int, kept: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Logits of every row of one forward over `ids`, rows >= n_context seeing only the kept context positions."""
+    n_heads = model.config.num_attention_heads
+
+    def masked(module, q, k, v, mask, scaling=None, **kw):
+        n = k.shape[2]
+        per_head = kept[module.layer_idx]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = causal.repeat(n_heads, 1, 1)
+        for hq in range(n_heads):  # query head hq reads stored head hq * H_stored // H_q
+            context_seen = torch.zeros(n, dtype=torch.bool)
+            context_seen[per_head[hq * len(per_head) // n_heads]] = True
+            context_seen[n_context:] = True  # the question (and later tokens), causally
+            allowed[hq, n_context:] &= context_seen
+        k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None], scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    with attention_function(model, masked):
+        return model(ids).logits[0]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS_UNDER_TEST))
+def test_question_on_compressed_context_equals_masked_dense_recompute(name):
+    model, ids = tiny_model("llama"), prompt(N)
+    kwargs, budget = METHODS_UNDER_TEST[name]
+    method = METHODS[name.removesuffix("_qh")](**kwargs)
+    seen = []
+    with AttentionCapture(model, window=method.query_window) as capture:
+        prepared = prepare(model, method, capture, ids, budget, 4, question_len=Q)
+        kept = [kept_positions(layer) for layer in prepared.cache.layers]
+        token = int(prepared.logits.argmax())
+        teacher_force(model, capture, prepared, [token], lambda t, logits: seen.append(logits.clone()))
+    assert prepared.prompt_len == N and "question_s" in prepared.timings
+    n_context = N - Q
+    for per_head in kept:  # the context was compressed, and every question token was kept on top
+        assert all((p < n_context).sum() < n_context and (p >= n_context).sum() == Q for p in per_head)
+    expected = reference_logits(model, torch.cat([ids, torch.tensor([[token]])], 1), n_context, kept)
+    torch.testing.assert_close(seen[0][0], expected[N - 1], rtol=1e-4, atol=1e-4)  # after the question
+    torch.testing.assert_close(seen[1][0], expected[N], rtol=1e-4, atol=1e-4)  # the next step, at position N
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_full_cache_agnostic_generates_what_aware_generates(batch_size):
+    """One cache, the same tokens: with `full` the split changes nothing but the order of two forwards."""
+    from kvbench.engine.batching import Request, generate_batched
+
+    model = tiny_model("qwen2")
+    prompts = [prompt(N, seed=s) for s in (1, 2)]
+    with AttentionCapture(model) as capture:
+        aware = [generate(model, None, METHODS["full"](), capture, p, None, 8) for p in prompts]
+        requests = [Request(p, None, 8, question_len=Q) for p in prompts]
+        agnostic = {id(r.input_ids): g for r, g in generate_batched(model, None, METHODS["full"](), capture,
+                                                                    requests, batch_size)}
+    for p, a in zip(prompts, aware):
+        b = agnostic[id(p)]
+        assert b.token_ids == a.token_ids and len(a.token_ids) == 8 and b.kv_bytes == a.kv_bytes
+
+
+def test_storage_methods_and_beams_are_refused_before_weights_load():
+    def check(*overrides):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            setup(compose("config", overrides=["model=tiny_llama", *overrides]))
+
+    check("query=agnostic", "method=snapkv")
+    with pytest.raises(ValueError, match="query='sometimes' is not one of aware, agnostic"):
+        check("query=sometimes")
+    with pytest.raises(ValueError, match="query=agnostic: tailorkv"):
+        check("query=agnostic", "method=tailorkv")
+    with pytest.raises(ValueError, match="num_beams=1"):
+        check("query=agnostic", "generation.num_beams=2")
+
+
+def test_aware_keeps_its_run_dir_and_agnostic_gets_its_own():
+    from hydra.core.hydra_config import HydraConfig
+
+    dirs = {}
+    for query in ("aware", "agnostic"):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=["model=tiny_llama", f"query={query}"], return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            dirs[query] = cfg.hydra.run.dir
+    before = config_hash(cfg.method, cfg.dataset, cfg.model, cfg.generation, cfg.seed, cfg.positions)
+    assert dirs["aware"].endswith(f"-{before}")  # the hash of the config before `query` existed
+    assert not dirs["agnostic"].endswith(f"-{before}") and dirs["agnostic"][:-8] == dirs["aware"][:-8]
+
+
+# --- where each benchmark's question begins -------------------------------------------------------------------
+# kvpress's LongBench question templates start here (its typo fixes aside): an independent statement of the split
+QUESTION_STARTS = {
+    "narrativeqa": "Now, answer the question based on the story", "qasper": "Answer the question based on the above",
+    "multifieldqa_en": "Now, answer the following question", "multifieldqa_zh": "现在请基于上面的文章回答下面的问题",
+    "hotpotqa": "Answer the question based on the given passages", "2wikimqa": "Answer the question based on the",
+    "musique": "Answer the question based on the given", "dureader": "请基于上述文章回答下面的问题",
+    "gov_report": "Now, write a one-page summary of the report.", "qmsum": "Now, answer the query based on",
+    "multi_news": "Now, write a one-page summary of all the news.", "vcsum": "会议总结：", "trec": "{input}",
+    "triviaqa": "{input}", "samsum": "{input}", "lsht": "{input}", "passage_count": "Please enter the final count",
+    "passage_retrieval_en": "The following is an abstract.", "passage_retrieval_zh": "下面是一个摘要",
+    "lcc": "Next line of code:\n", "repobench-p": "{input}Next line of code:\n",
+}
+
+
+@pytest.mark.parametrize("task", sorted(DATASET2PROMPT))
+def test_longbench_split_joins_to_todays_prompt_byte_for_byte(task):
+    record = {"context": "Ctx {with} braces\n\n", "input": "Why {not}?"}
+    context, question = CONTEXT_TEMPLATES[task], QUESTION_TEMPLATES[task]
+    assert context + question == DATASET2PROMPT[task]
+    assert context.format(**record) + question.format(**record) == DATASET2PROMPT[task].format(**record)
+    assert question.startswith(QUESTION_STARTS[task]) and context.rstrip().endswith("{context}")
+
+
+def test_split_helpers_on_hand_worked_cases():
+    assert split_template("A: {context}\n\nQ: {q}") == ("A: {context}\n\n", "Q: {q}")
+    assert split_template("<b> {context} </b>.\n Based on it: {q}", boundary=" Based") == ("<b> {context} </b>.\n",
+                                                                                          " Based on it: {q}")
+    text = "Q: what? A: 1\n\nbody Q: what? A:"  # a few-shot example repeats the question: the last one counts
+    assert question_offset(text, "Q: {q}? A:") == text.rindex("Q: ")
+    assert question_offset("no question here", "Q: {q}?") is None
+
+    class Chars:  # a tokenizer with one token per character (prefix tokenization is stable)
+        def __call__(self, text, **kw):
+            return type("E", (), {"input_ids": [ord(c) for c in text]})()
+
+    assert context_token_count(Chars(), "abcdef", 4, [ord(c) for c in "abcdef"]) == 4
+    assert cut_context(90, 100, 60, 30) == 50 and cut_context(20, 100, 60, 30) == 20 and cut_context(40, 100, 60, 30) == 30
