@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from kvbench.runs.merge import merge_stale
-from kvbench.report.compare import Compare, resolve_method
+from kvbench.report.compare import Compare, resolve_reference
 from kvbench.report.cost import cost_lines
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdf", action="store_true", help="also write the figures as PDF")
     parser.add_argument("--stderr", action="store_true", help='show scores as "mean ± standard error"')
     parser.add_argument("--compare", metavar="METHOD", help="paired bootstrap of each cell against this method "
-                        "(registry name or table label, e.g. full)")
+                        "(registry name or table label, e.g. full), or against the same method in a query mode "
+                        "(aware, agnostic)")
     parser.add_argument("--resamples", type=int, default=RESAMPLES, help=f"bootstrap resamples (default {RESAMPLES})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default {SEED})")
     parser.add_argument("--paper", help=f"a paper's tables next to its published numbers (those with runs): "
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     compare = None
     if args.compare:
         try:
-            compare = Compare(resolve_method(args.compare, df["method"].dropna().unique()), args.resamples, args.seed)
+            axis, reference = resolve_reference(args.compare, df["method"].dropna().unique(), df["query"].unique())
+            compare = Compare(reference, args.resamples, args.seed, axis=axis)
         except ValueError as e:
             parser.exit(2, f"{e}\n")
     table = summary_table(df, compare)
@@ -104,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if has_needle_grid(df):
         niah = df[df[LENGTH].notna()]
-        groups = list(niah.groupby(["model", "dataset"], sort=True))
-        for (model, dataset), g in groups:
+        groups = list(niah.groupby(["model", "dataset", "query"], sort=True))
+        for (model, dataset, query), g in groups:
             stem = "needle_panels" if len(groups) == 1 else f"needle_panels_{_slug(model)}_{_slug(dataset)}"
+            stem += "" if query == "aware" else f"_{query}"
             fig = needle_panels(g, written[0].parent / f"{stem}.png", stderr=args.stderr)
             written.append(written[0].parent / f"{stem}.png")
             if args.pdf:
@@ -114,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 written.append(written[0].parent / f"{stem}.pdf")
 
     # a fresh Compare per family, so each table's note lists only its own unpaired samples
-    options = {"stderr": args.stderr,
-               "compare": Compare(compare.reference, args.resamples, args.seed) if compare else None}
-    written += benchmark_reports(df, Path(args.out), **options)
+    options = {"stderr": args.stderr, "compare": Compare(compare.reference, args.resamples, args.seed)
+               if compare and compare.axis == "method" else None}
+    for query, part in df.groupby("query", sort=True):  # benchmark layouts per query mode (agnostic: a subfolder)
+        written += benchmark_reports(part, Path(args.out) / ("" if query == "aware" else f"query-{query}"), **options)
     if args.html:
         written.append(write_html(args.html, written, title=f"kvbench report: {', '.join(args.paths)}"))
     print(to_markdown(table, stderr=args.stderr))

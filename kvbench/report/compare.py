@@ -21,6 +21,17 @@ from kvbench.report.labels import METHOD_NAMES, method_label
 MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
 
 
+QUERY_MODES = ("aware", "agnostic")  # `--compare aware`: each agnostic row against its own method's aware row
+
+
+def resolve_reference(label: str, methods: Iterable[str], queries: Iterable[str]) -> tuple[str, str]:
+    """(`method` or `query`, reference): `--compare aware` / `--compare agnostic` (a query mode the runs hold)
+    pairs each row with the same method, budget and sample ids in the other mode; anything else names a method."""
+    if label.lower() in QUERY_MODES and label.lower() in set(map(str, queries)):
+        return "query", label.lower()
+    return "method", resolve_method(label, methods)
+
+
 def resolve_method(label: str, methods: Iterable[str]) -> str:
     """The registry name of `label` (registry name or paper spelling, any case) among the runs' methods."""
     methods = sorted(set(map(str, methods)))
@@ -38,7 +49,9 @@ def reference_key(row: dict, candidates: list[dict], keys: list[str]) -> dict | 
     same = [c for c in candidates if all(_same(c.get(k), row.get(k)) for k in keys)]
     if same:
         return same[0]
-    return candidates[0] if candidates and candidates[0].get("method") == "full" else None
+    if candidates and candidates[0].get("method") == "full":  # the same query mode's full cache if it ran
+        return next((c for c in candidates if _same(c.get("query"), row.get("query"))), candidates[0])
+    return None
 
 
 def _same(a, b) -> bool:
@@ -69,6 +82,7 @@ class Compare:
     seed: int = SEED
     level: float = LEVEL
     unpaired: list[tuple[str, int, int]] = field(default_factory=list)
+    axis: str = "method"  # "query": `reference` is a query mode, each row compared with its own method in it
 
     def cells(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, scale: float = 1.0,
               task: str | None = None, tasks: list[str] | None = None,
@@ -111,7 +125,8 @@ class Compare:
 
     def note(self) -> list[str]:
         """The lines under a compared table: what the mark means, resamples, seed, and the unpaired samples."""
-        ref = METHOD_NAMES.get(self.reference, self.reference)
+        ref = f"the same method with query={self.reference}" if self.axis == "query" else \
+            METHOD_NAMES.get(self.reference, self.reference)
         lines = [f"{MARK} the {self.level:.0%} paired-bootstrap interval of the difference to {ref} excludes 0 "
                  f"(samples paired by id; {self.resamples} resamples, seed {self.seed})."]
         if self.unpaired:

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 PREDICTIONS = "predictions.jsonl"
 MANIFEST = "manifest.json"
 # manifest fields copied onto every record row; run_dir is added as well
-MANIFEST_COLUMNS = ("model", "dataset", "method", "budget", "ratio", "primary_metric", "dataset_version")
+MANIFEST_COLUMNS = ("model", "dataset", "method", "budget", "ratio", "primary_metric", "dataset_version", "query")
 
 
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
@@ -94,6 +94,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
     df = pd.json_normalize(records, sep=".") if records else pd.DataFrame()
     for col in MANIFEST_COLUMNS:
         df[col] = manifest.get(col)
+    df["query"] = manifest.get("query") or "aware"  # runs from before `query` existed were question-aware
     df["run_dir"] = str(run_dir)
     return df
 
@@ -102,7 +103,8 @@ def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
     """All records of every run found under `paths`, as one DataFrame (one row per prediction record).
 
     Columns: the record fields of docs/records.md (nested `meta` and `scores` flattened with a dot), plus the
-    manifest's model, dataset, method, budget, ratio, primary_metric, dataset_version, and run_dir.
+    manifest's model, dataset, method, budget, ratio, primary_metric, dataset_version, query (aware | agnostic),
+    and run_dir.
     `budget` is a nullable integer: a full-cache or ratio-based run may have none.
     """
     frames = [load_run(d) for d in find_run_dirs(paths)]

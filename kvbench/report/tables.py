@@ -22,7 +22,7 @@ COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("M
            "budget": ("KV Size", "{:d}"), "ratio": ("Ratio", "{:.2f}"), "metric": ("Metric", "{}"),
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
            "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}"),
-           "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
+           "query": ("Query", "{}"), "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
            "tokens": ("Tokens", "{:d}"), "PPL": ("PPL", "{:.3f}")}  # the last row: seed-task tables
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
 # uncertainty columns (kvbench.report.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as one
@@ -37,7 +37,7 @@ def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
     order = {m: i for i, m in enumerate(METHOD_NAMES)}
     keys = pd.DataFrame({"not_full": frame["method"] != "full",
                          "method_order": frame["method"].map(lambda m: order.get(m, len(order)))}, index=frame.index)
-    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method"]
+    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query"]
     tmp = pd.concat([frame.drop(columns=["not_full", "method_order"], errors="ignore"), keys], axis=1)
     cols = [c for c in cols if c in tmp]
     return tmp.sort_values(cols, na_position="last", kind="stable").drop(columns=["not_full", "method_order"])
@@ -64,6 +64,8 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
             df[col] = math.nan
     df["primary_metric"] = df["primary_metric"].fillna("score") if "primary_metric" in df else "score"
     keys = ["model", "dataset", "method", "budget"] + (["ratio"] if "ratio" in df and df["ratio"].notna().any() else [])
+    if "query" in df and set(df["query"].dropna()) - {"aware"}:  # aware and agnostic rows side by side
+        keys.append("query")
     scale = {m: score_scale(g["score"]) for m, g in df.groupby("primary_metric")}
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
     df["_group"] = g.ngroup()
@@ -96,15 +98,23 @@ def _se(scores: pd.Series) -> float:
 
 def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale: dict, compare) -> pd.DataFrame:
     """Each row's paired difference to the reference method's row of the same model, dataset and metric (at the
-    same budget if the reference ran at it; kvbench.report.compare.reference_key)."""
+    same budget, and query mode, if the reference ran at it; kvbench.report.compare.reference_key). With a query
+    reference (`--compare aware`): to the same method's row at the same budget in that mode."""
     rows = []
+    same = ["budget", "ratio", *(["query"] if "query" in keys else [])]
     for _, row in out.iterrows():
-        cands = out[(out["method"] == compare.reference) & (out["model"] == row["model"])
-                    & (out["dataset"] == row["dataset"]) & (out["primary_metric"] == row["primary_metric"])]
-        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in cands.iterrows()], ["budget", "ratio"])
+        by_query = compare.axis == "query"
+        where = out["query"] == compare.reference if by_query else out["method"] == compare.reference
+        if by_query:
+            where &= out["method"] == row["method"]
+        cands = out[where & (out["model"] == row["model"]) & (out["dataset"] == row["dataset"])
+                    & (out["primary_metric"] == row["primary_metric"])]
+        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in cands.iterrows()],
+                            [k for k in same if not (by_query and k == "query")])
         ci = None
-        if ref is not None and row["method"] != compare.reference:
+        if ref is not None and row.get("query" if by_query else "method") != compare.reference:
             label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else row['budget']}".strip()
+            label += f" {row['query']}" if "query" in keys else ""
             ci = compare.cells(df[df["_group"] == row["_group"]], df[df["_group"] == ref["_group"]], label,
                                scale[row["primary_metric"]])["score"]
         rows.append({"diff": ci.diff, "diff_lo": ci.lo, "diff_hi": ci.hi, "diff_se": ci.se,

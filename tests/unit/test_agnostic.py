@@ -162,3 +162,39 @@ def test_split_helpers_on_hand_worked_cases():
 
     assert context_token_count(Chars(), "abcdef", 4, [ord(c) for c in "abcdef"]) == 4
     assert cut_context(90, 100, 60, 30) == 50 and cut_context(20, 100, 60, 30) == 20 and cut_context(40, 100, 60, 30) == 30
+
+
+# --- the report: aware and agnostic side by side, `--compare aware` paired by sample id ------------------------
+def write_run(root, method: str, budget, query: str | None, scores: dict[str, float]):
+    import json
+
+    run = root / "niah" / "smollm2" / method / f"b{budget}-{query or 'old'}"
+    run.mkdir(parents=True)
+    manifest = {"method": method, "budget": budget, "ratio": None, "model": "smollm2", "dataset": "niah",
+                "dataset_version": "1", "primary_metric": "pyramidkv_recall", **({"query": query} if query else {})}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "predictions.jsonl").write_text("".join(json.dumps(
+        {"id": i, "score": s, "scores": {"pyramidkv_recall": s}, "kv_bytes": 10, "full_kv_bytes": 100}) + "\n"
+        for i, s in scores.items()))
+
+
+def test_report_puts_modes_side_by_side_and_compares_each_with_its_aware_run(tmp_path, capsys):
+    from kvbench.report.__main__ import main
+
+    ids = [f"niah-{k}" for k in range(20)]
+    write_run(tmp_path, "full", None, None, {i: 1.0 for i in ids})  # a run from before `query`: aware
+    write_run(tmp_path, "full", None, "agnostic", {i: 1.0 for i in ids})
+    write_run(tmp_path, "snapkv", 64, "aware", {i: 1.0 for i in ids})
+    # agnostic loses the needle on ids 0, 2, ..., 18 and id 19 never ran: 9 / 19 right, paired difference -10 / 19
+    write_run(tmp_path, "snapkv", 64, "agnostic", {i: float(k % 2) for k, i in enumerate(ids[:-1])})
+    assert main([str(tmp_path), "--out", str(tmp_path / "out"), "--compare", "aware"]) == 0
+    rows = {tuple(c.strip() for c in line.split("|")[3:6]): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| smollm2")}
+    assert set(rows) == {("FullKV", "–", "aware"), ("FullKV", "–", "agnostic"), ("SnapKV", "64", "aware"),
+                         ("SnapKV", "64", "agnostic")}
+    snap = rows[("SnapKV", "64", "agnostic")].split("|")
+    assert snap[7].strip() == "47.37" and snap[8].strip().startswith("-52.63 [") and snap[8].strip().endswith("†")
+    assert rows[("FullKV", "–", "agnostic")].split("|")[8].strip() == "+0.00 [+0.00, +0.00]"
+    assert rows[("SnapKV", "64", "aware")].split("|")[8].strip() == "–"  # the reference itself
+    note = (tmp_path / "out" / "table.md").read_text()
+    assert "the same method with query=aware" in note and "SnapKV 64 agnostic: 0 ids only in this run, 1 only" in note
