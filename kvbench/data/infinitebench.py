@@ -123,7 +123,7 @@ class InfiniteBench(Dataset):
                 ids = tokenizer.encode(prompt)
                 n_full = len(ids)
                 context_end = question_offset(prompt, question)
-                n_context = context_token_count(tokenizer, prompt, context_end, ids) if context_end is not None else None
+                n_context = None if context_end is None else context_token_count(tokenizer, prompt, context_end, ids)
                 truncated = limit is not None and len(ids) > limit
                 if truncated:
                     ids = middle_cut(ids, limit)

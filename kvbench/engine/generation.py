@@ -267,7 +267,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         raise ValueError(f"positions=shift applies to eviction methods, not to {method.registry_name}")
     if compress_after not in ("layer", "prefill"):
         raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
-    if question_len and (prefilled is not None or method.kind is Kind.STORAGE or not 0 < question_len < input_ids.shape[1]):
+    n = input_ids.shape[1]
+    if question_len and (prefilled is not None or method.kind is Kind.STORAGE or not 0 < question_len < n):
         raise ValueError(f"query=agnostic: a {question_len}-token question after a {input_ids.shape[1]}-token "
                          f"prompt cannot be fed on top of {method.registry_name}'s compressed cache here")
     prompt_len = input_ids.shape[1]

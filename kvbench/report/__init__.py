@@ -16,6 +16,7 @@ from pathlib import Path
 from kvbench.report.heatmap import has_needle_grid, needle_heatmap, needle_matrix, needle_panels, run_caption
 from kvbench.report.runs import find_run_dirs, load_runs, read_predictions
 from kvbench.report.tables import summary_table, to_latex, to_markdown, write_tables
+from kvbench.report.turns import has_turns, turn_heatmap
 from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ def write_run_report(run_dir: str | Path) -> None:
         if has_needle_grid(df):
             needle_heatmap(df, run_dir / "heatmap.png")
             lines += ["", "![needle heatmap](heatmap.png)"]
+        if has_turns(df):  # multi-turn: accuracy by turn and depth
+            turn_heatmap(df, run_dir / "turns.png")
+            lines += ["", "![accuracy by turn and depth](turns.png)"]
     lines += failures_note(run_dir)
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     logger.info("report: wrote %s", run_dir / "summary.md")

@@ -22,7 +22,8 @@ COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("M
            "budget": ("KV Size", "{:d}"), "ratio": ("Ratio", "{:.2f}"), "metric": ("Metric", "{}"),
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
            "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}"),
-           "query": ("Query", "{}"), "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
+           "query": ("Query", "{}"), "turn_mode": ("Turns", "{}"),
+           "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
            "tokens": ("Tokens", "{:d}"), "PPL": ("PPL", "{:.3f}")}  # the last row: seed-task tables
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
 # uncertainty columns (kvbench.report.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as one
@@ -37,7 +38,7 @@ def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
     order = {m: i for i, m in enumerate(METHOD_NAMES)}
     keys = pd.DataFrame({"not_full": frame["method"] != "full",
                          "method_order": frame["method"].map(lambda m: order.get(m, len(order)))}, index=frame.index)
-    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query"]
+    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query", "turn_mode"]
     tmp = pd.concat([frame.drop(columns=["not_full", "method_order"], errors="ignore"), keys], axis=1)
     cols = [c for c in cols if c in tmp]
     return tmp.sort_values(cols, na_position="last", kind="stable").drop(columns=["not_full", "method_order"])
@@ -66,6 +67,9 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     keys = ["model", "dataset", "method", "budget"] + (["ratio"] if "ratio" in df and df["ratio"].notna().any() else [])
     if "query" in df and set(df["query"].dropna()) - {"aware"}:  # aware and agnostic rows side by side
         keys.append("query")
+    if "turn_mode" in df and df["turn_mode"].notna().any():  # multi-turn: append and reset conversations apart
+        df["turn_mode"] = df["turn_mode"].fillna("–")
+        keys.append("turn_mode")
     scale = {m: score_scale(g["score"]) for m, g in df.groupby("primary_metric")}
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
     df["_group"] = g.ngroup()
@@ -101,7 +105,7 @@ def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale
     same budget, and query mode, if the reference ran at it; kvbench.report.compare.reference_key). With a query
     reference (`--compare aware`): to the same method's row at the same budget in that mode."""
     rows = []
-    same = ["budget", "ratio", *(["query"] if "query" in keys else [])]
+    same = ["budget", "ratio", *(k for k in ("query", "turn_mode") if k in keys)]
     for _, row in out.iterrows():
         by_query = compare.axis == "query"
         where = out["query"] == compare.reference if by_query else out["method"] == compare.reference

@@ -114,6 +114,8 @@ def setup(cfg: DictConfig):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
     check_query(cfg, method)
+    if getattr(dataset, "turns", 1) > 1:  # a conversation feeds every later turn on top of the compressed cache
+        check_query(cfg, method, why=f"dataset.turns={dataset.turns}")
     if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
         raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
@@ -129,20 +131,22 @@ def setup(cfg: DictConfig):
     return method, dataset, spec
 
 
-def check_query(cfg: DictConfig, method) -> None:
-    """`query=aware|agnostic`, and what agnostic (the question fed after compression) does not run with."""
+def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
+    """`query=aware|agnostic`, and what feeding tokens on top of a compressed cache (agnostic's question, or `why`:
+    a conversation's later turns) does not run with."""
     from kvbench.methods.base import Kind
 
     query = cfg.get("query", "aware")
     if query not in QUERY_MODES:
         raise ValueError(f"query={query!r} is not one of {', '.join(QUERY_MODES)}")
-    if query == "aware":
+    if query == "aware" and why is None:
         return
+    why = why or "query=agnostic"
     if method.kind is Kind.STORAGE:
-        raise ValueError(f"query=agnostic: {method.registry_name}'s quantized/offloaded layers take one token per "
-                         "step, not a question on top; use query=aware")
+        raise ValueError(f"{why}: {method.registry_name}'s quantized/offloaded layers take one token per step, not "
+                         "several on top of the compressed cache; use query=aware and one turn")
     if cfg.generation.get("num_beams", 1) > 1:
-        raise ValueError("query=agnostic runs at generation.num_beams=1 (beam search prefills the whole prompt)")
+        raise ValueError(f"{why} runs at generation.num_beams=1 (beam search prefills the whole prompt)")
 
 
 def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:

@@ -45,6 +45,7 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples)
     return {
         "kvbench_version": kvbench.__version__, "git_sha": git_sha(),
         "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+        "query": cfg.get("query", "aware"),  # aware: the question prefilled before compression | agnostic: after
         "model": spec.name, "model_source": describe_source(spec),
         "dataset": dataset_name, "dataset_version": getattr(dataset, "version", None),
         "primary_metric": getattr(dataset, "primary_metric", None), "data_sha256": data_sha,

@@ -123,11 +123,49 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
     return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
 
 
+def conversation_records(model, tokenizer, method, capture, dataset, turns: list, cfg: DictConfig, spec, sampling,
+                         done: set[str]):
+    """One conversation's records, one per turn (`meta["turn"]`; kvbench.engine.turns), skipping turns already in
+    predictions.jsonl (they are replayed, not rewritten: a later turn needs the earlier ones on its cache). A failure
+    gives failure records to the turns it left unanswered."""
+    import torch
+
+    from kvbench.engine.turns import converse
+    from kvbench.runs.failures import failure_record
+
+    first, mode = turns[0], turns[0].meta.get("turn_mode", "append")
+    agnostic = cfg.get("query", "aware") == "agnostic"
+    k = 0  # the next turn to answer
+    try:
+        ids, n_context = prompt_split(first, tokenizer, spec, split=agnostic)
+        question_len = len(ids) - n_context if n_context else 0
+        budget = sample_budget(cfg, len(ids) - question_len)
+        if cfg.ratio is not None:
+            method.check_budget(budget)
+        text = "followup" if mode == "append" else "question"
+        later = [tokenizer(t.meta[text], add_special_tokens=False).input_ids for t in turns[1:]]
+        device = next(model.parameters()).device
+        answers = converse(model, tokenizer, method, capture, torch.tensor([ids], device=device), later, budget,
+                           first.max_new_tokens, first.stop, mode, question_len, sampling, cfg.positions,
+                           sample_seed(cfg, first), cfg.get("compress_after", "layer"))
+        for gen in answers:
+            if turns[k].id not in done:
+                record = sample_record(dataset, turns[k], ids if k == 0 else later[k - 1], budget, gen,
+                                       cfg.get("query", "aware"), question_len if k == 0 else 0)
+                yield {**record, "turn": k, "turn_mode": mode}
+            k += 1
+    except Exception as e:  # noqa: BLE001 - this conversation's failure; the run goes on
+        capture.reset()
+        for t in turns[k:]:
+            if t.id not in done:
+                yield failure_record(t, e)
+
+
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
                     desc: str = ""):
-    """Decode `jobs` ((sample, ids, budget, question_len) each) with continuous batching and yield one record per sample, in
-    completion order: a sample that failed gets its failure record and the others go on. Should the batching loop
-    itself raise, the samples it had not finished get failure records."""
+    """Decode `jobs` ((sample, ids, budget, question_len) each) with continuous batching and yield one record per
+    sample, in completion order: a sample that failed gets its failure record and the others go on. Should the
+    batching loop itself raise, the samples it had not finished get failure records."""
     from tqdm import tqdm
 
     from kvbench.engine.batching import Request, generate_batched
@@ -181,7 +219,6 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     old = store.read_json(manifest_name)
     info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
-    info["query"] = cfg.get("query", "aware")  # aware: question prefilled before compression | agnostic: after
     if shard is not None:  # merge needs the whole run's id order, and what the dataset skipped while building
         info.update(shard=f"{shard.index}/{shard.count}", sample_ids=[s.id for s in samples],
                     dataset_skipped=dict(getattr(dataset, "skipped", {}) or {}))
@@ -210,6 +247,12 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     try:
         with stop_on_signals(), AttentionCapture(model, window=window) as capture:
             jobs = []
+            for turns in conversations(samples, todo):  # multi-turn datasets (niah_multiturn): turn by turn
+                for record in conversation_records(model, tokenizer, method, capture, dataset, turns, cfg, spec,
+                                                   sampling, done):
+                    store.append(record)
+                    store.write_json(manifest_name, {**info, **meter.fields()})
+            todo = [s for s in todo if "conversation" not in s.meta]
             for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
                                disable=cfg.batch_size > 1):
                 record = guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg, spec, sampling,
@@ -247,6 +290,16 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
                 summary["metrics"].get(dataset.primary_metric, float("nan")), summary["n"], summary["n_failed"],
                 100 * (summary.get("kv_ratio") or 0), run_dir)
     return summary
+
+
+def conversations(samples: list, todo: list) -> list[list]:
+    """The conversations (samples sharing `meta["conversation"]`, in turn order) with a turn still to do."""
+    pending = {s.meta["conversation"] for s in todo if "conversation" in s.meta}
+    groups: dict[str, list] = {}
+    for s in samples:
+        if s.meta.get("conversation") in pending:
+            groups.setdefault(s.meta["conversation"], []).append(s)
+    return [sorted(g, key=lambda s: s.meta["turn"]) for g in groups.values()]
 
 
 def _choices() -> dict[str, str]:

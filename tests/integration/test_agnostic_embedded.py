@@ -51,7 +51,7 @@ def compose_cfg(tmp_path: Path, dataset: str, *overrides: str):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load(ModelSpec(name="smollm2", path="embedded"))  # one thread (conftest): 2 on a busy 2-core box is 10x slower
+    return load(ModelSpec(name="smollm2", path="embedded"))  # one thread (conftest): 2 on a busy box is 10x slower
 
 
 @pytest.mark.parametrize("dataset", list(CASES))
@@ -61,7 +61,8 @@ def test_split_and_full_cache_agnostic_generates_what_aware_generates(smollm2, t
     spec = ModelSpec(**{k: v for k, v in cfg.model.items()})
     sample = instantiate(cfg.dataset).build(tok, spec.max_prompt_tokens)[0]
     ids, n_context = prompt_split(sample, tok, spec)
-    assert tok.decode(ids[n_context:]).lstrip().startswith(CASES[dataset][1].strip())  # (whitespace at the seam: either)
+    # the question part, and only it (whitespace at the seam may go either way)
+    assert tok.decode(ids[n_context:]).lstrip().startswith(CASES[dataset][1].strip())
     assert CASES[dataset][1].strip() not in tok.decode(ids[:n_context])
     out, first = {}, {}
     with AttentionCapture(model) as capture:

@@ -128,7 +128,8 @@ def test_aware_keeps_its_run_dir_and_agnostic_gets_its_own():
 # kvpress's LongBench question templates start here (its typo fixes aside): an independent statement of the split
 QUESTION_STARTS = {
     "narrativeqa": "Now, answer the question based on the story", "qasper": "Answer the question based on the above",
-    "multifieldqa_en": "Now, answer the following question", "multifieldqa_zh": "现在请基于上面的文章回答下面的问题",
+    "multifieldqa_en": "Now, answer the following question",
+    "multifieldqa_zh": "现在请基于上面的文章回答下面的问题",
     "hotpotqa": "Answer the question based on the given passages", "2wikimqa": "Answer the question based on the",
     "musique": "Answer the question based on the given", "dureader": "请基于上述文章回答下面的问题",
     "gov_report": "Now, write a one-page summary of the report.", "qmsum": "Now, answer the query based on",
@@ -161,7 +162,8 @@ def test_split_helpers_on_hand_worked_cases():
             return type("E", (), {"input_ids": [ord(c) for c in text]})()
 
     assert context_token_count(Chars(), "abcdef", 4, [ord(c) for c in "abcdef"]) == 4
-    assert cut_context(90, 100, 60, 30) == 50 and cut_context(20, 100, 60, 30) == 20 and cut_context(40, 100, 60, 30) == 30
+    assert cut_context(90, 100, 60, 30) == 50 and cut_context(20, 100, 60, 30) == 20
+    assert cut_context(40, 100, 60, 30) == 30  # the split fell inside the cut: it lands at the cut
 
 
 # --- the report: aware and agnostic side by side, `--compare aware` paired by sample id ------------------------
