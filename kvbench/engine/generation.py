@@ -309,7 +309,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     t2 = time.perf_counter()
     timings = {"prefill_s": t1 - t0, "compress_s": t2 - t1}
     if question is not None:
+        held = cache.nbytes()
         logits = feed(model, capture, cache, question, positions)
+        full_bytes += cache.nbytes() - held  # the question's entries: a full cache holds them too
         sync()
         timings["question_s"] = time.perf_counter() - t2
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),

@@ -34,14 +34,18 @@ HIDDEN = ("se", *DIFF_COLUMNS)
 
 
 def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
-    """Order rows: per model and dataset, `full` first, then by budget (then ratio), then methods in paper order."""
+    """Order rows: per model and dataset, `full` first, then by budget (then ratio), then methods in paper order,
+    each question-aware before question-agnostic."""
     order = {m: i for i, m in enumerate(METHOD_NAMES)}
     keys = pd.DataFrame({"not_full": frame["method"] != "full",
-                         "method_order": frame["method"].map(lambda m: order.get(m, len(order)))}, index=frame.index)
-    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query", "turn_mode"]
-    tmp = pd.concat([frame.drop(columns=["not_full", "method_order"], errors="ignore"), keys], axis=1)
+                         "method_order": frame["method"].map(lambda m: order.get(m, len(order))),
+                         "query_order": frame["query"] != "aware" if "query" in frame else False},
+                        index=frame.index)
+    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query_order", "turn_mode"]
+    tmp = pd.concat([frame.drop(columns=["not_full", "method_order", "query_order"], errors="ignore"), keys], axis=1)
     cols = [c for c in cols if c in tmp]
-    return tmp.sort_values(cols, na_position="last", kind="stable").drop(columns=["not_full", "method_order"])
+    return tmp.sort_values(cols, na_position="last", kind="stable").drop(columns=["not_full", "method_order",
+                                                                                 "query_order"])
 
 
 def score_scale(scores: pd.Series) -> float:

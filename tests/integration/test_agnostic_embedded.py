@@ -82,5 +82,5 @@ def test_snapkv_64_agnostic_runs_end_to_end(tmp_path, dataset):
     for r in records:  # 64 context entries per head and layer, then the whole question on top
         assert "error" not in r and r["query"] == "agnostic" and 0 < r["question_tokens"] < r["prompt_tokens"]
         assert r["effective_budget"] == 64 + r["question_tokens"]
-        per_token = r["full_kv_bytes"] / (r["prompt_tokens"] - r["question_tokens"])  # the uncompressed context's
+        per_token = r["full_kv_bytes"] / r["prompt_tokens"]  # the whole uncompressed prompt's
         assert r["kv_bytes"] == per_token * (64 + r["question_tokens"])
