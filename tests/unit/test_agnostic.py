@@ -200,3 +200,19 @@ def test_report_puts_modes_side_by_side_and_compares_each_with_its_aware_run(tmp
     assert rows[("SnapKV", "64", "aware")].split("|")[8].strip() == "–"  # the reference itself
     note = (tmp_path / "out" / "table.md").read_text()
     assert "the same method with query=aware" in note and "SnapKV 64 agnostic: 0 ids only in this run, 1 only" in note
+
+
+def test_every_ruler_task_splits_before_its_question(smollm2_tokenizer):
+    """RULER's generators reword the template (singular needle wording): every task still finds its question part,
+    and the tokens after the split decode to it."""
+    from kvbench.data.ruler.templates import ALL_TASKS
+    from tests.unit.test_ruler_generation import small
+
+    import re
+
+    ruler = small(tasks=ALL_TASKS, num_samples=1)
+    for sample in ruler.build(smollm2_tokenizer):
+        assert sample.context_tokens is not None, sample.id
+        question = smollm2_tokenizer.decode(sample.input_ids[sample.context_tokens:]).strip()
+        starts = [re.split(r"\{\w+\}", q)[0].strip() for q in ruler.question_parts(sample.meta["task"])]
+        assert any(question.startswith(s) for s in starts) and sample.prompt.rstrip().endswith(question), sample.id

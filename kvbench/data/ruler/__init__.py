@@ -203,12 +203,13 @@ class Ruler(Dataset):
         for length in self.lengths:
             for task in self.tasks:
                 records = self.records(task, length, counter_tok)
-                question = split_template(prompt_template(task, self.model_template))[1]
+                questions = self.question_parts(task)
                 for r in records or []:
                     ids = tuple(tokenizer(r["input"]).input_ids)
-                    context_end = question_offset(r["input"], question)
-                    if context_end is None:
-                        raise ValueError(f"ruler: {task} sample {r['index']} does not end with its question part")
+                    context_end = next((at for q in questions if (at := question_offset(r["input"], q)) is not None),
+                                       None)
+                    if context_end is None:  # (then query=agnostic runs it as aware)
+                        logger.warning("ruler: %s sample %s: no question part found to split at", task, r["index"])
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise ValueError(f"ruler: {task} at length {length} gives a {len(ids)}-token prompt, above "
                                          f"the model's max_prompt_tokens={max_prompt_tokens}; lower dataset.length "
@@ -217,11 +218,20 @@ class Ruler(Dataset):
                         id=f"{task}-{length}-{r['index']}", prompt=r["input"], answers=list(r["outputs"]),
                         max_new_tokens=tokens_to_generate(task),
                         meta={"task": task, "length": length, "index": r["index"], "upstream_length": r["length"]},
-                        input_ids=ids, context_end=context_end,
-                        context_tokens=context_token_count(tokenizer, r["input"], context_end, ids)))
+                        input_ids=ids, context_end=context_end, context_tokens=None if context_end is None else
+                        context_token_count(tokenizer, r["input"], context_end, ids)))
         if not samples:
             raise ValueError(f"ruler: no samples: every task was skipped ({'; '.join(self.skipped.values())}).")
         return samples
+
+    def question_parts(self, task: str) -> list[str]:
+        """What follows {context} in the task's template (`query=agnostic`), as generation words it: upstream's
+        singular wording for one needle value, whitespace folded with `remove_newline_tab`."""
+        tail = split_template(prompt_template(task, self.model_template))[1]
+        parts = [tail, niah.singular_wording(tail)]
+        if self.remove_newline_tab:
+            parts = [" ".join(p.replace("\n", " ").replace("\t", " ").split()) for p in parts]
+        return parts
 
     def counter_tokenizer(self, tokenizer):
         """The tokenizer that counts lengths: the model's, or `length_tokenizer` at its pinned revision (the

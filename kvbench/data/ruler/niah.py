@@ -71,10 +71,14 @@ def make_sample(rng: random.Random, seed: int, n_haystack: int, template: str, t
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     type_v = type_needle_v
     if num_needle_q * num_needle_v == 1:   # singular wording, applied to the whole template (model template too)
-        template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
-        template = template.replace("answers", "answer")
+        template = singular_wording(template)
         type_v = type_v[:-1]
     return template.format(type_needle_v=type_v, context=context, query=query), answers
+
+
+def singular_wording(template: str) -> str:
+    """Upstream's wording for one needle with one value ("A special magic number is ..."), on any template text."""
+    return template.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
 
 
 def generate(count: Counter, template: str, max_seq_length: int, tokens_to_generate: int, num_samples: int,
