@@ -26,7 +26,7 @@ N, Q = 160, 12  # prompt tokens, of which the last Q are the question
 METHODS_UNDER_TEST = {  # name -> (kwargs, budget)
     "snapkv": ({"window": 8}, 40), "pyramidkv": ({"window": 8}, 40), "adakv": ({"window": 8}, 40),
     "adakv_qh": ({"window": 8, "granularity": "query_head"}, 40), "streamingllm": ({}, 32),
-    "h2o": ({}, 48),
+    "h2o": ({}, 48), "knorm": ({}, 40), "tova": ({}, 40), "expected_attention": ({}, 40),
 }
 
 
