@@ -12,7 +12,8 @@ one flat K/V. Otherwise on CUDA every sequence is copied into one padded block a
 softmax, one more matmul. On the CPU the same masked math runs per sequence over its own tensors (`padded=False`):
 there kernel launches cost little and the padded copy costs more than it saves (`scripts/bench_attention.py`:
 padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending each where it lies; nested
-tensors through sdpa 10-30x slower).
+tensors through sdpa 10-30x slower). Rows whose layers hand over different head counts (Quest's one row of entries per query
+head beside layers per KV head) take one padded or flash call per head count.
 
 What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale
 (a per-sequence temperature such as BUZZ's log n included), Gemma 2's soft cap `cap * tanh(logits / cap)`, ALiBi
@@ -51,9 +52,12 @@ def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Se
         raise ValueError(f"decode attention: query {tuple(query.shape)} must be [{rows}, H_q, 1, D]")
     scale = _scales(scaling, kvs, query.device)
     shaping = dict(softcap=softcap, alibi_slopes=alibi_slopes, window=window)
+    padded = padded if padded is not None else query.is_cuda
+    if (padded or use_flash(query)) and len({kv.keys.shape[1] for kv in kvs}) > 1:
+        return _by_layout(query, kvs, scale, return_logits, padded, shaping)
     if use_flash(query) and alibi_slopes is None and window is None and not return_logits:
         return _flash(query, kvs, scale, softcap), None
-    if padded if padded is not None else query.is_cuda:
+    if padded:
         return _attend(query, *pad(kvs, positions=alibi_slopes is not None or window is not None), scale, **shaping)
     outs, logits, start = [], [], 0
     for kv in kvs:
@@ -67,6 +71,34 @@ def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Se
         return torch.cat(outs), None
     length = max(x.shape[-1] for x in logits)
     return torch.cat(outs), torch.cat([F.pad(x, (0, length - x.shape[-1]), value=float("-inf")) for x in logits])
+
+
+def _by_layout(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, return_logits: bool, padded: bool,
+               shaping: dict) -> tuple[Tensor, Tensor | None]:
+    """Rows whose layers hand over different head counts (Quest's one row of entries per query head beside layers
+    per KV head) cannot share one padded block or one flash-attn call: one call per head count, outputs (and logits,
+    padded to the longest) put back in row order."""
+    starts, rows = [], 0
+    for kv in kvs:
+        starts.append(rows)
+        rows += kv.keys.shape[0]
+    out = query.new_empty(rows, 1, query.shape[1], query.shape[-1])
+    parts = []
+    for heads in sorted({kv.keys.shape[1] for kv in kvs}):
+        members = [i for i, kv in enumerate(kvs) if kv.keys.shape[1] == heads]
+        index = torch.tensor([starts[i] + r for i in members for r in range(kvs[i].keys.shape[0])],
+                             device=query.device)
+        got, logits = decode_attention(query[index], [kvs[i] for i in members], scale[index].tolist(),
+                                       return_logits=return_logits, padded=padded, **shaping)
+        out[index] = got
+        parts.append((index, logits))
+    if not return_logits:
+        return out, None
+    length = max(x.shape[-1] for _, x in parts)
+    logits = query.new_full((rows, query.shape[1], length), float("-inf"), dtype=torch.float32)
+    for index, x in parts:
+        logits[index, :, :x.shape[-1]] = x
+    return out, logits
 
 
 def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, positions: Tensor | None,

@@ -9,7 +9,8 @@ METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", 
                 "streamingllm": "StreamingLLM", "adakv": "Ada-KV", "ada_pyramidkv": "Ada-Pyramid",
                 "keyformer": "Keyformer", "buzz": "BUZZ",
                 "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2",
-                "tova": "TOVA", "knorm": "Knorm", "expected_attention": "ExpectedAttention"}  # kvpress's spellings
+                "tova": "TOVA", "knorm": "Knorm", "expected_attention": "ExpectedAttention",  # kvpress's spellings
+                "quest": "Quest", "pqcache": "PQCache"}
 
 
 def method_label(name: str) -> str:

@@ -93,6 +93,32 @@ def test_tailorkv_fetching_every_token_reproduces_full_and_default_holds_little(
     assert default.host_kv_bytes == pytest.approx(1.5 * default.full_kv_bytes * 29 / 30)
 
 
+def test_quest_and_pqcache_find_the_needle_at_2k_within_their_bytes(smollm2, needle_2k):
+    """TailorKV's LongBench settings on the real model, from one shared prefill, 8 new tokens: Quest at 196 (12
+    pages of 16) keeps the whole cache plus its page metadata and reads under a third of it per token; PQCache at
+    192 (32 sinks + 32 recent + 128 top-k) holds 64 entries per head on the device and moves under a tenth of the
+    cache per token. Both find the needle."""
+    from kvbench.cache import KVCache
+    from kvbench.engine.generation import Prefilled, prefill
+
+    model, tok = smollm2
+    ids = torch.tensor([tok(needle_2k.prompt).input_ids])
+    cache = KVCache()
+    shared = Prefilled(cache, prefill(model, ids, cache), 0.0)
+    gens = {}
+    for name, budget in (("quest", 196), ("pqcache", 192)):
+        with AttentionCapture(model) as capture:
+            gens[name] = generate(model, tok, METHODS[name](), capture, ids, budget, 8, needle_2k.stop,
+                                  prefilled=shared)
+        assert "sandwich" in gens[name].text, (name, gens[name].text)
+    quest, pq = gens["quest"], gens["pqcache"]
+    pages = -(-quest.prompt_len // 16)
+    assert quest.kv_bytes == quest.full_kv_bytes + 28 * 3 * 2 * pages * 64 * 4  # layers 2-29: min/max per page
+    assert quest.transfers["read_bytes_per_token"] < quest.full_kv_bytes / 3
+    assert pq.kv_bytes == 30 * 3 * 64 * 2 * 64 * 4 and pq.host_kv_bytes > pq.full_kv_bytes * 0.9
+    assert pq.transfers["h2d_bytes_per_token"] < pq.full_kv_bytes / 10
+
+
 def test_bf16_run_retrieves_the_needle_with_a_bf16_cache():
     """The embedded model loaded in bf16 (as GPU runs load models), SnapKV at 128 on a 1k needle: the needle comes
     back and the compressed cache is held in bf16 (2 bytes per element)."""

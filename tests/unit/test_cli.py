@@ -99,6 +99,32 @@ def test_tailorkv_run_records_the_byte_ledger(tmp_path):
     assert record["kv_bytes_per_layer"][1] == 2 * 16 * fp32_row + fp32_row  # K/V of 16 sinks + recent, max|K|
 
 
+@pytest.mark.parametrize("method", ["quest", "pqcache"])
+def test_retrieval_runs_record_their_ledgers(tmp_path, method):
+    """`method=quest` records the bytes each step reads (page metadata + its pages; the whole cache stays),
+    `method=pqcache` the bytes it moves (codes, centroids, top-k K/V; a window token back to the host per step)."""
+    extra = (["method.page_size=8", "method.dense_layers=1"] if method == "quest"
+             else ["method.sink_size=4", "method.recent_size=8", "method.bits=4"])
+    run_dir = run_here("model=tiny_llama", f"method={method}", "budget=48", *extra, "dataset.context_lengths=[300]",
+                       "dataset.depth_percents=[50]", results=tmp_path)
+    (record,) = records(run_dir)
+    n, steps = record["prompt_tokens"], record["new_tokens"] - 1
+    fp32_row = 2 * 16 * 4  # 2 KV heads x head_dim 16 x 4 bytes
+    if method == "quest":  # layer 1 paged: 6 of its pages per query head, metadata of every page
+        pages = [-(-(n + 1 + s) // 8) for s in range(steps)]
+        reads = record["transfers"]["read_bytes_per_step"]
+        assert reads["page_metadata"] == [2 * p * fp32_row for p in pages]  # min and max
+        assert all((n + 1 + s) * fp32_row < r <= (n + 1 + s + 3 * 48) * fp32_row
+                   for s, r in enumerate(reads["page_keys"]))  # layer 0 whole + layer 1 <= 3 query heads' pages
+        assert record["kv_bytes"] == 2 * 2 * n * fp32_row + 2 * -(-n // 8) * fp32_row and record["host_kv_bytes"] == 0
+    else:  # both layers offloaded: 36 candidates fetched, n - 12 candidates' codes, 16 x 8-dim centroids x 2
+        moved = record["transfers"]["h2d_bytes_per_step"]
+        assert moved["topk_keys"] == [2 * 36 * fp32_row] * steps
+        assert moved["pq_codes"] == [2 * 2 * 2 * (n - 12 + s) for s in range(steps)]
+        assert record["transfers"]["d2h_bytes_per_step"]["window_keys"] == [0] + [2 * fp32_row] * (steps - 1)
+        assert record["kv_bytes"] == 2 * 2 * 12 * fp32_row  # sinks + window K/V of 2 layers
+
+
 def test_ratio_sets_the_budget_from_each_prompt_length(tmp_path):
     run_dir = run_here("model=tiny_llama", "method=snapkv", "ratio=0.75", *GRID, results=tmp_path)
     assert run_dirs(tmp_path) == [run_dir] and run_dir.name.startswith("r0.75-")
@@ -133,7 +159,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, buzz, full, h2o, keyformer"),
+    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, buzz, expected_attention,"),
     (["dataset=nia"], "Unknown dataset 'nia'. Did you mean: niah?"),
     (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
     (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),

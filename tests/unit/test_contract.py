@@ -28,6 +28,10 @@ def configured(name: str):
         cfg.window = 8
     if name == "tailorkv":  # 4 sinks + 12 recent; layer 0 quantized (its YAML reads the model config's set)
         cfg.update(start_size=4, recent_size=12, quant_layers=[0])
+    if name == "pqcache":  # 4 sinks + 8 recent; 16 centroids (the 150-token prompt has 146 keys to cluster)
+        cfg.update(sink_size=4, recent_size=8, bits=4)
+    if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
+        cfg.update(page_size=8, dense_layers=1)
     return instantiate(cfg)
 
 
@@ -53,11 +57,19 @@ def test_method_contract(name, family):
         per_entry = gen.full_kv_bytes / (N * model.config.num_key_value_heads * model.config.num_hidden_layers)
         heads = max(len(layer) for layer in gen.kept_per_head)
         mean_kept = gen.kv_bytes / per_entry / heads / model.config.num_hidden_layers
-        if method.kind is Kind.STORAGE:  # storage (TailorKV): sparse layers attend exactly `budget` prompt entries
-            assert all(kept == [budget] * len(kept) for kept in gen.kept_per_head[1:])
-            layers = model.config.num_hidden_layers  # host: K, V and Kᵀ of every offloaded layer
+        if method.kind is Kind.STORAGE:  # storage: retrieval layers attend exactly `budget` prompt entries
+            layers = model.config.num_hidden_layers
+            sparse = gen.kept_per_head[method.dense_layers:] if name == "quest" else gen.kept_per_head[1:]
+            assert all(kept == [budget] * len(kept) for kept in sparse)
+            if name == "quest":  # the whole cache stays, with 2 x D of page metadata per page and KV head
+                meta = 2 * 19 * model.config.num_key_value_heads * 16 * 4 * (layers - method.dense_layers)
+                assert gen.kv_bytes == gen.full_kv_bytes + meta and gen.host_kv_bytes == 0
+                continue
             assert gen.kv_bytes < gen.full_kv_bytes
-            assert gen.host_kv_bytes == 1.5 * gen.full_kv_bytes * (layers - 1) / layers
+            if name == "tailorkv":  # host: K, V and Kᵀ of every offloaded layer
+                assert gen.host_kv_bytes == 1.5 * gen.full_kv_bytes * (layers - 1) / layers
+            else:  # PQCache host: K/V of the candidates (with room to grow), 1-byte codes, centroids
+                assert gen.host_kv_bytes > gen.full_kv_bytes * (N - 12 - NEW) / N
         elif isinstance(method, DecodingMethod):  # evicting while generating: never above the budget
             assert max(max(layer) for layer in gen.kept_per_head) <= budget
             assert gen.kv_bytes_final / per_entry / heads / model.config.num_hidden_layers <= budget
@@ -76,6 +88,7 @@ def test_method_declares_what_it_is(name):
                   Kind.EVICTOR: isinstance(method, DecodingMethod),
                   Kind.STORAGE: callable(getattr(cls, "attach", None))}
     assert [kind for kind, yes in implements.items() if yes] == [method.kind], (name, implements)
-    expected = {"full": Kind.SELECTOR, "snapkv": Kind.SELECTOR, "h2o": Kind.EVICTOR, "tailorkv": Kind.STORAGE}
+    expected = {"full": Kind.SELECTOR, "snapkv": Kind.SELECTOR, "h2o": Kind.EVICTOR, "tailorkv": Kind.STORAGE,
+                "quest": Kind.STORAGE, "pqcache": Kind.STORAGE}
     assert method.kind is expected.get(name, method.kind)
     assert method.query_window == (getattr(method, "window", 0) if method.kind is Kind.SELECTOR else 0)

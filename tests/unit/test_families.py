@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
+from kvbench.cache.paged import PagedLayer
+from kvbench.cache.pq_offloaded import PQOffloadedLayer
 from kvbench.engine.generation import prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
@@ -58,7 +60,14 @@ def configured(name: str):
         cfg.window = 8
     if name == "tailorkv":
         cfg.update(start_size=4, recent_size=8, quant_layers=[])
+    if name == "quest":  # pages of 8 (budget 32: 4 of the 16 pages), layer 0 dense
+        cfg.update(page_size=8, dense_layers=1)
+    if name == "pqcache":  # 4 sinks + 8 recent + 20 retrieved; 16 centroids
+        cfg.update(sink_size=4, recent_size=8, bits=4)
     return instantiate(cfg)
+
+
+RETRIEVING = (OffloadedLayer, PagedLayer, PQOffloadedLayer)  # what they attend is chosen at each step
 
 
 def attended_positions(layer) -> list[torch.Tensor]:
@@ -157,9 +166,9 @@ def check_contract(family: str, name: str):
         if t == 0:  # compressed, not yet decoded: what the first decode step will attend
             layers = capture.cache.layers if capture.cache is not None else None
             seen["kept"] = [None] * LAYERS if layers is None else [
-                None if isinstance(layer, OffloadedLayer) else attended_positions(layer) for layer in layers]
+                None if isinstance(layer, RETRIEVING) else attended_positions(layer) for layer in layers]
             for layer in layers or []:
-                if isinstance(layer, OffloadedLayer):
+                if isinstance(layer, RETRIEVING):
                     layer.selections = []
             seen["layers"] = layers
         elif t == 1:
@@ -174,6 +183,12 @@ def check_contract(family: str, name: str):
         if isinstance(layer, OffloadedLayer):  # sinks + recent + what it retrieved at that step
             static = torch.cat([torch.arange(4), torch.arange(N - 8, N)])
             kept[i] = [torch.cat([static, top]) for top in layer.selections[0][1][0]]
+        elif isinstance(layer, PagedLayer) and layer.selections:  # per query head: its pages' positions
+            kept[i] = [(pages[:, None] * 8 + torch.arange(8)).flatten() for pages in layer.selections[0][0]]
+            kept[i] = [p[p <= N] for p in kept[i]]  # the last page holds the new token (position N)
+        elif isinstance(layer, PQOffloadedLayer):  # sinks + what it retrieved at that step + window
+            static = torch.cat([torch.arange(4), torch.arange(N - 8, N)])
+            kept[i] = [torch.cat([static, top]) for top in layer.selections[0][0]]
     n_heads = model.config.num_attention_heads
     expected = masked_reference(model, ids, torch.tensor([gen.token_ids[:1]]), kept, n_heads)
     torch.testing.assert_close(seen["logits"], expected, rtol=1e-4, atol=1e-4)
@@ -182,7 +197,8 @@ def check_contract(family: str, name: str):
     if name == "full":
         assert gen.kv_bytes == gen.full_kv_bytes
         return
-    compressed = [i for i in range(LAYERS) if i not in window_layers]
+    compressed = [i for i in range(LAYERS) if i not in window_layers
+                  and not (name == "quest" and i < method.dense_layers)]  # (Quest's dense layers attend all)
     for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
         assert max(len(p) for p in kept[i]) < N
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions

@@ -32,7 +32,8 @@ from tests.unit.tiny import prompt, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 N, NEW = 150, 6
-NAMES = ["full", "snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz", "tailorkv"]
+NAMES = ["full", "snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz", "tailorkv", "quest",
+         "pqcache"]
 
 
 def test_shared_prefill_gives_every_method_its_own_logits():
@@ -62,7 +63,7 @@ def test_shared_prefill_gives_every_method_its_own_logits():
     own = [logits_of(c, b) for c, b in zip(configs, budgets)]
     with AttentionCapture(model) as capture:
         shared = share_prefill(model, capture, configs, budgets, ids, sample)
-    assert len({id(p.cache) for p in shared}) == 1  # one prefill for all 18 configurations
+    assert len({id(p.cache) for p in shared}) == 1  # one prefill for all 22 configurations
     for config, budget, prefilled, expected in zip(configs, budgets, shared, own):
         got = logits_of(config, budget, prefilled)
         assert len(got) == NEW and all(torch.equal(a, b) for a, b in zip(got, expected)), config.job.choices

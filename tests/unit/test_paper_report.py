@@ -131,8 +131,12 @@ def test_missing_cells_say_why_without_runs(tmp_path):
                 else "dataset not present (data/cnn_dailymail: see configs/dataset/cnn_dailymail.yaml)")
     assert rows["Window"]["rouge2"].note == expected
     assert rows["Keyformer (Org Pos) [Shared]"]["rouge1"].note == expected  # implemented: the spec's reconstruction
-    tailor = build_paper_table(pd.DataFrame(columns=["model", "dataset", "method", "run_dir"]), "tailorkv")
-    assert {r["label"]: r["cells"] for r in tailor.rows}["Quest"]["lcc"].note == "not implemented in kvbench"
+    empty = pd.DataFrame(columns=["model", "dataset", "method", "run_dir"])
+    pyramid = {r["label"]: r["cells"] for r in build_paper_table(empty, "pyramidkv", table="t4").rows}
+    assert pyramid["Geo."]["qasper"].note.startswith("not implemented in kvbench")
+    tailor = {r["label"]: r["cells"] for r in build_paper_table(empty, "tailorkv").rows}
+    assert not tailor["Quest"]["lcc"].note.startswith("not implemented")  # Quest and PQCache have runs to match
+    assert tailor["PQCache"]["lcc"].note == tailor["SnapKV"]["lcc"].note
 
 
 def test_cli_prints_the_layout_and_writes_files(tmp_path):
