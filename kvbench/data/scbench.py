@@ -23,13 +23,15 @@ fewer), cut in the middle (first and last half of the ids); later segments are t
 `max_seq_length: null` uses the model's `max_prompt_tokens` (upstream's runs: 131072). Greedy, EOS stop, the task's
 new tokens per turn (`DATA_NAME_TO_MAX_NEW_TOKENS`).
 
-Samples: until the engine runs several turns over one cache, each turn is its own sample whose `input_ids` are the
-ids SCBench's cache holds when that turn is asked: multi_turn turn i = segments 0..i; scdq turn i = segment 0 +
-query i. With `method=full` a sample's prediction is the one SCBench gets for that turn; a compressing method
-compresses those ids once, after the turn's question (question-aware for every turn, where SCBench's multi-turn
-mode compresses at its first prefill). `conversations()` keeps each context with its list of turns for the
-multi-turn engine. Sample ids `<task>-<record id>-t<turn>`; `meta`: task, index, turn, n_turns, mode,
-`prefix_tokens` (ids before this turn's own segment: the shared part).
+Samples (`turn_mode`): null (default): each turn is its own sample whose `input_ids` are the ids SCBench's cache
+holds when that turn is asked: multi_turn turn i = segments 0..i; scdq turn i = segment 0 + query i. With
+`method=full` a sample's prediction is the one SCBench gets for that turn; a compressing method compresses those ids
+once per turn. `reset` (mode scdq) and `append` (mode multi_turn with the model's own answers, upstream's
+`--disable_golden_context`: later segments are the questions alone) make one conversation per context for
+kvbench.engine.turns (`meta.conversation`, `meta.question` / `meta.followup`: the text fed for a later turn). Sample
+ids `<task>-<record id>-t<turn>`; `meta`: task, index, turn, n_turns, mode, `prefix_tokens` (ids before this turn's
+own segment: the shared part). `context_tokens` (query=agnostic): turn 0 and scdq queries split after the context
+and the template's whitespace; a later multi_turn turn after its shared history.
 
 Scores: kvbench.metrics.scbench (upstream's scorers, quirks documented there); scores.json: per task the score x 100
 of each turn (upstream's per-turn accuracy), the task mean over turns, and `avg`, the mean of the task means.
@@ -42,6 +44,7 @@ from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import read_jsonl
+from kvbench.data.split import content_offset, context_token_count, cut_context, split_template
 from kvbench.data.scbench_prompts import (
     CONTEXT_ONLY, FIRST_TURN, FOLLOW_UP, FOLLOW_UP_CHAT, MAX_NEW_TOKENS, SCDQ_DELIMITER, SUMMARY_CHAT_PRIMER, TASKS,
 )
@@ -53,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 DOWNLOAD_HINT = "run `python scripts/download_scbench.py` (or `make scbench-data`; needs the Hugging Face Hub)"
 MODES = ("multi_turn", "scdq")
+TURN_MODES = {None: ("multi_turn", "scdq"), "append": ("multi_turn",), "reset": ("scdq",)}  # turn_mode -> modes
 CHOICE_TASKS = ("scbench_choice_eng",)
 QUESTION_TASKS = ("scbench_qa_eng", "scbench_choice_eng")  # templates with {question} (and options) for {input}
 
@@ -82,6 +86,7 @@ class Conversation:
     context_ids: tuple[int, ...]
     turns: tuple[Turn, ...]
     truncated: bool
+    n_context: int | None = None   # leading ids of `context_ids` before the first question (query=agnostic's split)
 
     def turn_ids(self, i: int) -> list[int]:
         """The ids SCBench's cache holds when turn i is answered (its own segment last)."""
@@ -130,6 +135,35 @@ def multi_turn_texts(task: str, record: dict, tokenizer, chat: bool) -> list[str
     return texts
 
 
+def own_answer_texts(task: str, record: dict, tokenizer, chat: bool) -> list[str]:
+    """Upstream `create_multiturn_prompt(..., disable_golden_context=True)`: segment 0 as in multi_turn mode; each
+    later segment is the question alone (the model's own previous answer is already on the cache). With a chat
+    template: [user <question>] rendered with the generation prompt, minus the rendering of [system ""] without one
+    (upstream's rule: whether anything is removed depends on the template), + "This paper" for summary."""
+    first = multi_turn_texts(task, {**record, "multi_turns": record["multi_turns"][:1]}, tokenizer, chat)
+    questions = [FOLLOW_UP_CHAT[task].format(**question_fields(task, t)) for t in record["multi_turns"][1:]]
+    if not chat:
+        return first + questions
+    system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=False,
+                                           tokenize=False)
+    primer = SUMMARY_CHAT_PRIMER if task == "scbench_summary" else ""
+    return first + [render(tokenizer, [{"role": "user", "content": q}]).replace(system, "") + primer
+                    for q in questions]
+
+
+def first_question_at(task: str, record: dict, mode: str, text: str, tokenizer, chat: bool) -> int:
+    """Where the first question starts in segment 0's text (characters): after the context and the whitespace that
+    follows it in the template (`kvbench.data.split`); inside the rendered user turn with a chat template. In scdq
+    mode segment 0 is the context alone: all of it."""
+    if mode == "scdq":
+        return len(text)
+    head = split_template(FIRST_TURN[task])[0].format(context=record["context"])
+    if not chat:
+        return len(head)
+    first = FIRST_TURN[task].format(context=record["context"], **question_fields(task, record["multi_turns"][0]))
+    return content_offset(text, first) + len(head)
+
+
 def scdq_texts(task: str, record: dict, tokenizer, chat: bool) -> list[str]:
     """Upstream `create_scdq_prompt`: the context prompt, then one query per turn."""
     context = CONTEXT_ONLY[task].format(context=record["context"])
@@ -160,6 +194,7 @@ class SCBench(Dataset):
     root: str = "data/scbench"                 # folder with <task>.jsonl (the Hub dataset's data/ folder)
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     mode: str = "multi_turn"                   # multi_turn (upstream's default) | scdq (multi-request)
+    turn_mode: str | None = None               # null: a sample per turn | append | reset: one conversation per context
     max_turns: int = 5                         # upstream --max_turns: the first N turns of every record
     limit_per_task: int | None = None          # upstream --num_eval_examples: the first N records of each task
     max_seq_length: int | None = None          # null = model.max_prompt_tokens (upstream's runs: 131072)
@@ -176,6 +211,11 @@ class SCBench(Dataset):
                 raise ValueError("scbench: " + unknown_choice("task", task, list(TASKS)))
         if self.mode not in MODES:
             raise ValueError("scbench: " + unknown_choice("mode", self.mode, list(MODES)))
+        if self.turn_mode not in TURN_MODES:
+            raise ValueError(f"scbench: turn_mode={self.turn_mode!r} is not one of null, append, reset")
+        if self.mode not in TURN_MODES[self.turn_mode]:
+            raise ValueError(f"scbench: turn_mode={self.turn_mode} runs with mode={TURN_MODES[self.turn_mode][0]} "
+                             f"(append: multi_turn with the model's own answers; reset: scdq), not mode={self.mode}")
         if self.scorer not in SCORERS:
             raise ValueError("scbench: " + unknown_choice("scorer", self.scorer, list(SCORERS)))
         for key in ("max_turns", "limit_per_task", "max_seq_length", "max_new_tokens"):
@@ -183,6 +223,11 @@ class SCBench(Dataset):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"scbench: {key}={value!r} must be a positive integer"
                                  + ("." if key == "max_turns" else " or null."))
+
+    @property
+    def turns(self) -> int:
+        """Questions a conversation feeds on top of one compressed cache (1: every turn is its own sample)."""
+        return self.max_turns if self.turn_mode else 1
 
     # --- reading ----------------------------------------------------------------------------------------------
 
@@ -233,10 +278,14 @@ class SCBench(Dataset):
                 limit = -1
             for index, record in enumerate(records):
                 record = {**record, "multi_turns": record["multi_turns"][: self.max_turns]}
-                texts = (multi_turn_texts if self.mode == "multi_turn" else scdq_texts)(
-                    task, record, tokenizer, chat_template)
+                build_texts = (scdq_texts if self.mode == "scdq" else
+                               own_answer_texts if self.turn_mode == "append" else multi_turn_texts)
+                texts = build_texts(task, record, tokenizer, chat_template)
                 full = tokenizer.encode(texts[0])
                 context_ids = middle_cut(full, limit)
+                at = first_question_at(task, record, self.mode, texts[0], tokenizer, chat_template)
+                n_context = cut_context(context_token_count(tokenizer, texts[0], at, full), len(full),
+                                        len(context_ids), max(limit, 0) // 2)
                 turns = []
                 for i, turn in enumerate(record["multi_turns"]):
                     text = texts[i + 1] if self.mode == "scdq" else (texts[i] if i else "")
@@ -246,7 +295,8 @@ class SCBench(Dataset):
                                       max_new_tokens=min(new_tokens, self.max_new_tokens or new_tokens)))
                 out.append(Conversation(id=f"{task}-{record.get('id', index)}", task=task, index=index,
                                         mode=self.mode, context=texts[0], context_ids=tuple(context_ids),
-                                        turns=tuple(turns), truncated=len(context_ids) < len(full)))
+                                        turns=tuple(turns), truncated=len(context_ids) < len(full),
+                                        n_context=n_context))
         return out
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
@@ -256,13 +306,24 @@ class SCBench(Dataset):
         for conv in conversations:
             for i, turn in enumerate(conv.turns):
                 ids = conv.turn_ids(i)
+                shared = len(ids) - len(turn.ids) if i or conv.mode == "scdq" else 0
                 meta = {"task": conv.task, "index": conv.index, "turn": i, "n_turns": len(conv.turns),
-                        "mode": conv.mode, "prefix_tokens": len(ids) - len(turn.ids) if i or conv.mode == "scdq"
-                        else 0, "truncated": conv.truncated}
+                        "mode": conv.mode, "prefix_tokens": None if i and self.turn_mode == "append" else shared,
+                        "truncated": conv.truncated}
                 if conv.task in CHOICE_TASKS:
                     meta["letter"] = turn.label[1]
+                # query=agnostic compresses what precedes this turn's question: the context (turn 0, scdq), or the
+                # whole shared history (a later multi_turn turn)
+                n_context = conv.n_context if (i == 0 or conv.mode == "scdq") else shared
+                if self.turn_mode is not None:  # one conversation: the runner feeds turn i's text on the cache
+                    meta.update(conversation=conv.id, turn_mode=self.turn_mode, question=turn.text, followup=turn.text)
+                    if i:
+                        samples.append(Sample(id=f"{conv.id}-t{i}", prompt=turn.text, answers=[turn.answer],
+                                              max_new_tokens=turn.max_new_tokens, meta=meta))
+                        continue
                 samples.append(Sample(id=f"{conv.id}-t{i}", prompt=conv.turn_text(i), answers=[turn.answer],
-                                      max_new_tokens=turn.max_new_tokens, meta=meta, input_ids=tuple(ids)))
+                                      max_new_tokens=turn.max_new_tokens, meta=meta, input_ids=tuple(ids),
+                                      context_tokens=n_context))
         logger.info("scbench: %d turns of %d contexts from %d tasks in %s (mode %s, chat template %s, %d cut)",
                     len(samples), len(conversations), len(self.tasks), self.root, self.mode,
                     "on" if chat_template else "off", sum(c.truncated for c in conversations))

@@ -1,5 +1,5 @@
-"""SCBench table from prediction records (one record per turn): per (model, mode, method, KV size) each task's score
-x 100 over all its turns, "Avg." (the mean of the task columns), and each task's score at every turn (`<task> T1`,
+"""SCBench table from prediction records (one record per turn): per (model, mode, turn mode, query, method, KV size)
+each task's score x 100 over all its turns, "Avg." (the mean of the task columns), and each task's score at every turn (`<task> T1`,
 `T2`, ...: upstream's per-turn accuracy, where multi-turn collapse shows).
 
     python -m kvbench.report results/scbench --out results/report    # writes scbench_table.{md,csv}
@@ -13,7 +13,7 @@ import pandas as pd
 from kvbench.report.stats import mean_se, stratified_mean_se
 from kvbench.report.tables import sort_runs, to_markdown
 
-KEYS = ["model", "mode", "method", "budget"]
+KEYS = ["model", "mode", "turn_mode", "query", "method", "budget"]
 LABELS = {"scbench_kv": "Retr.KV", "scbench_prefix_suffix": "Retr.Prefix-Suffix", "scbench_qa_eng": "En.QA",
           "scbench_choice_eng": "En.MultiChoice", "scbench_many_shot": "ICL.ManyShot", "scbench_summary": "En.Sum"}
 
@@ -24,7 +24,9 @@ def _se100(values: pd.Series) -> float | None:
 
 
 def scbench_table(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.assign(mode=df["meta.mode"] if "meta.mode" in df else None)
+    df = df.assign(mode=df["meta.mode"] if "meta.mode" in df else None,  # turn_mode "-": a sample per turn
+                   turn_mode=df["turn_mode"].fillna("-") if "turn_mode" in df else "-",
+                   query=df["query"].fillna("aware") if "query" in df else "aware")
     rows = []
     for key, g in df.groupby(KEYS, dropna=False, sort=False):
         row = dict(zip(KEYS, key), n=len(g))

@@ -333,3 +333,79 @@ def test_full_cache_turns_equal_scbench_replay(smollm2_tokenizer, mode):
             generate(model, None, METHODS["full"](), capture, torch.tensor([sample.input_ids]), None, 3, eos_ids=set(),
                      on_logits=lambda t, logits: seen.append(logits.reshape(-1).clone()))
         torch.testing.assert_close(torch.stack(seen), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_question_split_for_query_agnostic(smollm2_tokenizer):
+    """`context_tokens`: turn 0 (and every scdq turn) splits after the context and the template's whitespace (a token
+    straddling it belongs to the question); a later multi_turn turn compresses the whole shared history."""
+    tok = smollm2_tokenizer
+    kv = records("scbench_kv")[0]
+    head = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + kv["context"]
+    for mode in ("multi_turn", "scdq"):
+        samples = SCBench(root=str(FIXTURES), tasks=["scbench_kv"], mode=mode, limit_per_task=1).build(tok, 8000)
+        n = samples[0].context_tokens
+        assert list(samples[0].input_ids[:n]) == tok.encode(head) and n == len(tok.encode(head))
+        later = samples[2]
+        assert later.context_tokens == later.meta["prefix_tokens"] == (n if mode == "scdq" else
+                                                                        len(samples[1].input_ids))
+
+
+def test_conversations_append_and_reset_feed_upstreams_texts(smollm2_tokenizer):
+    """turn_mode=append is upstream's multi-turn mode with the model's own answers (`--disable_golden_context`): a
+    later turn feeds its question alone; reset is the multi-request mode: each query on the compressed context."""
+    tok = smollm2_tokenizer
+    kv = records("scbench_kv")[0]
+    t = kv["multi_turns"]
+    append = SCBench(root=str(FIXTURES), tasks=["scbench_kv"], turn_mode="append", limit_per_task=1).build(tok, 8000)
+    assert [s.prompt for s in append[1:]] == [t[1]["input"], t[2]["input"]]
+    assert append[1].input_ids is None and append[0].meta["conversation"] == append[2].meta["conversation"]
+    assert {s.meta["turn_mode"] for s in append} == {"append"} and append[2].meta["followup"] == t[2]["input"]
+    # with a chat template: [user <question>] rendered, minus [system ""] rendered without a generation prompt;
+    # SmolLM2's default system turn does not contain that string, so upstream's rule leaves it in
+    chat = SCBench(root=str(FIXTURES), tasks=["scbench_kv"], turn_mode="append", limit_per_task=1).build(
+        tok, 8000, chat_template=True)
+    assert chat[1].prompt == SMOL_SYSTEM + "<|im_start|>user\n" + t[1]["input"] + "<|im_end|>\n<|im_start|>assistant\n"
+    reset = SCBench(root=str(FIXTURES), tasks=["scbench_kv"], mode="scdq", turn_mode="reset",
+                    limit_per_task=1).build(tok, 8000)
+    assert [s.meta["question"] for s in reset] == [x["input"] for x in t]
+    assert reset[0].context_tokens == len(tok.encode(
+        "Extract the value corresponding to the specified key in the JSON object below.\n\n" + kv["context"]))
+    assert SCBench(turn_mode="append").turns == 5 and SCBench().turns == 1
+    with pytest.raises(ValueError, match="turn_mode=reset runs with mode=scdq"):
+        SCBench(turn_mode="reset")
+    with pytest.raises(ValueError, match="turn_mode=append runs with mode=multi_turn"):
+        SCBench(mode="scdq", turn_mode="append")
+
+
+def test_cli_conversations_and_agnostic_turns(tmp_path):
+    """A conversation per context through the engine (one record per turn, the query fed as upstream tokenizes it),
+    and the per-turn samples under query=agnostic (the question fed after compression); with the full cache a
+    reset conversation answers each query as the per-turn scdq sample does."""
+    from tests.unit.test_cli import records as read_records
+    from tests.unit.test_cli import run_here
+
+    common = ["model=tiny_llama", "dataset=scbench", f"dataset.root={FIXTURES}", "dataset.tasks=[scbench_qa_eng]",
+              "dataset.limit_per_task=1", "dataset.mode=scdq", "dataset.max_new_tokens=3", "query=agnostic"]
+    conv = read_records(run_here(*common, "method=full", "dataset.turn_mode=reset", results=tmp_path / "a"))
+    flat = read_records(run_here(*common, "method=full", results=tmp_path / "b"))
+    queries = [f"Question: {x['input']}\nAnswer:" for x in records("scbench_qa_eng")[0]["multi_turns"]]
+    from transformers import AutoTokenizer
+
+    from kvbench.models.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    assert [r["turn"] for r in conv] == [0, 1, 2] and {r["turn_mode"] for r in conv} == {"reset"}
+    assert [r["prompt_tokens"] for r in conv[1:]] == [len(tok.encode(q, add_special_tokens=False)) for q in queries[1:]]
+    # every query starts from the same (full) context: its cache holds the context and that query, nothing else
+    per_token = conv[0]["kv_bytes"] / flat[0]["prompt_tokens"]
+    assert [r["kv_bytes"] for r in conv] == [per_token * r["prompt_tokens"] for r in flat]
+    assert [r["prediction"] for r in conv] == [r["prediction"] for r in flat]
+    assert [r["question_tokens"] for r in flat] == [len(tok.encode(q, add_special_tokens=False)) for q in queries]
+    snap = read_records(run_here(*common, "method=snapkv", "budget=64", "dataset.mode=multi_turn",
+                                 "dataset.turn_mode=append", results=tmp_path / "a"))
+    assert [r["turn"] for r in snap] == [0, 1, 2] and snap[2]["kv_bytes"] > snap[1]["kv_bytes"] > snap[0]["kv_bytes"]
+    from kvbench.report.__main__ import main as report
+
+    assert report([str(tmp_path / "a"), "--out", str(tmp_path / "rep")]) == 0  # conversations kept apart by turn mode
+    table = pd.read_csv(tmp_path / "rep" / "query-agnostic" / "scbench_table.csv")  # the report splits by query
+    assert sorted(zip(table["turn_mode"], table["method"])) == [("append", "snapkv"), ("reset", "full")]
