@@ -59,3 +59,12 @@ class Dataset:
         """Benchmark-specific aggregates merged into scores.json (e.g. per-task scores and the paper's average).
         Default: nothing beyond the per-metric means every run gets."""
         return {}
+
+
+def middle_cut(ids: list[int], limit: int) -> list[int]:
+    """Keep the first and last `limit // 2` ids of a sequence longer than `limit` (the long-context benchmarks'
+    middle truncation: InfiniteBench, SCBench's `truncate_input`); a negative limit cuts nothing."""
+    if limit < 0 or len(ids) <= limit:
+        return ids
+    half = limit // 2
+    return ids[:half] + ids[-half:]

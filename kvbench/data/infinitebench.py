@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.data.base import Dataset, Sample
+from kvbench.data.base import Dataset, Sample, middle_cut
 from kvbench.data.infinitebench_prompts import MAX_NEW_TOKENS, TAILORKV_TASKS, TEMPLATES
 from kvbench.data.jsonl import find_file, read_jsonl
 from kvbench.data.split import context_token_count, cut_context, question_offset, split_template
@@ -70,13 +70,6 @@ def get_label(task: str, eg: dict):
     if not isinstance(text, str) or text not in eg["options"]:
         raise ValueError(f"infinitebench: {task} record {eg.get('id')}: answer {answer!r:.40} is not an option")
     return [text, OPTIONS[eg["options"].index(text)]]
-
-
-def middle_cut(ids: list[int], limit: int) -> list[int]:
-    if len(ids) <= limit:
-        return ids
-    half = limit // 2
-    return ids[:half] + ids[-half:]
 
 
 @DATASETS.register("infinitebench")

@@ -42,7 +42,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.data.base import Dataset, Sample
+from kvbench.data.base import Dataset, Sample, middle_cut
 from kvbench.data.jsonl import read_jsonl
 from kvbench.data.split import content_offset, context_token_count, cut_context, split_template
 from kvbench.data.scbench_prompts import (
@@ -174,14 +174,6 @@ def scdq_texts(task: str, record: dict, tokenizer, chat: bool) -> list[str]:
     return [context, *(render(tokenizer, [{"role": "system", "content": ""},
                                           {"role": "user", "content": SCDQ_DELIMITER + q}]).split(SCDQ_DELIMITER)[1]
                        for q in queries)]
-
-
-def middle_cut(ids: list[int], max_length: int) -> list[int]:
-    """run_scbench.py `truncate_input`: no cut for a negative limit; else the first and last `max_length // 2` ids."""
-    if max_length < 0 or len(ids) <= max_length:
-        return ids
-    split = max_length // 2
-    return ids[:split] + ids[-split:]
 
 
 @DATASETS.register("scbench")

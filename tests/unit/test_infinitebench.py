@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.data.infinitebench import InfiniteBench, build_prompt, get_label, middle_cut
+from kvbench.data.base import middle_cut
+from kvbench.data.infinitebench import InfiniteBench, build_prompt, get_label
 from kvbench.data.infinitebench_prompts import MAX_NEW_TOKENS, TAILORKV_TASKS, TEMPLATES
 from kvbench.metrics.infinitebench import score_one
 from tests.unit.seed_metric_cases import INFINITEBENCH_CASES

@@ -19,7 +19,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.data.scbench import SCBench, middle_cut
+from kvbench.data.base import middle_cut
+from kvbench.data.scbench import SCBench
 from kvbench.data.scbench_prompts import CONTEXT_ONLY, FIRST_TURN, FOLLOW_UP, FOLLOW_UP_CHAT, MAX_NEW_TOKENS, TASKS
 from kvbench.metrics.scbench import score_turn
 
