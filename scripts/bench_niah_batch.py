@@ -1,0 +1,73 @@
+"""Benchmark (not a test): end-to-end wall time of a NIAH run at batch_size 1 vs 8 (and any others given).
+
+Each batch size runs `python -m kvbench.run dataset=niah method=<m> budget=<b> batch_size=<B>` as its own process
+over the same 24 samples (6 lengths x 4 depths, prompts of about 300-2000 tokens of the embedded model), so the
+time includes start-up, model load, prefills, decoding, scoring and writing, as a user sees it. Batch sizes run in
+an order that rotates on each repetition, so a burst of load from other processes hits all alike. Prints wall and
+CPU seconds, the ratio to batch 1 and whether the predictions equal batch 1's.
+
+    python scripts/bench_niah_batch.py [--method snapkv] [--budget 128] [--batch-sizes 1 8] [--reps 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_sweep import ROOT, predictions
+
+LENGTHS = [465, 805, 1145, 1485, 1825, 2165]  # NIAH lengths in model tokens; the prompt is about L - 165
+DEPTHS = [0, 33, 66, 100]
+
+
+def run(batch_size: int, results: Path, args) -> tuple[float, float]:
+    """One end-to-end run; returns (wall s, CPU s of the child)."""
+    cmd = [sys.executable, "-m", "kvbench.run", "dataset=niah", f"method={args.method}", f"budget={args.budget}",
+           f"batch_size={batch_size}", f"dataset.context_lengths=[{','.join(map(str, LENGTHS))}]",
+           f"dataset.depth_percents=[{','.join(map(str, DEPTHS))}]", "report=false", f"results_dir={results}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    wall = time.perf_counter() - t0
+    if out.returncode:
+        sys.exit(f"bench_niah_batch: batch_size={batch_size} failed:\n{out.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="snapkv")
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=1)
+    args = ap.parse_args()
+    sizes = args.batch_sizes
+    wall, cpu, same = {b: 0.0 for b in sizes}, {b: 0.0 for b in sizes}, {b: True for b in sizes}
+    with tempfile.TemporaryDirectory(prefix="bench_niah_batch_") as tmp:
+        for rep in range(args.reps):
+            for b in sizes[rep % len(sizes):] + sizes[:rep % len(sizes)]:
+                w, c = run(b, Path(tmp) / f"b{b}-{rep}", args)
+                wall[b], cpu[b] = wall[b] + w, cpu[b] + c
+                print(f"# rep {rep} batch_size={b}: {w:.1f} s wall, {c:.1f} s CPU", flush=True)
+            first = predictions(Path(tmp) / f"b{sizes[0]}-{rep}")
+            for b in sizes:
+                got = predictions(Path(tmp) / f"b{b}-{rep}")
+                same[b] &= list(got.values()) == list(first.values()) and len(first) > 0
+    n = len(LENGTHS) * len(DEPTHS)
+    print(f"\n## NIAH end to end, {args.method} budget {args.budget}, {n} samples, {args.reps} rep(s), "
+          f"threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
+    print(f"| batch_size | wall s | CPU s | speed-up vs batch {sizes[0]} | same predictions |")
+    print("|---|---|---|---|---|")
+    for b in sizes:
+        print(f"| {b} | {wall[b]:.1f} | {cpu[b]:.1f} | {wall[sizes[0]] / wall[b]:.2f}x | {'yes' if same[b] else 'NO'} |")
+    print("\ngoal: batch 8 >= 2x batch 1 (issue 21)")
+
+
+if __name__ == "__main__":
+    main()
