@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_sweep import ROOT, predictions
+from bench_sweep import predictions, timed
 
 LENGTHS = [465, 805, 1145, 1485, 1825, 2165]  # NIAH lengths in model tokens; the prompt is about L - 165
 DEPTHS = [0, 33, 66, 100]
@@ -30,14 +27,7 @@ def run(batch_size: int, results: Path, args) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "kvbench.run", "dataset=niah", f"method={args.method}", f"budget={args.budget}",
            f"batch_size={batch_size}", f"dataset.context_lengths=[{','.join(map(str, LENGTHS))}]",
            f"dataset.depth_percents=[{','.join(map(str, DEPTHS))}]", "report=false", f"results_dir={results}"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    wall = time.perf_counter() - t0
-    if out.returncode:
-        sys.exit(f"bench_niah_batch: batch_size={batch_size} failed:\n{out.stderr[-3000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return timed(cmd, f"batch_size={batch_size}")
 
 
 def main() -> None:

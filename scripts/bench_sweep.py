@@ -32,12 +32,18 @@ def sweep(run: str, results: Path, args) -> tuple[float, float]:
            f"budget={args.budgets}", f"dataset.context_lengths=[{args.length}]",
            f"dataset.depth_percents=[{','.join(str(d) for d in args.depths)}]", "report=false",
            f"results_dir={results}"]
+    return timed(cmd, f"the {run} sweep")
+
+
+def timed(cmd: list[str], what: str) -> tuple[float, float]:
+    """Run `cmd` from the repository root (offline Hub); (wall s, CPU s of the child); exit with its stderr if it
+    fails."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     wall = time.perf_counter() - t0
     if out.returncode:
-        sys.exit(f"bench_sweep: the {run} sweep failed:\n{out.stderr[-3000:]}")
+        sys.exit(f"{Path(sys.argv[0]).name}: {what} failed:\n{out.stderr[-3000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
