@@ -192,8 +192,10 @@ class BatchedDecoder:
                 values = iter(torch.cat(picked).view(-1).tolist() if picked else [])  # one device->host read
                 stepping = []
                 for slot, token in chosen:  # going on: True; ended: False, None or the exception that ended it
-                    value = None if slot.request.beams else next(values, None)
-                    going = self._try(self._accept, slot, value) if isinstance(token, Tensor) else token
+                    if isinstance(token, Tensor):  # (a beam sequence's rule read its own tokens)
+                        going = self._try(self._accept, slot, None if slot.request.beams else next(values))
+                    else:
+                        going = token
                     if going is True:
                         stepping.append((slot, token))
                         continue

@@ -252,3 +252,29 @@ def test_every_family_batches_or_refuses_in_one_line(family):
         return
     for name in ("snapkv", "h2o"):
         assert_same(*batch_one_and_batched(model, configured(name), 48, batch_size=3))
+
+
+def test_teacher_forced_streams_of_different_lengths_keep_their_own_tokens_in_one_batch():
+    """A stream that has fed all its tokens ends (its token rule returns None) in the same step as another goes on:
+    each stream still records exactly its own forced tokens, and its logits equal the same stream fed alone."""
+    from kvbench.engine.batching import BatchedDecoder
+
+    model, streams = tiny_model(), [[5, 6], [7, 8, 9, 10, 11]]
+    ids = [prompt(40, seed=1), prompt(55, seed=2)]
+
+    def run(batch_size, members):
+        seen = {i: [] for i in members}
+        requests = [Request(ids[i], None, len(streams[i]) + 1, tag=i, forced=list(streams[i]),
+                            on_logits=lambda t, logits, i=i: seen[i].append(logits.clone())) for i in members]
+        with AttentionCapture(model) as capture:
+            decoder = BatchedDecoder(model, None, METHODS["full"](), capture, batch_size, eos_ids=set())
+            done = {r.tag: g for r, g in decoder.run(requests)}
+        return done, seen
+
+    together, seen = run(2, [0, 1])
+    for i in (0, 1):
+        alone, seen_alone = run(1, [i])
+        assert together[i].token_ids == streams[i] == alone[i].token_ids
+        assert len(seen[i]) == len(streams[i]) + 1
+        for a, b in zip(seen[i], seen_alone[i]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
