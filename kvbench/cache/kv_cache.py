@@ -106,6 +106,16 @@ class KVLayer(DynamicLayer):
         self.positions = self.positions[batch, head, idx].contiguous()
         self.repeat *= rep
 
+    def truncate(self, max_length: int) -> None:
+        """Keep the first `max_length` entries (slot order) and forget the rest, as if they were never appended:
+        a continuation prefill whose K/V is only scored (KVzip's reconstruction) is dropped this way."""
+        if not self.is_initialized or max_length >= self.keys.shape[-2]:
+            return
+        self.keys = self.keys[:, :, :max_length].contiguous()  # a copy: the longer storage is released
+        self.values = self.values[:, :, :max_length].contiguous()
+        self.positions = self.positions[..., :max_length].contiguous()
+        self.seen_tokens = max_length
+
     def clone(self) -> "KVLayer":
         """An independent copy (tensors copied): a prefilled layer that several methods each compress (grid sweeps)."""
         twin = copy.copy(self)

@@ -101,7 +101,10 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         ledger = method.attach(cache, capture, budget)
         capture.trim_window_layers(cache)  # sliding-window layers keep what the model's window still shows
         return ledger
-    if not layers_done:
+    if method.kind is Kind.RECONSTRUCTOR:  # one selection across all layers and heads from the reconstruction
+        for layer_idx, idx in method.select_all(capture.key_scores, budget).items():
+            apply_selection(cache, layer_idx, idx)
+    elif not layers_done:
         n_layers = len(cache.layers)
         budgets = method.layer_budgets(cache.layers[0].keys.shape[-2], n_layers, budget)
         for layer_idx, n_keep in enumerate(budgets):
@@ -141,21 +144,28 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
     if layer_idx in capture.window_layers:  # sliding-window layers keep the model's own window semantics
         return
     layer = cache.layers[layer_idx]
-    held = layer.nbytes()
     if state is not None:
+        held = layer.nbytes()
         state.prefill(layer_idx, layer, capture.column_sums.pop(layer_idx, None))
-    else:
-        if n_keep >= layer.keys.shape[-2]:
-            return
+        if cache.layers[layer_idx].nbytes() != held:
+            cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
+    elif n_keep < layer.keys.shape[-2]:
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx))
-        idx = method.select(view, n_keep)
-        if isinstance(idx, Tensor):
-            layer.keep(idx)
-        else:  # one index tensor per head, of different lengths: store flattened (Ada-KV)
-            cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
+        apply_selection(cache, layer_idx, method.select(view, n_keep))
+
+
+def apply_selection(cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor]) -> None:
+    """Keep `idx` in one layer: `[B, H, k]` in place, or one index tensor per head, of different lengths, stored
+    flattened (Ada-KV, KVzip). The evicted entries are freed."""
+    layer = cache.layers[layer_idx]
+    held = layer.nbytes()
+    if isinstance(idx, Tensor):
+        layer.keep(idx)
+    else:
+        cache.layers[layer_idx] = VarlenLayer.from_selection(layer, idx)
     if cache.layers[layer_idx].nbytes() != held:
         cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
 
@@ -284,6 +294,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         sync()
         t1 = time.perf_counter()
         t0 = t1 - prefilled.prefill_s
+        if method.kind is Kind.RECONSTRUCTOR:
+            reconstruct(model, method, capture, cache, input_ids, budget)
         ledger = compress(method, cache, capture, budget, state, inv_freq)
     else:
         cache, state, held_elsewhere = KVCache(), None, 0
@@ -303,6 +315,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
             sync()
             t1 = time.perf_counter()
         full_bytes = done.full_nbytes if in_forward else cache.nbytes()
+        if method.kind is Kind.RECONSTRUCTOR:  # (inside compress_s: the reconstruction prefills score the cache)
+            reconstruct(model, method, capture, cache, input_ids, budget)
         ledger = compress(method, cache, capture, budget, state, inv_freq, layers_done=in_forward)
         t1 -= done.compress_s  # evictions inside the forward count as compression time
     sync()
@@ -333,6 +347,37 @@ def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, posit
         return prefill(model, tokens, cache, start)
     finally:
         capture.window = window
+
+
+@torch.no_grad()
+def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache, context_ids: Tensor,
+                budget: int | None) -> None:
+    """KVzip's scoring pass: for each reconstruction input the method builds from the context (a "repeat the
+    context" prompt and one chunk of the context itself), prefill it on top of the full context cache at the
+    positions after the context (`prefill`: no new model call site), let the capture hand every layer's rows and
+    keys to the method's scorer, then drop the input's K/V again (`truncate`), so each chunk sees the context alone.
+    Leaves `capture.key_scores[layer]` `[B, H_kv, n]` for `compress`. Nothing to do when the context fits."""
+    n = cache.layers[0].seen_tokens
+    if budget is None or budget >= n:
+        return
+    scores = {i: torch.zeros(*layer.keys.shape[:2], n, device=layer.keys.device)
+              for i, layer in enumerate(cache.layers) if i not in capture.window_layers}
+    span = (0, 0)
+
+    def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None) -> None:
+        if layer_idx in scores:
+            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(query, key, scaling, *span, softcap)
+
+    window, capture.window, capture.prefill_hook = capture.window, 0, score
+    try:
+        for start, end, ids in method.reconstruction_inputs(context_ids):
+            span = (start, end)
+            prefill(model, ids, cache, start=n)
+            for layer in cache.layers:
+                layer.truncate(n)
+    finally:
+        capture.window, capture.prefill_hook = window, None
+    capture.key_scores = scores
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

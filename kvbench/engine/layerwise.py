@@ -22,8 +22,9 @@ from kvbench.methods.base import Kind, Method
 
 
 def applies(method: Method) -> bool:
-    """Whether `method` can compress one layer at a time (eviction methods, not storage methods or `full`)."""
-    return method.compresses and method.kind is not Kind.STORAGE
+    """Whether `method` can compress one layer at a time (eviction methods, not storage methods, `full`, or KVzip,
+    which scores the whole full cache by a second prefill before it selects across layers)."""
+    return method.compresses and method.kind not in (Kind.STORAGE, Kind.RECONSTRUCTOR)
 
 
 @dataclass

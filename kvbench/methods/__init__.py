@@ -4,8 +4,8 @@ Add a method: write `kvbench/methods/<name>.py` with a dataclass registered by `
 import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass fields).
 """
 from kvbench.methods import (  # noqa: F401
-    adakv, buzz, expected_attention, full, h2o, keyformer, knorm, pqcache, pyramidkv, quest, snapkv, streamingllm,
-    tailorkv, tova, window,
+    adakv, buzz, expected_attention, full, h2o, keyformer, knorm, kvzip, pqcache, pyramidkv, quest, snapkv,
+    streamingllm, tailorkv, tova, window,
 )
 from kvbench.methods.base import Kind, LayerView, Method
 

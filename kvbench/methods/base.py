@@ -24,6 +24,8 @@ class Kind(enum.Enum):
     SELECTOR = "prefill selector"  # picks the prompt entries to keep, once, at prefill: `select` (SnapKV, full)
     EVICTOR = "decode-time evictor"  # evicts at prefill and while generating, from scores it accumulates:
     #                                   `DecodingMethod` (H2O, Keyformer, BUZZ, the rolling windows)
+    RECONSTRUCTOR = "reconstruction selector"  # scores the prompt by prefilling a reconstruction of it on top of
+    #                                   the full cache, then picks entries across all layers and heads: `select_all` (KVzip)
     STORAGE = "storage"  # keeps every entry in layers with their own storage and retrieval: `attach` (TailorKV)
 
 

@@ -14,6 +14,9 @@ adds named scorers (`column_scores`, sums in `named_column_sums`) that share eac
 new query over the cache and evict before the next step, and `input_hook(layer_idx, hidden, position_embeddings)`
 runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
 next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
+`prefill_hook(layer_idx, query, key, scaling, softcap)` runs at each prefill attention (several rows, dense cache)
+with the rows' post-RoPE queries `[B, H_q, q, D]` and every key the rows attend `[B, H_kv, n + q, D]`: KVzip scores
+the context by the attention its reconstruction's rows pay it (`generation.reconstruct`).
 
 At decode, a layer with its own storage (Ada-KV, TailorKV: `layer.own_storage`) is attended by the engine's decode
 attention (`kvbench.engine.attention`), with the model's soft cap and, for MPT, its ALiBi slopes.
@@ -60,10 +63,12 @@ class AttentionCapture:
         self.logit_scale: Callable[[int], float] | None = None  # n_keys -> factor on every logit (BUZZ log n)
         self.chunk = chunk
         self.input_hook = input_hook
+        self.prefill_hook: Callable[[int, Tensor, Tensor, float, float | None], None] | None = None  # see module doc
         self.window_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
         self.column_sums: dict[int, Tensor] = {}
+        self.key_scores: dict[int, Tensor] = {}  # per-entry scores a reconstruction left, `[B, H_kv, n]` (KVzip)
         self.column_scores: dict[str, Callable[[Tensor], Tensor]] = {}  # more named scorers, one prefill (grid)
         self.named_column_sums: dict[str, dict[int, Tensor]] = {}  # their column sums, by name then layer
         self.scaling: dict[int, float] = {}
@@ -82,6 +87,7 @@ class AttentionCapture:
         self.window_queries.clear()
         self.window_bias.clear()
         self.column_sums.clear()
+        self.key_scores = {}
         self.column_scores = {}
         self.named_column_sums = {}
         self.scaling.clear()
@@ -90,6 +96,7 @@ class AttentionCapture:
         self.column_score = None
         self.column_block = None
         self.input_hook = None
+        self.prefill_hook = None
 
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
@@ -173,6 +180,10 @@ class AttentionCapture:
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
                 return self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs), None
             if q_len > 1:  # prefill: keep only what scoring needs
+                if self.prefill_hook is not None:  # a scorer of these rows over every key (KVzip's reconstruction)
+                    if score_bias is not None:
+                        raise NotImplementedError("capture: reconstruction scoring (kvzip) does not support ALiBi")
+                    self.prefill_hook(layer_idx, query, key, scaling, softcap)
                 if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
                     score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
                 self.scaling[layer_idx] = scaling

@@ -27,6 +27,7 @@ METHODS_UNDER_TEST = {  # name -> (kwargs, budget)
     "snapkv": ({"window": 8}, 40), "pyramidkv": ({"window": 8}, 40), "adakv": ({"window": 8}, 40),
     "adakv_qh": ({"window": 8, "granularity": "query_head"}, 40), "streamingllm": ({}, 32),
     "h2o": ({}, 48), "knorm": ({}, 40), "tova": ({}, 40), "expected_attention": ({}, 40),
+    "kvzip": ({"chunk_size": 64, "prompt_ids": [[5, 6, 7], [8, 9, 10, 11], [12]]}, 40),
 }
 
 

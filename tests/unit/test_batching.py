@@ -52,7 +52,7 @@ def assert_same(alone, batched):
 
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz",
                                   "tailorkv", "full", "knorm", "tova", "expected_attention", "quest",
-                                  "pqcache"])
+                                  "pqcache", "kvzip"])
 def test_batch_n_equals_batch_1(name):
     model = tiny_model("llama", layers=2)
     method = configured(name)
@@ -85,14 +85,17 @@ def test_a_batch_mixing_every_method_equals_each_alone(monkeypatch):
             layer.self_attn.q_proj.weight *= 30
     methods = [configured(name) for name in METHODS.names()] + [METHODS["buzz"](logn=True)]
     # prompt lengths >= 10 apart
-    lengths = [150, 70, 210, 120, 95, 180, 60, 130, 200, 110, 85, 160, 140, 225, 240, 255, 270, 285][:len(methods)]
-    new = [6, 3, 8, 5, 2, 7, 4, 6, 3, 8, 5, 4, 7, 5, 6, 3, 4, 7][:len(methods)]
+    lengths = [150, 70, 210, 120, 95, 180, 60, 130, 200, 110, 85, 160, 140, 225, 240, 255, 270, 285,
+               300][:len(methods)]
+    new = [6, 3, 8, 5, 2, 7, 4, 6, 3, 8, 5, 4, 7, 5, 6, 3, 4, 7, 5][:len(methods)]
     prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
     budget = [None if m.registry_name == "full" else 48 for m in methods]
     seen: dict[str, dict[int, torch.Tensor]] = {"alone": {}, "batched": {}}
     record = {}
 
     def by_position(module, args, kwargs, output):  # a row's position says whose it is (prompts >= 10 apart)
+        if kwargs["position_ids"].shape[1] > 1 and kwargs["position_ids"][0, 0] > 0:
+            return  # KVzip's reconstruction prefills (after a context, scored, then dropped) would collide
         for row, position in enumerate(kwargs["position_ids"][:, -1].tolist()):
             record[position] = output.logits[row, -1].clone()
 

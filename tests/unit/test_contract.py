@@ -30,6 +30,8 @@ def configured(name: str):
         cfg.update(start_size=4, recent_size=12, quant_layers=[0])
     if name == "pqcache":  # 4 sinks + 8 recent; 16 centroids (the 150-token prompt has 146 keys to cluster)
         cfg.update(sink_size=4, recent_size=8, bits=4)
+    if name == "kvzip":  # prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64 (3 per prompt)
+        cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
         cfg.update(page_size=8, dense_layers=1)
     return instantiate(cfg)
@@ -86,9 +88,10 @@ def test_method_declares_what_it_is(name):
     cls = type(method)
     implements = {Kind.SELECTOR: cls.select is not kvbench.methods.Method.select or not method.compresses,  # full
                   Kind.EVICTOR: isinstance(method, DecodingMethod),
-                  Kind.STORAGE: callable(getattr(cls, "attach", None))}
+                  Kind.STORAGE: callable(getattr(cls, "attach", None)),
+                  Kind.RECONSTRUCTOR: callable(getattr(cls, "select_all", None))}
     assert [kind for kind, yes in implements.items() if yes] == [method.kind], (name, implements)
     expected = {"full": Kind.SELECTOR, "snapkv": Kind.SELECTOR, "h2o": Kind.EVICTOR, "tailorkv": Kind.STORAGE,
-                "quest": Kind.STORAGE, "pqcache": Kind.STORAGE}
+                "quest": Kind.STORAGE, "pqcache": Kind.STORAGE, "kvzip": Kind.RECONSTRUCTOR}
     assert method.kind is expected.get(name, method.kind)
     assert method.query_window == (getattr(method, "window", 0) if method.kind is Kind.SELECTOR else 0)
