@@ -60,11 +60,14 @@ def unfed(run: Prepared, gen: Generation) -> list[int]:
 
 
 def _feed(model, capture: AttentionCapture, run: Prepared, tokens: list[int], positions: str) -> Prepared:
-    """The turn's tokens on top of `run`'s cache; a Prepared whose prompt ends after them."""
+    """The turn's tokens on top of `run`'s cache; a Prepared whose prompt ends after them. Its `full_kv_bytes` is
+    what a full cache of everything seen so far would hold (a dense full cache grows by the same bytes per token), so
+    a turn's KV fraction compares like with like."""
     t0 = time.perf_counter()
     logits = feed(model, capture, run.cache, torch.tensor([tokens], device=run.logits.device), positions)
     cache = run.cache
-    return Prepared(cache, logits, cache.layers[0].seen_tokens, run.full_kv_bytes, cache.nbytes(),
+    seen = cache.layers[0].seen_tokens
+    return Prepared(cache, logits, seen, run.full_kv_bytes * seen // run.prompt_len, cache.nbytes(),
                     cache.entries_per_head(), [layer.nbytes() for layer in cache.layers], run.ledger,
                     {"prefill_s": time.perf_counter() - t0, "compress_s": 0.0}, run.state)
 

@@ -44,6 +44,7 @@ def test_append_with_the_full_cache_is_greedy_decoding_of_the_whole_conversation
         assert gen.token_ids == greedy(model, conversation) and gen.token_ids
         conversation += gen.token_ids
     assert gens[2].kv_bytes > gens[1].kv_bytes > gens[0].kv_bytes  # one cache, growing with the conversation
+    assert [g.kv_bytes for g in gens] == [g.full_kv_bytes for g in gens]  # the full cache is 100 % of itself
 
 
 def test_reset_agnostic_with_the_full_cache_answers_each_question_after_the_context_alone():
@@ -54,6 +55,7 @@ def test_reset_agnostic_with_the_full_cache_answers_each_question_after_the_cont
                              questions[1:], None, NEW, mode="reset", question_len=6))
     assert [g.token_ids for g in gens] == [greedy(model, context + q) for q in questions]
     assert len({g.kv_bytes for g in gens}) == 1  # every turn starts from the same cache
+    assert [g.kv_bytes for g in gens] == [g.full_kv_bytes for g in gens]  # context + question, as a full cache holds
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o"])
