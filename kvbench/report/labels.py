@@ -10,6 +10,7 @@ METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", 
                 "keyformer": "Keyformer", "buzz": "BUZZ",
                 "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2",
                 "tova": "TOVA", "knorm": "Knorm", "expected_attention": "ExpectedAttention",  # kvpress's spellings
+                "kvzip": "KVzip",
                 "quest": "Quest", "pqcache": "PQCache"}
 
 
