@@ -89,6 +89,12 @@ class KVLayer(DynamicLayer):
                                                                          self.shift_inv_freq)
         return DecodeKV(keys, self.values, None, self.attention_positions())
 
+    @staticmethod
+    def decode_kv_many(layers: list[KVLayer], query: Tensor) -> list[DecodeKV]:
+        """`decode_kv` of several sequences' layers of one type, row i of `query` `[S, H_q, 1, D]` for `layers[i]`
+        (batched decoding asks once per layer and type); a type overrides it where one call for all is cheaper."""
+        return [layer.decode_kv(query[i:i + 1]) for i, layer in enumerate(layers)]
+
     def keep(self, idx: Tensor) -> None:
         """Keep only entries `idx` `[B, H_sel, k]` (indices into the current entries); free the rest.
 
@@ -99,6 +105,11 @@ class KVLayer(DynamicLayer):
         if h_sel % h_store:
             raise ValueError(f"cache: cannot select {h_sel} heads from a layer holding {h_store}")
         rep = h_sel // h_store
+        if rep == 1:  # (a gather per tensor: the same copy as the indexing below, fewer ops per decode step)
+            self.keys = self.keys.gather(2, idx[..., None].expand(*idx.shape, self.keys.shape[-1]))
+            self.values = self.values.gather(2, idx[..., None].expand(*idx.shape, self.values.shape[-1]))
+            self.positions = self.positions.gather(2, idx)
+            return
         batch = torch.arange(b, device=idx.device)[:, None, None]
         head = (torch.arange(h_sel, device=idx.device) // rep)[None, :, None]
         self.keys = self.keys[batch, head, idx].contiguous()  # advanced indexing copies: old storage is released

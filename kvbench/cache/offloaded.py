@@ -67,33 +67,79 @@ class OffloadedLayer(KVLayer):
     def prefetch(self, query: Tensor) -> None:
         """Choose critical channels from a (predicted) query `[B, H_q, 1, D]` and fetch their Kᵀ rows. On CUDA the
         fetch runs on a side stream; `decode_kv` waits for it."""
-        if self.device.type == "cuda":
-            main, side = torch.cuda.current_stream(), _side_stream(self.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self._fetch_channels(query)
-                self.ready = torch.cuda.Event()
-                self.ready.record(side)
-            self.critical_keys.record_stream(main)
-        else:
-            self._fetch_channels(query)
-
-    def _fetch_channels(self, query: Tensor) -> None:
-        score = group_mean(query, self.abs_max.shape[1]).abs() * self.abs_max.float()
-        self.channels = score.topk(self.n_channels, dim=-1).indices  # [B, H, d_s]
-        self.critical_keys = self.ledger.transfer(self.host_keys_t, self.channels, self.device, "critical_keys")
-        self.ledger.hold(self.critical_keys)
+        OffloadedLayer.prefetch_many([self], query)
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """What one token `[B, H_q, 1, D]` attends: sinks + recent + its top-k prompt rows, fetched now + generated
         (the new token was appended by `update` before this call)."""
-        if self.critical_keys is None:  # nothing predicted this layer's query (e.g. layer 0): use the real one
-            self.prefetch(query)
-        if self.ready is not None:
-            torch.cuda.current_stream().wait_event(self.ready)
-        q_mean = group_mean(query, self.abs_max.shape[1])  # [B, H, D], the real query's signed group mean
-        approx = (q_mean.gather(-1, self.channels)[:, :, None] @ self.critical_keys.float())[:, :, 0]  # [B, H, n]
-        top = approx[..., self.start: self.prompt_len - self.recent].topk(self.n_topk, dim=-1).indices + self.start
+        return OffloadedLayer.decode_kv_many([self], query)[0]
+
+    # --- several sequences' layers at once (batched decoding: one call per step and layer, not per sequence) --
+    @staticmethod
+    def prefetch_many(layers: list[OffloadedLayer], query: Tensor) -> None:
+        """`prefetch` for several sequences' layers, row i of `query` `[S, H_q, 1, D]` for `layers[i]`: the channel
+        scores and their top-k in one call; each layer then fetches from its own host copy."""
+        device = layers[0].device
+        if device.type != "cuda":
+            OffloadedLayer._fetch_channels(layers, query)
+            return
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            OffloadedLayer._fetch_channels(layers, query)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        for layer in layers:
+            layer.ready = ready
+            layer.critical_keys.record_stream(main)
+
+    @staticmethod
+    def _fetch_channels(layers: list[OffloadedLayer], query: Tensor) -> None:
+        """Critical channels per KV head by |group-mean q̂| · max|K| (one top-k for all); each layer's Kᵀ rows."""
+        if len({layer.n_channels for layer in layers}) > 1:  # (configurations that differ: one call each)
+            for i, layer in enumerate(layers):
+                OffloadedLayer._fetch_channels([layer], query[i:i + 1])
+            return
+        abs_max = torch.cat([layer.abs_max for layer in layers]) if len(layers) > 1 else layers[0].abs_max
+        score = group_mean(query, abs_max.shape[1]).abs() * abs_max.float()
+        channels = score.topk(layers[0].n_channels, dim=-1).indices  # [S, H, d_s]
+        for i, layer in enumerate(layers):
+            layer.channels = channels if len(layers) == 1 else channels[i:i + 1]
+            layer.critical_keys = layer.ledger.transfer(layer.host_keys_t, layer.channels, layer.device,
+                                                        "critical_keys")
+            layer.ledger.hold(layer.critical_keys)
+
+    @staticmethod
+    def decode_kv_many(layers: list[OffloadedLayer], query: Tensor | None) -> list[DecodeKV]:
+        """`decode_kv` for several sequences' layers, row i of `query` `[S, H_q, 1, D]` for `layers[i]`: the real
+        query's group means and the top-k over the approximate scores (each row padded with -inf past its own
+        candidates) in one call; each layer then fetches its rows from its own host copy."""
+        unready = [i for i, layer in enumerate(layers) if layer.critical_keys is None]
+        if unready:  # nothing predicted these layers' query (e.g. layer 0): use the real one
+            rows = query if len(unready) == len(layers) else torch.cat([query[i:i + 1] for i in unready])
+            OffloadedLayer.prefetch_many([layers[i] for i in unready], rows)
+        if len({(layer.start, layer.recent, layer.n_topk) for layer in layers}) > 1:  # (one call per configuration)
+            return [OffloadedLayer.decode_kv_many([layer], query[i:i + 1])[0] for i, layer in enumerate(layers)]
+        for event in dict.fromkeys(layer.ready for layer in layers if layer.ready is not None):
+            torch.cuda.current_stream().wait_event(event)
+        start, recent, n_topk = layers[0].start, layers[0].recent, layers[0].n_topk
+        channels = torch.cat([layer.channels for layer in layers]) if len(layers) > 1 else layers[0].channels
+        picked = group_mean(query, channels.shape[1]).gather(-1, channels)[:, :, None]  # [S, H, 1, d_s]
+        rows = []  # each layer's approximate scores over its candidates [start, n - recent): [B, H, c]
+        for i, layer in enumerate(layers):
+            ours = picked if len(layers) == 1 else picked[i:i + 1]
+            rows.append((ours @ layer.critical_keys[..., start:layer.prompt_len - recent].float())[:, :, 0])
+        if len(rows) == 1:
+            approx = rows[0]
+        else:  # padded with -inf past each row's own candidates, so the top-k never reaches them
+            approx = picked.new_full((len(rows), picked.shape[1], max(r.shape[-1] for r in rows)), float("-inf"))
+            for i, row in enumerate(rows):
+                approx[i, :, :row.shape[-1]] = row[0]
+        tops = approx.topk(n_topk, dim=-1).indices + start  # [S, H, k]: each row's top-k among its own candidates
+        return [layer._attended(tops if len(layers) == 1 else tops[i:i + 1]) for i, layer in enumerate(layers)]
+
+    def _attended(self, top: Tensor) -> DecodeKV:
+        """Fetch the chosen prompt rows `top` `[1, H, k]` and put together what this step attends."""
         if self.selections is not None:
             self.selections.append((self.channels.cpu(), top.sort(dim=-1).values.cpu()))
         fetched_k = self.ledger.transfer(self.host_keys, top, self.device, "topk_keys")

@@ -369,12 +369,21 @@ class BatchedDecoder:
             slot.decode_s += seconds
 
     def _input_hook(self, layer_idx: int, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> None:
-        """Before each layer's attention: each sample's own prefetch hook (TailorKV) on its row."""
+        """Before each layer's attention: the samples' own prefetch hooks (TailorKV) on their rows; hooks of one
+        type with a `together` (one call for several samples' rows) run in one call."""
         cos, sin = position_embeddings
+        groups: dict = {}
         for i, slot in enumerate(self.cache.slots):
             if slot.input_hook is not None:
-                self.capture.cache = slot.run.cache
-                slot.input_hook(layer_idx, hidden[i:i + 1], (cos[i:i + 1], sin[i:i + 1]))
+                groups.setdefault(getattr(slot.input_hook, "together", None), []).append(i)
+        for together, rows in groups.items():
+            if together is not None:
+                together([self.cache.slots[i].input_hook for i in rows], layer_idx, rows_of(hidden, rows),
+                         (rows_of(cos, rows), rows_of(sin, rows)))
+                continue
+            for i in rows:
+                self.capture.cache = self.cache.slots[i].run.cache
+                self.cache.slots[i].input_hook(layer_idx, hidden[i:i + 1], (cos[i:i + 1], sin[i:i + 1]))
 
     def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
         """The batched forward's attention function: one call per set of shared rows (every sample whose layer sits
@@ -423,32 +432,54 @@ class BatchedDecoder:
         temperature scales its own logits, and a decode-time evictor scores the logits this call computed."""
         layer_idx, window = module.layer_idx, kwargs.get("sliding_window")
         scaling = kwargs.get("scaling") or module.scaling
-        kvs, scales = [], []
-        for i in members:
-            slot = self.cache.slots[i]
-            layer = slot.run.cache.layers[layer_idx]
+        queries = query if len(members) == query.shape[0] else rows_of(query, members)
+        kvs: list[DecodeKV | None] = [None] * len(members)
+        by_type: dict[type, list[int]] = {}  # layers with their own storage, asked once per type
+        for j, i in enumerate(members):
+            layer = self.cache.slots[i].run.cache.layers[layer_idx]
             if layer.own_storage:
                 refuse_window(layer, window)
-                kvs.append(layer.decode_kv(query[i:i + 1]))
+                by_type.setdefault(type(layer), []).append(j)
             else:  # what its update returned (keys at their slots under pos-shift)
-                kvs.append(DecodeKV(*self.cache.updated[layer_idx][i], None, layer.attention_positions()))
-            n_keys = kvs[-1].keys.shape[-2]
+                kvs[j] = DecodeKV(*self.cache.updated[layer_idx][i], None, layer.attention_positions())
+        for kind, js in by_type.items():
+            layers = [self.cache.slots[members[j]].run.cache.layers[layer_idx] for j in js]
+            for j, kv in zip(js, kind.decode_kv_many(layers, rows_of(queries, js))):
+                kvs[j] = kv
+        scales = []
+        for j, i in enumerate(members):
+            slot = self.cache.slots[i]
+            n_keys = kvs[j].keys.shape[-2]
             scales.append(scaling * slot.logit_scale(n_keys) if slot.logit_scale is not None else scaling)
         hooked = [j for j, i in enumerate(members) if self.cache.slots[i].decode_hook is not None]
-        queries = query if len(members) == query.shape[0] else torch.cat([query[i:i + 1] for i in members])
         out, logits = decode_attention(queries, kvs, scales, softcap=kwargs.get("softcap"), window=window,
                                        return_logits=bool(hooked))
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
-        for j in hooked:  # (it may evict: this step already attended)
-            keys = kvs[j].keys
-            self.cache.slots[members[j]].decode_hook(layer_idx, queries[j:j + 1], keys, scales[j],
-                                                     logits=logits[j:j + 1, :, None, :keys.shape[-2]])
+        groups: dict = {}  # (they may evict: this step already attended)
+        for j in hooked:
+            groups.setdefault(getattr(self.cache.slots[members[j]].decode_hook, "together", None), []).append(j)
+        for together, js in groups.items():
+            own = [logits[j:j + 1, :, None, :kvs[j].keys.shape[-2]] for j in js]
+            if together is not None:  # hooks of one type that score several samples in one call
+                together([self.cache.slots[members[j]].decode_hook for j in js], layer_idx,
+                         [kvs[j].keys for j in js], own)
+                continue
+            for j, row in zip(js, own):
+                self.cache.slots[members[j]].decode_hook(layer_idx, queries[j:j + 1], kvs[j].keys, scales[j],
+                                                         logits=row)
 
 
 def per_row(value, batch: int) -> bool:
     """An attention kwarg with one entry per sample of the batch (e.g. position_ids)."""
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch
+
+
+def rows_of(tensor: Tensor, rows: list[int]) -> Tensor:
+    """Rows `rows` of `tensor`, in that order (slices, so no index tensor goes to the device)."""
+    if rows == list(range(tensor.shape[0])):
+        return tensor
+    return torch.cat([tensor[i:i + 1] for i in rows])
 
 
 def scattered(tensor: Tensor, slot_idx: list[int], row_idx: list[int], n_rows: int) -> Tensor:

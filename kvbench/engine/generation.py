@@ -135,6 +135,15 @@ class EvictionHook:
         if i not in self.fixed:
             self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits)
 
+    @staticmethod
+    def together(hooks: list[EvictionHook], i: int, keys: list[Tensor], logits: list[Tensor]) -> None:
+        """The hooks of several samples after one attention call (batched decoding), each with the keys its layer
+        attended and its logits `[1, H_q, 1, k]`: scored and evicted together where their method allows
+        (`EvictionState.decode_many`)."""
+        live = [j for j, hook in enumerate(hooks) if i not in hook.fixed]
+        EvictionState.decode_many([hooks[j].state for j in live], i, [hooks[j].cache.layers[i] for j in live],
+                                  [keys[j] for j in live], [logits[j] for j in live])
+
 
 @torch.no_grad()
 def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, layer_idx: int, n_layers: int,

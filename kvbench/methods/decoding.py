@@ -81,6 +81,37 @@ class EvictionState:
         self.scores[layer_idx] = scores
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=False))
 
+    @staticmethod
+    def decode_many(states: list[EvictionState], layer_idx: int, layers: list[KVLayer], keys: list[Tensor],
+                    logits: list[Tensor]) -> None:
+        """`decode` for several samples with the step's logits given (`[1, H_q, 1, k]` each; batched decoding):
+        samples of one method that scores `together`, with one budget and one cache length, are scored and
+        chosen in one call, each then evicting from its own layer; the others one by one."""
+        groups: dict[tuple, list[int]] = {}
+        for s, (state, key) in enumerate(zip(states, keys)):
+            alone = not state.method.together
+            groups.setdefault((s if alone else -1, id(state.method), state.budget, *key.shape), []).append(s)
+        for members in groups.values():
+            if len(members) == 1:
+                s = members[0]
+                states[s].decode(layer_idx, layers[s], None, keys[s], 1.0, logits=logits[s])
+                continue
+            first = states[members[0]]
+            for s in members:
+                if layer_idx == 0:
+                    states[s].step += 1
+                states[s].layers[layer_idx] = layers[s]
+            method, h_kv = first.method, keys[members[0]].shape[1]
+            stacked = torch.cat([logits[s] for s in members])  # [S, H_q, 1, k]
+            row = reduce_groups(method.row_score(stacked, first, decoding=True)[:, :, 0], h_kv, method.gqa_reduce)
+            if method.keeps_history:
+                old = torch.cat([states[s].scores[layer_idx] for s in members])
+                row = torch.cat([old, old.new_zeros(*old.shape[:2], row.shape[-1] - old.shape[-1])], dim=-1) + row
+            idx = method.evict(first, layer_idx, row, prefill=False)
+            for k, s in enumerate(members):
+                states[s].scores[layer_idx] = row[k:k + 1]
+                states[s]._apply(layer_idx, layers[s], None if idx is None else idx[k:k + 1])
+
     def prefill_done(self) -> None:
         """Called once every layer's prefill eviction ran: a method that decides across layers (Keyformer's shared
         score) evicts here."""
@@ -106,6 +137,8 @@ class DecodingMethod(Method):
     kind: ClassVar[Kind] = Kind.EVICTOR
     accumulates_attention: ClassVar[bool] = True  # scores start from the capture's prefill column sums
     keeps_history: ClassVar[bool] = True  # each step's row adds to the scores; False: it replaces them (TOVA)
+    together: ClassVar[bool] = False  # True: `row_score` and `evict` work row by row and read of the state only its
+    #                                   budget, so batched decoding scores samples of one budget in one call (H2O)
 
     @property
     def evicts_while_decoding(self) -> bool:

@@ -26,7 +26,7 @@ Variants (`variant`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torch import Tensor
 
@@ -43,6 +43,8 @@ class H2O(DecodingMethod):
     recent_size: int | None = None  # absolute recent window (overrides recent_ratio)
     variant: Literal["decode", "prefill_only", "kvcache_factory"] = "decode"
     granularity: Literal["kv_head", "query_head"] = "kv_head"  # query_head: kvcache_factory only
+
+    together: ClassVar[bool] = True  # softmax rows and a top-k by budget: samples of one budget evict in one call
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:

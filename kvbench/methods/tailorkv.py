@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from kvbench.cache.kv_cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
@@ -43,11 +45,27 @@ class Prefetch:
     predictable: frozenset[int]
 
     def __call__(self, layer_idx: int, hidden, position_embeddings) -> None:
+        Prefetch.together([self], layer_idx, hidden, position_embeddings)
+
+    @staticmethod
+    def together(hooks: list[Prefetch], layer_idx: int, hidden, position_embeddings) -> None:
+        """The hooks of several samples (batched decoding), row i of `hidden` and of the (cos, sin) for `hooks[i]`:
+        one query prediction for every sample that prefetches the next layer, then one channel choice
+        (`OffloadedLayer.prefetch_many`), each sample fetching from its own layer."""
         if layer_idx == 0:
-            self.ledger.begin_step(sum(layer.nbytes() for layer in self.layers))
+            for hook in hooks:
+                hook.ledger.begin_step(sum(layer.nbytes() for layer in hook.layers))
         following = layer_idx + 1
-        if following in self.predictable and isinstance(self.layers[following], OffloadedLayer):
-            self.layers[following].prefetch(self.capture.predict_query(following, hidden, position_embeddings))
+        rows = [i for i, hook in enumerate(hooks)
+                if following in hook.predictable and isinstance(hook.layers[following], OffloadedLayer)]
+        if not rows:
+            return
+        if len(rows) < len(hooks):
+            hidden = torch.cat([hidden[i:i + 1] for i in rows])
+            if position_embeddings is not None:
+                position_embeddings = tuple(torch.cat([x[i:i + 1] for i in rows]) for x in position_embeddings)
+        query = hooks[rows[0]].capture.predict_query(following, hidden, position_embeddings)
+        OffloadedLayer.prefetch_many([hooks[i].layers[following] for i in rows], query)
 
 
 @METHODS.register("tailorkv")
