@@ -11,7 +11,9 @@ decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine
 (`kvbench.engine.attention`) with what it holds this step (`decode_kv`), whatever the lengths per sample, layer and
 head; each sample's temperature scales its own logits, and its evictor scores the logits of that call (no second
 computation). So a layer costs two attention calls whatever the batch (rows, the rest); a lone sample outside the
-rows takes batch 1's path. A sample
+rows takes batch 1's path. Per-sample method work that several samples can share runs once for them: a layer type's
+`decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query prefetch, H2O's
+scoring and eviction for samples of one budget). A sample
 that finishes leaves at once and the next prompt is prefilled and joins (continuous batching), so one long
 generation does not hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and
 a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
