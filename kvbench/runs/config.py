@@ -113,6 +113,7 @@ def setup(cfg: DictConfig):
         if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
+        check_feeding(cfg, method, dataset, adapter)
     check_query(cfg, method)
     if getattr(dataset, "turns", 1) > 1:  # a conversation feeds every later turn on top of the compressed cache
         check_query(cfg, method, why=f"dataset.turns={dataset.turns}")
@@ -147,6 +148,25 @@ def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
                          "several on top of the compressed cache; use query=aware and one turn")
     if cfg.generation.get("num_beams", 1) > 1:
         raise ValueError(f"{why} runs at generation.num_beams=1 (beam search prefills the whole prompt)")
+
+
+def check_feeding(cfg: DictConfig, method, dataset, adapter) -> None:
+    """Tokens prefilled on top of a compressed cache (`query=agnostic`'s question, a conversation's later turns) are
+    attended by the capture without the model's ALiBi bias or sliding windows, and KVzip's reconstruction scores
+    have no ALiBi bias: refuse those here, before weights load, instead of failing every sample."""
+    from kvbench.methods.base import Kind
+
+    turns = getattr(dataset, "turns", 1)
+    feeds = "query=agnostic" if cfg.get("query", "aware") == "agnostic" else (
+        f"dataset.turns={turns}" if turns > 1 else None)
+    if adapter.positions == "alibi" and (feeds or method.kind is Kind.RECONSTRUCTOR):
+        raise ValueError(f"{feeds or 'method=' + method.registry_name}: {adapter.family} has ALiBi attention, which "
+                         "tokens fed on top of a cache (an agnostic question, later turns, KVzip's reconstruction) "
+                         "do not apply yet; use query=aware, one turn and another method")
+    if adapter.has_window_layers and feeds:
+        raise ValueError(f"{feeds}: {adapter.family} has sliding-window layers, which tokens fed on top of a "
+                         "compressed cache (an agnostic question, later turns) do not apply yet; use query=aware "
+                         "and one turn")
 
 
 def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:

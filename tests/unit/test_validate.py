@@ -70,6 +70,12 @@ def rows(t: str) -> list:
          "ruler: version='2024-12.1/../../x' becomes a folder name"),
         (["budget=64,128"], "sweep", "budget=64,128 gives several values: add -m"),
         (["-m", "method=snapkv", "budget=64,16"], "sweep-job", "snapkv: window=32 must be < budget=16"),
+        (["model.path=random:mpt", "query=agnostic"], "agnostic-alibi",
+         "query=agnostic: mpt has ALiBi attention, which tokens fed on top of a cache"),
+        (["model.path=random:mpt", "method=kvzip"], "kvzip-alibi",
+         "method=kvzip: mpt has ALiBi attention, which tokens fed on top of a cache"),
+        (["model.path=random:gemma2", "dataset=niah_multiturn", "dataset.turns=2"], "turns-window",
+         "dataset.turns=2: gemma2 has sliding-window layers, which tokens fed on top of a compressed cache"),
     ]
 
 
