@@ -9,7 +9,8 @@ ledger gives the bytes the algorithm *would* move, measured from the tensors it 
 Each category has a direction (`h2d` host->device, `d2h` device->host while decoding, `read` bytes a step reads from
 device memory without moving them: Quest's page metadata and selected pages); the summary reports each direction
 present. `count` adds bytes the layer computed itself (a 0-dim tensor is fine: it is resolved in `summary`, so a step
-never waits on the device for it). `StepStart` is the capture hook that opens each step's entry at layer 0.
+never waits on the device for it). `StepStart` is the capture hook that opens each step's entry at layer 0. What a
+chunk fed on top of the cache (`generation.feed`) moves or reads goes to `feed_bytes` (`fed`), not to a step.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class TransferLedger:
         self.transient_peak: list[int] = []  # per step: most fetched bytes alive at once on the device
         self.resident: list[int] = []  # per step: KV bytes resident on the device when the step begins
         self.held = 0  # fetched bytes alive now: this layer's rows and channel slices, the next layer's slices
+        self.feed: dict[str, int] = defaultdict(int)  # bytes fed chunks moved or read (`fed`), by category
 
     def begin_step(self, resident_bytes: int) -> None:
         self.steps.append(dict.fromkeys(self.categories, 0))
@@ -66,6 +68,17 @@ class TransferLedger:
         if self.steps:
             self.steps[-1][category] = self.steps[-1][category] + nbytes
 
+    def fed(self, category: str, nbytes) -> None:
+        """Add `nbytes` to what chunks fed on top of the cache (`generation.feed`: query=agnostic's question, a
+        turn) moved or read: the whole stored context once per feed, kept apart from the decode steps."""
+        self.feed[category] = self.feed[category] + nbytes
+
+    def restart(self) -> None:
+        """Forget the decode steps and feeds recorded so far (a conversation's next turn reports its own); the
+        prefill offload stays."""
+        self.steps, self.transient_peak, self.resident = [], [], []
+        self.feed = defaultdict(int)
+
     def hold(self, tensor: Tensor) -> None:
         """A fetched tensor now occupies device memory (until `release`)."""
         self.held += tensor.numel() * tensor.element_size()
@@ -85,6 +98,8 @@ class TransferLedger:
             totals = [sum(per_step[c][i] for c in names) for i in range(len(self.steps))]
             out[f"{direction}_bytes_per_step"] = per_step
             out[f"{direction}_bytes_per_token"] = sum(totals) / len(totals) if totals else 0.0
+        if self.feed:  # (only where a chunk was fed: the records of other runs keep their keys)
+            out["feed_bytes"] = {c: int(n) for c, n in self.feed.items()}
         return {
             **out,
             "device_bytes_per_step": self.resident,

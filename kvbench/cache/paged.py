@@ -18,6 +18,14 @@ head. When the cache has no more pages than the budget the step attends everythi
 The ledger counts what each step reads (direction `read`): the page metadata it scores, and the keys and values of
 the pages it attends, per KV head the union of its query heads' pages. Memory held (`nbytes`) is the whole cache plus
 the metadata: Quest saves reads, not memory.
+
+Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns) join
+the pages as decoded tokens do, filling the last partial page first, and their bounds are refreshed, so the pages
+after a feed are those built from scratch over the same keys. The chunk itself attends the whole cache, densely
+and causally among its own tokens: the reference's kernels append a multi-token chunk to the paged cache
+(`append_kv_cache_prefill`) and run `prefill_with_paged_kv_cache` over every page (mit-han-lab/Quest,
+`quest/utils/__init__.py`), and its evaluation script attends densely whenever q_len > 1. What it reads goes to the
+ledger's `feed_bytes` (every page's keys and values, once per feed), not to a decode step.
 """
 from __future__ import annotations
 
@@ -70,9 +78,14 @@ class PagedLayer(KVLayer):
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """What one token `[B, H_q, 1, D]` attends: per query head the entries of its selected pages (the new token,
-        appended by `update`, is in the last page)."""
+        appended by `update`, is in the last page). A chunk of several tokens `[B, H_q, q, D]` (a fed question or
+        turn) attends every entry, as the reference's prefill kernel does (causal among the chunk: the caller's)."""
         b, h_kv, t, d = self.keys.shape
         n_pages, entry = self.n_pages(), 2 * d * self.keys.element_size()
+        if query is not None and query.shape[2] > 1:  # a fed chunk (already appended) attends every page densely
+            self.ledger.fed("page_keys", b * h_kv * t * entry // 2)
+            self.ledger.fed("page_values", b * h_kv * t * entry // 2)
+            return KVLayer.decode_kv(self)
         if self.page_budget is None or n_pages <= self.page_budget:
             self.ledger.count("page_keys", b * h_kv * t * entry // 2)
             self.ledger.count("page_values", b * h_kv * t * entry // 2)

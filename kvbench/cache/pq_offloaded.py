@@ -17,6 +17,15 @@ K/V is copied to the host and becomes a candidate, with the code it got from the
 its nearest centroid (generated tokens; the reference's `predict_index_gpu`). So every step attends
 sink + n_topk + recent + 1 entries, however long the generation.
 
+Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns) join
+the window as that many decoded tokens would: the window keeps the last `recent + 1`, and the older ones go to the
+host as candidates, coded by their nearest prompt centroids (the reference's rule for generated tokens; no
+re-clustering), so the storage after a feed equals that after the same tokens appended one per step. The chunk
+itself attends everything densely (sinks, every candidate fetched from the host, window, itself causally): the
+reference's prefill is dense flash attention over the whole prompt, and its decode step asserts a single query
+("Do not support multi query pq_search yet", `pq_search.py`), so a dense chunk is the faithful extension. Its
+fetches and the window tokens it sends to the host go to the ledger's `feed_bytes`, not to a decode step.
+
 Every copy goes through the `TransferLedger`: host->device codes, centroids, top-k keys and values, device->host
 window tokens, and the prefill offload. The reference also keeps a GPU-side LFU cache of fetched blocks
 (`cache_manager.py`), which spares some top-k copies; kvbench does not, so its top-k bytes are the no-cache upper
@@ -77,17 +86,16 @@ class PQOffloadedLayer(KVLayer):
 
     # --- the window slides, candidates grow ---------------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append one token to the window; the oldest window token leaves it for the host first if the window is
-        full. Returns the window (attention reads `decode_kv`)."""
-        if key_states.shape[-2] != 1:
-            raise NotImplementedError("pqcache: appending several tokens at once (a prefill on top of the "
-                                      "compressed cache) is not supported; decode one token per step")
-        leaving = self.keys.shape[-2] - self.recent
+        """Append tokens to the window (one per decode step; several when a chunk is fed), then move its oldest
+        tokens beyond `recent + 1` to the host: the window ends as it would after that many single steps. Returns
+        the window (attention reads `decode_kv`)."""
+        super().update(key_states, value_states, *args, **kwargs)
+        leaving = self.keys.shape[-2] - self.recent - 1
         if leaving > 0:
-            self._offload_oldest(leaving)
-        return super().update(key_states, value_states, *args, **kwargs)
+            self._offload_oldest(leaving, self.ledger.fed if key_states.shape[-2] > 1 else self.ledger.count)
+        return self.keys, self.values
 
-    def _offload_oldest(self, count: int) -> None:
+    def _offload_oldest(self, count: int, tally) -> None:
         out_k, out_v = self.keys[:, :, :count], self.values[:, :, :count]
         end = self.n_cand + count
         if self.n_coded < end:  # generated tokens have no code yet: their nearest centroids
@@ -99,8 +107,8 @@ class PQOffloadedLayer(KVLayer):
         self.host_values = _grow(self.host_values, end, dim=2)
         self.host_keys[:, :, self.n_cand:end] = out_k.cpu()
         self.host_values[:, :, self.n_cand:end] = out_v.cpu()
-        self.ledger.count("window_keys", out_k.numel() * out_k.element_size())
-        self.ledger.count("window_values", out_v.numel() * out_v.element_size())
+        tally("window_keys", out_k.numel() * out_k.element_size())
+        tally("window_values", out_v.numel() * out_v.element_size())
         self.n_cand = end
         self.keys, self.values = self.keys[:, :, count:], self.values[:, :, count:]
         self.positions = self.positions[:, :, count:]
@@ -108,7 +116,10 @@ class PQOffloadedLayer(KVLayer):
     # --- retrieval ----------------------------------------------------------------------------------------------
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """What one token `[B, H_q, 1, D]` attends: sinks + its top-k candidates, fetched now + the window (the new
-        token, appended by `update`, last)."""
+        token, appended by `update`, last). A chunk of several tokens `[B, H_q, q, D]` (a fed question or turn)
+        attends every entry instead (`_everything`)."""
+        if query is not None and query.shape[2] > 1:
+            return self._everything()
         codes = self.ledger.copy(self.codes[..., :self.n_cand], self.device, "pq_codes")
         centroids = self.ledger.copy(self.centroids, self.device, "pq_centroids")
         logits = pq.approximate_logits(query, centroids, codes)  # [B, H, G, N]
@@ -125,6 +136,18 @@ class PQOffloadedLayer(KVLayer):
         values = torch.cat([self.sink_values, fetched_v, self.values], dim=2)
         positions = torch.cat([self.sink_positions, top + self.sink, self.positions], dim=2)
         return DecodeKV(keys, values, None, positions)
+
+    def _everything(self) -> DecodeKV:
+        """Sinks + every candidate, fetched from the host + the window (the fed chunk last), in position order: what a
+        chunk fed on top attends (dense, as the reference's prefill). The fetch goes to the ledger's `feed_bytes`."""
+        keys, values = (t[:, :, :self.n_cand].to(self.device) for t in (self.host_keys, self.host_values))
+        self.ledger.fed("candidate_keys", keys.numel() * keys.element_size())
+        self.ledger.fed("candidate_values", values.numel() * values.element_size())
+        b, h = keys.shape[:2]
+        candidates = torch.arange(self.sink, self.sink + self.n_cand, device=self.device).expand(b, h, self.n_cand)
+        return DecodeKV(torch.cat([self.sink_keys, keys, self.keys], dim=2),
+                        torch.cat([self.sink_values, values, self.values], dim=2), None,
+                        torch.cat([self.sink_positions, candidates, self.positions], dim=2))
 
     # --- accounting ---------------------------------------------------------------------------------------------
     def keep(self, idx: Tensor) -> None:

@@ -287,7 +287,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     if compress_after not in ("layer", "prefill"):
         raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
     n = input_ids.shape[1]
-    if question_len and (prefilled is not None or method.kind is Kind.STORAGE or not 0 < question_len < n):
+    if question_len and (prefilled is not None or not method.takes_chunks or not 0 < question_len < n):
         raise ValueError(f"query=agnostic: a {question_len}-token question after a {input_ids.shape[1]}-token "
                          f"prompt cannot be fed on top of {method.registry_name}'s compressed cache here")
     prompt_len = input_ids.shape[1]
@@ -344,8 +344,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
 def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, positions: str = "original") -> Tensor:
     """Prefill `tokens` `[1, q]` on top of a (compressed) cache, keeping them all: the question of `query=agnostic`,
     a turn of a conversation. Through `prefill` (no new model call site); the capture masks each layer for its own
-    length and attends layers with their own storage (Ada-KV) itself. Nothing is scored or evicted: the window is
-    off and a decode-time evictor's hook runs on single tokens only. Returns the last token's logits."""
+    length and attends layers with their own storage (Ada-KV; Quest and PQCache hand the chunk their whole cache)
+    itself. Nothing is scored or evicted: the window is off and a decode-time evictor's hook runs on single tokens
+    only. Returns the last token's logits."""
     start = cache.layers[0].seen_tokens
     if positions == "shift":  # pos-shift: the chunk goes right after the kept entries, as decoding would place it
         start = cache.layers[0].keys.shape[-2]

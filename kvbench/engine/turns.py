@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from kvbench.cache.ledger import StepStart
 from kvbench.engine.batching import decode
 from kvbench.engine.generation import (EvictionHook, Generation, Prepared, Sampling, eos_token_ids, feed,
                                        prepare)
@@ -40,13 +41,15 @@ def converse(model, tokenizer, method: Method, capture: AttentionCapture, first_
     split_first = mode == "reset" and question_len > 0
     run = prepare(model, method, capture, first_ids[:, :n - question_len] if split_first else first_ids, budget,
                   max_new_tokens, positions, seed, compress_after, question_len=0 if split_first else question_len)
-    hook, compressed = capture.decode_hook, (copy.deepcopy(run) if mode == "reset" else None)
+    hooks, compressed = (capture.decode_hook, capture.input_hook), (copy.deepcopy(run) if mode == "reset" else None)
     previous = None
     for tokens in [first_ids[0, n - question_len:].tolist() if split_first else None, *turns]:
         if mode == "reset" and tokens is not None:
             run = copy.deepcopy(compressed)
-        _attach(capture, method, run, hook)  # the engine's batch of one forgets the hooks when it ends
+        _attach(capture, method, run, *hooks)  # the engine's batch of one forgets the hooks when it ends
         if tokens is not None:
+            if run.ledger is not None:  # a storage method's transfers: each turn reports its own feed and steps
+                run.ledger.restart()
             run = _feed(model, capture, run, (unfed(run, previous) if mode == "append" else []) + tokens, positions)
         previous = decode(model, tokenizer, method, capture, run, max_new_tokens, eos, stop, positions, sampling)
         previous.timings.update({name: v for name, v in run.timings.items() if name not in previous.timings})
@@ -72,10 +75,12 @@ def _feed(model, capture: AttentionCapture, run: Prepared, tokens: list[int], po
                     {"prefill_s": time.perf_counter() - t0, "compress_s": 0.0}, run.state)
 
 
-def _attach(capture: AttentionCapture, method: Method, run: Prepared, hook) -> None:
-    """Point the capture at `run`'s cache: its decode-time evictor's hook (rebuilt on a copy's cache and state), the
-    method's attention temperature."""
+def _attach(capture: AttentionCapture, method: Method, run: Prepared, hook, inputs) -> None:
+    """Point the capture at `run`'s cache: its decode-time evictor's hook (rebuilt on a copy's cache and state), a
+    storage method's step hook (rebuilt on a copy's layers and ledger), the method's attention temperature."""
     if isinstance(hook, EvictionHook):
         hook = EvictionHook(run.state, run.cache, hook.fixed, hook.softcap)
-    capture.cache, capture.decode_hook = run.cache, hook
+    if isinstance(inputs, StepStart):
+        inputs = StepStart(run.cache.layers, run.ledger)
+    capture.cache, capture.decode_hook, capture.input_hook = run.cache, hook, inputs
     capture.logit_scale = getattr(method, "logit_scale", None)

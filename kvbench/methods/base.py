@@ -67,6 +67,13 @@ class Method:
         return True
 
     @property
+    def takes_chunks(self) -> bool:
+        """Whether several tokens can be fed on top of the compressed cache at once (query=agnostic's question, a
+        conversation's later turns: `generation.feed`). Dense and per-head layers can; a storage method's layers only
+        where it says so (`takes_chunks = True`: Quest, PQCache; TailorKV's quantized/offloaded layers cannot)."""
+        return self.kind is not Kind.STORAGE
+
+    @property
     def query_window(self) -> int:
         """How many of the prompt's last queries the capture records for this method at prefill (0: none)."""
         return 0

@@ -13,6 +13,13 @@ of n_local into sinks and recent window is not in TailorKV's text: the defaults 
 `SINK_SIZE=32 RECENT_SIZE=32` (n_local 64); for the RULER/InfiniteBench setting use `method.sink_size=64
 method.recent_size=64` (an even split of n_local 128, our choice).
 
+Question-agnostic runs and conversations (`query=agnostic`, `dataset.turns`): a fed question or turn attends every
+entry densely (sinks, every host candidate, window, itself causally), as the reference's prefill does (dense flash
+attention; its decode step takes one query only); its tokens then join the window, and those older than the last
+`recent + 1` become candidates coded by the prompt's centroids (the reference's rule for generated tokens: no
+re-clustering), as after the same tokens decoded one by one (`kvbench.cache.pq_offloaded`). The full-candidate
+fetch is the ledger's `feed_bytes`. Our decision: the reference has no multi-token append on top of its cache.
+
 Deviations:
 - Sizes: the reference derives the window and top-k from ratios of the prompt (`compress_ratio`, `recent_ratio`);
   TailorKV's tables fix them in tokens, as here.
@@ -49,6 +56,7 @@ class PQCache(Method):
 
     kind: ClassVar[Kind] = Kind.STORAGE
     own_storage: ClassVar[bool] = True
+    takes_chunks: ClassVar[bool] = True  # a fed question or turn joins the storage and attends it densely
 
     def __post_init__(self):
         for name, low in (("sink_size", 0), ("recent_size", 0), ("partitions", 1), ("kmeans_iters", 0),

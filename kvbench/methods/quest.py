@@ -12,6 +12,13 @@ the last (partial) page holding the newest token included (the kernels' "page bu
 TailorKV tables' settings: page 16, budget 196 (LongBench: 12 pages = 192 tokens, which is why its Table 3 prints
 192) and 1024 (RULER, InfiniteBench).
 
+Question-agnostic runs and conversations (`query=agnostic`, `dataset.turns`): the fed question or turn is appended
+to the pages (the last partial page first, bounds refreshed, exactly as decoded tokens join them) and attends the
+whole cache densely, causally among its own tokens: the reference appends a multi-token chunk to its paged cache and
+runs its prefill kernel over every page (`quest/models/QuestAttention.py`: `q_len > 1` -> `prefill_forward`), and its
+evaluation script attends densely whenever q_len > 1. Only the following decode steps select pages. SCBench
+(Li et al. 2024) evaluates Quest this way across turns. What a feed reads is the ledger's `feed_bytes`.
+
 Deviations and switches:
 - `keep_last=false` is the evaluation script's rule: the top `max(3, budget // page_size)` pages compete, the newest
   page included, and none is forced.
@@ -44,6 +51,7 @@ class Quest(Method):
 
     kind: ClassVar[Kind] = Kind.STORAGE
     own_storage: ClassVar[bool] = True
+    takes_chunks: ClassVar[bool] = True  # a fed question or turn joins the storage and attends it densely
 
     def __post_init__(self):
         for name in ("page_size", "dense_layers"):

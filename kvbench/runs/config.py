@@ -135,17 +135,15 @@ def setup(cfg: DictConfig):
 def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
     """`query=aware|agnostic`, and what feeding tokens on top of a compressed cache (agnostic's question, or `why`:
     a conversation's later turns) does not run with."""
-    from kvbench.methods.base import Kind
-
     query = cfg.get("query", "aware")
     if query not in QUERY_MODES:
         raise ValueError(f"query={query!r} is not one of {', '.join(QUERY_MODES)}")
     if query == "aware" and why is None:
         return
     why = why or "query=agnostic"
-    if method.kind is Kind.STORAGE:
+    if not method.takes_chunks:  # TailorKV: its quantized/offloaded layers append one token per step
         raise ValueError(f"{why}: {method.registry_name}'s quantized/offloaded layers take one token per step, not "
-                         "several on top of the compressed cache; use query=aware and one turn")
+                         "several on top of the compressed cache (quest and pqcache do); use query=aware and one turn")
     if cfg.generation.get("num_beams", 1) > 1:
         raise ValueError(f"{why} runs at generation.num_beams=1 (beam search prefills the whole prompt)")
 
