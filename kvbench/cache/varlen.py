@@ -46,11 +46,12 @@ class VarlenLayer(KVLayer):
         new.offsets = new.cu.tolist()  # plain ints, host-side: sizes need no device sync
         new.max_head_len = max(len(i) for i in idx)
         heads = torch.arange(len(idx), device=lens.device)
-        new.flat_head = heads.repeat_interleave(lens)  # each flat entry's head and place in it (decode padding)
-        new.flat_slot = torch.arange(int(new.cu[-1]), device=lens.device) - new.cu[:-1].repeat_interleave(lens)
+        flat_head = heads.repeat_interleave(lens)  # each flat entry's head and place in it (decode padding)
+        flat_slot = torch.arange(int(new.cu[-1]), device=lens.device) - new.cu[:-1].repeat_interleave(lens)
+        new.prompt_slots = flat_head * new.max_head_len + flat_slot  # where each flat entry lands in [H * longest]
         new.prompt_valid = (torch.arange(new.max_head_len, device=lens.device)[None] < lens[:, None])[None]
         new.prompt_positions = new.flat_positions.new_zeros(len(idx), new.max_head_len)
-        new.prompt_positions[new.flat_head, new.flat_slot] = new.flat_positions
+        new.prompt_positions[flat_head, flat_slot] = new.flat_positions
         new.prompt_positions = new.prompt_positions[None]  # [1, H, longest]: padding reads position 0, masked
         empty = layer.keys.new_empty(1, len(idx), 0, layer.keys.shape[-1])
         new.keys, new.values = empty, empty.clone()
@@ -63,13 +64,10 @@ class VarlenLayer(KVLayer):
         """This step's keys/values `[1, H, longest + t, D]`: each head's prompt entries padded to the longest,
         then the t decoded tokens; `valid` masks the padding."""
         h, longest, t, d = len(self.offsets) - 1, self.max_head_len, self.keys.shape[-2], self.flat_keys.shape[-1]
-        slots = self.flat_head * (longest + t) + self.flat_slot
         out = []
         for flat, dense in ((self.flat_keys, self.keys), (self.flat_values, self.values)):
-            full = flat.new_zeros(h, longest + t, d)
-            full.view(-1, d).index_copy_(0, slots, flat)
-            full[:, longest:] = dense[0]
-            out.append(full[None])
+            prompt = flat.new_zeros(h * longest, d).index_copy_(0, self.prompt_slots, flat)
+            out.append(torch.cat([prompt.view(1, h, longest, d), dense], dim=2))
         valid = torch.cat([self.prompt_valid, self.prompt_valid.new_ones(1, h, t)], dim=-1)
         return DecodeKV(*out, valid, torch.cat([self.prompt_positions, self.positions], dim=-1))
 
