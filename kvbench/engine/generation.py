@@ -135,6 +135,11 @@ class EvictionHook:
         if i not in self.fixed:
             self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits)
 
+    def chunk(self, i: int, query: Tensor, key: Tensor, scaling: float) -> None:
+        """After layer `i`'s attention of a fed chunk (`feed`): the state scores the chunk's rows and evicts."""
+        if i not in self.fixed:
+            self.state.chunk(i, self.cache.layers[i], query, key, scaling, self.softcap.get(i))
+
     @staticmethod
     def together(hooks: list[EvictionHook], i: int, keys: list[Tensor], logits: list[Tensor]) -> None:
         """The hooks of several samples after one attention call (batched decoding), each with the keys its layer
@@ -279,7 +284,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     prefill and compress a copy of a shared one (the grid launcher). `question_len` > 0 (`query=agnostic`): the last
     `question_len` tokens are the question: the context before them is prefilled and compressed alone (the method's
     window queries are the context's last tokens), then the question is prefilled on top of the compressed cache
-    (`feed`) and kept whole; decoding starts after it, at position n."""
+    (`feed`) and kept whole (a decode-time evictor scores it and evicts to its budget); decoding starts after it,
+    at position n."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
     if positions == "shift" and method.kind is Kind.STORAGE:
@@ -345,8 +351,9 @@ def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, posit
     """Prefill `tokens` `[1, q]` on top of a (compressed) cache, keeping them all: the question of `query=agnostic`,
     a turn of a conversation. Through `prefill` (no new model call site); the capture masks each layer for its own
     length and attends layers with their own storage (Ada-KV; Quest and PQCache hand the chunk their whole cache)
-    itself. Nothing is scored or evicted: the window is off and a decode-time evictor's hook runs on single tokens
-    only. Returns the last token's logits."""
+    itself. The window is off (no selection runs); a decode-time evictor (H2O, TOVA, Keyformer, BUZZ, the rolling
+    windows) scores the chunk's rows into its state as at prefill and evicts each layer to its budget after the
+    layer's attention (`EvictionHook.chunk`). Returns the last token's logits."""
     start = cache.layers[0].seen_tokens
     if positions == "shift":  # pos-shift: the chunk goes right after the kept entries, as decoding would place it
         start = cache.layers[0].keys.shape[-2]
@@ -354,9 +361,12 @@ def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, posit
             layer.next_position = start
     window, capture.window = capture.window, 0
     try:
-        return prefill(model, tokens, cache, start)
+        logits = prefill(model, tokens, cache, start)
     finally:
         capture.window = window
+    if isinstance(capture.decode_hook, EvictionHook):  # every layer scored the chunk: a shared score decides now
+        capture.decode_hook.state.prefill_done()
+    return logits
 
 
 @torch.no_grad()

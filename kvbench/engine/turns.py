@@ -5,9 +5,10 @@ fed on top), decoded by the engine's step. Each later turn's tokens are fed with
 function, as a chunk: no new model call site) and decoded again, either on the live cache after the previous answer
 (`append`: the answer's last token, which decoding chose but never fed, goes first; the conversation grows on one
 cache, as SCBench's multi-turn mode) or on a copy of the cache as compression left it (`reset`: every turn starts
-from the same compressed prompt). Nothing new is compressed after the first turn: methods that evict while decoding
-go on evicting at their budget; the others keep every fed token. Positions stay original (a turn's tokens follow
-everything the cache has seen). Batch size 1, greedy or sampled as configured.
+from the same compressed prompt). Nothing new is selected after the first turn: methods that evict while decoding
+score each fed turn's rows into their accumulated scores, as at prefill, and evict to their budget right after it
+(`EvictionState.chunk`), then go on evicting at every step; the others keep every fed token. Positions stay
+original (a turn's tokens follow everything the cache has seen). Batch size 1, greedy or sampled as configured.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ of the method's row score over the causal prompt attention (computed in chunks b
 step it receives the new query's logits over the cache (new token included), accumulates, and evicts for real
 with `layer.keep(idx)`, gathering its scores with the same indices. Nothing is kept across samples.
 
+A chunk of several tokens fed on top of the cache (query=agnostic's question, a conversation's turn) is scored as
+a prefill is: its causal rows' column sums add to the scores (`chunk`), then the layer is evicted to the budget.
+
 Convention (every method): after each eviction a layer stores at most `budget` entries per head; the step that
 triggers an eviction has already attended to all entries, including its own token (as H2O's real-drop cache).
 """
@@ -80,6 +83,35 @@ class EvictionState:
             scores = row
         self.scores[layer_idx] = scores
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=False))
+
+    def chunk(self, layer_idx: int, layer: KVLayer, query: Tensor, key: Tensor, scaling: float,
+              softcap: float | None = None) -> None:
+        """A chunk of q tokens fed on top of the cache (`generation.feed`: an agnostic question, a turn), after
+        this layer's attention: `query` `[B, H_q, q, D]`, `key` `[B, H_kv, L, D]` the layer's entries as attention saw
+        them, the chunk's last. The chunk's rows are scored as prefill rows are (each sees every earlier entry and
+        the chunk causally; `row_score(..., decoding=False)`, column sums over the rows, q x L: the chunk is short),
+        added to the entries' scores (the chunk's own entries start from zero) or replacing them (TOVA), and the
+        layer is evicted to the budget as after a prefill (`evict(..., prefill=True)`: BUZZ thins its middle until
+        it fits, Keyformer's code rule re-chooses its key set, a shared score waits for `prefill_done`)."""
+        self.layers[layer_idx] = layer
+        b, h_q, q, d = query.shape
+        h_kv, length = key.shape[1], key.shape[2]
+        if self.method.accumulates_attention:
+            logits = (query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2))
+            logits = logits.view(b, h_q, q, length) * scaling
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            rows = torch.arange(length - q, length, device=key.device)[:, None]
+            logits = logits.masked_fill(torch.arange(length, device=key.device)[None, :] > rows, float("-inf"))
+            sums = self.method.row_score(logits, self, decoding=False).sum(dim=2)  # [B, H_q, L]
+            row = self.method.prefill_scores(sums, h_kv)
+        else:  # a position-only policy: no scores needed
+            row = key.new_zeros(b, h_kv, length, dtype=torch.float32)
+        old = self.scores[layer_idx]
+        if self.method.keeps_history and self.method.accumulates_attention:
+            row = torch.cat([old, old.new_zeros(*old.shape[:2], length - old.shape[-1])], dim=-1) + row
+        self.scores[layer_idx] = row
+        self._apply(layer_idx, layer, self.method.evict(self, layer_idx, row, prefill=True))
 
     @staticmethod
     def decode_many(states: list[EvictionState], layer_idx: int, layers: list[KVLayer], keys: list[Tensor],

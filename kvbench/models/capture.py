@@ -178,7 +178,10 @@ class AttentionCapture:
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
-                return self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs), None
+                out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs)
+                if hasattr(self.decode_hook, "chunk"):  # a decode-time evictor scores the chunk's rows, evicts
+                    self.decode_hook.chunk(layer_idx, query, key, scaling)
+                return out, None
             if q_len > 1:  # prefill: keep only what scoring needs
                 if self.prefill_hook is not None:  # a scorer of these rows over every key (KVzip's reconstruction)
                     if score_bias is not None:

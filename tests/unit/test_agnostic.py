@@ -17,6 +17,7 @@ from kvbench.data.longbench_prompts import CONTEXT_TEMPLATES, DATASET2PROMPT, QU
 from kvbench.data.split import context_token_count, cut_context, question_offset, split_template
 from kvbench.engine.batching import generate, teacher_force
 from kvbench.engine.generation import prepare
+from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, config_hash, setup
@@ -38,20 +39,28 @@ def kept_positions(layer) -> list[torch.Tensor]:
     return list(layer.positions[0].clone())
 
 
-def reference_logits(model, ids: torch.Tensor, n_context: int, kept: list[list[torch.Tensor]]) -> torch.Tensor:
-    """Logits of every row of one forward over `ids`, rows >= n_context seeing only the kept context positions."""
+def reference_logits(model, ids: torch.Tensor, n_context: int, before: list[list[torch.Tensor]],
+                     after: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Logits of every row of one forward over `ids` (the prompt + one generated token): the question rows (from
+    `n_context` to the prompt's end) see only the context positions in `before` (kept when the context was compressed)
+    and the question causally; the generated token's row sees only the positions in `after` (kept once the question
+    was fed: a decode-time evictor scores the question and evicts again) and itself."""
     n_heads = model.config.num_attention_heads
 
     def masked(module, q, k, v, mask, scaling=None, **kw):
         n = k.shape[2]
-        per_head = kept[module.layer_idx]
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         allowed = causal.repeat(n_heads, 1, 1)
         for hq in range(n_heads):  # query head hq reads stored head hq * H_stored // H_q
+            per_head = before[module.layer_idx]
             context_seen = torch.zeros(n, dtype=torch.bool)
             context_seen[per_head[hq * len(per_head) // n_heads]] = True
             context_seen[n_context:] = True  # the question (and later tokens), causally
-            allowed[hq, n_context:] &= context_seen
+            allowed[hq, n_context:n - 1] &= context_seen
+            per_head = after[module.layer_idx]
+            allowed[hq, n - 1] = False
+            allowed[hq, n - 1, per_head[hq * len(per_head) // n_heads]] = True
+            allowed[hq, n - 1, n - 1] = True
         k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None], scale=scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -65,17 +74,24 @@ def test_question_on_compressed_context_equals_masked_dense_recompute(name):
     model, ids = tiny_model("llama"), prompt(N)
     kwargs, budget = METHODS_UNDER_TEST[name]
     method = METHODS[name.removesuffix("_qh")](**kwargs)
+    n_context = N - Q
     seen = []
-    with AttentionCapture(model, window=method.query_window) as capture:
+    with AttentionCapture(model, window=method.query_window) as capture:  # the context compressed alone, then all
+        before = [kept_positions(layer) for layer in prepare(model, method, capture, ids[:, :n_context], budget,
+                                                             4).cache.layers]
         prepared = prepare(model, method, capture, ids, budget, 4, question_len=Q)
         kept = [kept_positions(layer) for layer in prepared.cache.layers]
         token = int(prepared.logits.argmax())
         teacher_force(model, capture, prepared, [token], lambda t, logits: seen.append(logits.clone()))
     assert prepared.prompt_len == N and "question_s" in prepared.timings
-    n_context = N - Q
-    for per_head in kept:  # the context was compressed, and every question token was kept on top
-        assert all((p < n_context).sum() < n_context and (p >= n_context).sum() == Q for p in per_head)
-    expected = reference_logits(model, torch.cat([ids, torch.tensor([[token]])], 1), n_context, kept)
+    for per_head in before:  # the context was compressed
+        assert all((p < n_context).sum() < n_context for p in per_head)
+    for per_head in kept:
+        if method.kind is Kind.EVICTOR:  # the question scored and evicted with the rest, down to the budget
+            assert all(len(p) <= budget for p in per_head)
+        else:  # every question token was kept on top
+            assert all((p >= n_context).sum() == Q for p in per_head)
+    expected = reference_logits(model, torch.cat([ids, torch.tensor([[token]])], 1), n_context, before, kept)
     torch.testing.assert_close(seen[0][0], expected[N - 1], rtol=1e-4, atol=1e-4)  # after the question
     torch.testing.assert_close(seen[1][0], expected[N], rtol=1e-4, atol=1e-4)  # the next step, at position N
 
