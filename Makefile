@@ -126,6 +126,7 @@ SMOKE_pyramidkv := pyramidkv_smoke pyramidkv_t15_smoke
 EXTRA_adakv_t1      := "method=full"
 EXTRA_adakv_t2      := "method=full"
 EXTRA_adakv_f6      := "method=full"
+SMOKE_adakv := adakv_smoke adakv_f6_smoke   # Tables 1-2 read the LongBench sweep, Figure 6 its needle cell
 TAILORKV_EXTRA := "method=full" "method=tailorkv method.bits=2"   # the full cache once, TailorKV-2 beside TailorKV-1
 PRESETS_tailorkv_t14 := tailorkv_t14 tailorkv_t14_yi9b tailorkv_t14_yi6b   # one block per model
 PRESETS_tailorkv_t15 := tailorkv_t15 tailorkv_t15_yi9b tailorkv_t15_yi6b
@@ -142,7 +143,7 @@ EXTRA_tailorkv_t15_yi6b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16 := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi9b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
-SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke   # Tables 14, 5, 8 read the LongBench sweep; 15 and 3 both
+SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke tailorkv_t16_smoke   # 14, 5, 8: LongBench; 15, 3: +IB; 16: RULER
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # lm-eval runs + python -m kvbench.report.lm_eval_runs (docs/reproduce.md)
@@ -161,6 +162,13 @@ EXTRA_buzz_t3 := "-m method=buzz method.logn=true" "method=full"
 EXTRA_tailorkv_smoke  := "method=tailorkv method.bits=2"
 EXTRA_keyformer_smoke := "method=keyformer positions=shift"
 EXTRA_buzz_smoke      := $(EXTRA_buzz_t2)
+# Keyformer Table 2 runs through lm-eval, not a sweep: LM_EVAL_<smoke preset> = python -m kvbench.harness's arguments
+# (each --model_args one lm-eval run, all in one process), imported into run directories by kvbench.report.lm_eval_runs.
+# Its smoke form: the table's three methods at 50 % on a local look-alike COPA (tests/fixtures/lm_eval), 0-shot.
+LM_EVAL_keyformer_smoke := --model kvbench --tasks copa --num_fewshot 0 --include_path tests/fixtures/lm_eval \
+	--model_args model=smollm2,method=full \
+	--model_args model=smollm2,method=h2o,ratio=0.5,method.recent_ratio=0.3 \
+	--model_args model=smollm2,method=keyformer,ratio=0.5,method.selection=code_frozen
 REPRODUCE_DIR ?= results
 SMOKE_DIR ?= results/smoke
 
@@ -172,6 +180,11 @@ run-paper-%: setup  # one preset: its sweep, then its extra runs
 	$(PYTHON) -m kvbench.run -m paper=$* results_dir=$(call preset_dir,$*)
 	for extra in $(EXTRA_$*); do $(PYTHON) -m kvbench.run $$extra paper=$* results_dir=$(call preset_dir,$*) || exit 1; done
 
+run-lm-eval-%: setup  # a preset's lm-eval runs (LM_EVAL_<preset>), then their run directories
+	HF_DATASETS_OFFLINE=1 $(PYTHON) -m kvbench.harness $(LM_EVAL_$*) --output_path $(call preset_dir,$*)/lm_eval_out \
+		--log_samples
+	$(PYTHON) -m kvbench.report.lm_eval_runs $(call preset_dir,$*)/lm_eval_out --out $(call preset_dir,$*)
+
 # $(1) = paper: reproduce-<paper> (every table: each preset once, then every table with runs, one HTML page) and
 # reproduce-<paper>-smoke (the same report over the smoke sweep)
 define paper_targets
@@ -179,7 +192,7 @@ define paper_targets
 reproduce-$(1): $(addprefix run-paper-,$(sort $(foreach t,$(TABLES_$(1)),$(call table_presets,$(1),$(t)))))
 	$$(PYTHON) -m kvbench.report $$(REPRODUCE_DIR) --paper $(1) --out $$(REPRODUCE_DIR)/report/$(1) \
 		--html $$(REPRODUCE_DIR)/report/$(1)/$(1).html
-reproduce-$(1)-smoke: $(addprefix run-paper-,$(or $(SMOKE_$(1)),$(1)_smoke))
+reproduce-$(1)-smoke: $(addprefix run-paper-,$(or $(SMOKE_$(1)),$(1)_smoke)) $(if $(LM_EVAL_$(1)_smoke),run-lm-eval-$(1)_smoke)
 	$$(PYTHON) -m kvbench.report $$(SMOKE_DIR)/$(1) --paper $(1) --out $$(SMOKE_DIR)/$(1)/report/$(1) \
 		--html $$(SMOKE_DIR)/$(1)/report/$(1)/$(1).html
 endef

@@ -24,7 +24,8 @@ The published numbers ship with the package, one file per table or figure:
   and `model_config` for tables with a block per model, e.g. PyramidKV Table 1);
   `match` selects the runs: manifest keys `method`, `budget`, `ratio` or any dotted key of the resolved config
   (`positions`, `method.logn`, `dataset.protocol`), and `meta.*` keys the records within them (a latency cell's
-  `meta.prompt_length`); `values` maps every column key to the published number (null where the paper prints
+  `meta.prompt_length`; a smoke preset's `paper_settings.stand_in` maps a table's value to the one its runs used,
+  e.g. TailorKV Table 16's `meta.length` 65536 to 512); `values` maps every column key to the published number (null where the paper prints
   none);
 - optional: `runner` (the command that makes the runs of a table no preset runs: Keyformer Table 2's lm-eval),
   `match` at the top (merged into every row's: the settings that set this table's runs apart from the
@@ -132,6 +133,7 @@ class PaperTable:
     model: str | None  # the model the rebuilt values come from
     rows: list[dict] = field(default_factory=list)  # {"group", "label", "cells": {column key: Cell}}
     other_datasets: list[str] = field(default_factory=list)  # runs found, but none on the paper's dataset
+    stand_ins: list[str] = field(default_factory=list)  # smoke runs' values in place of the table's (stand_in)
     records: pd.DataFrame | None = None  # the records on the table's dataset and models (for its figure)
 
     @property
@@ -176,13 +178,29 @@ def matching_records(df: pd.DataFrame, configs: dict, match: dict) -> pd.DataFra
                 break
         if ok:
             for key in (k for k in match if k.startswith("meta.")):  # record-level: e.g. a latency cell's lengths
+                want = stand_in(cfg, key, match[key])
                 values = g[key] if key in g else pd.Series(dtype=object)
-                g = g.loc[values.index[[_same(have, match[key]) for have in values]]] if len(values) else g.iloc[0:0]
+                g = g.loc[values.index[[_same(have, want) for have in values]]] if len(values) else g.iloc[0:0]
             keep.append(g)
     return pd.concat(keep) if keep else df.iloc[0:0]
 
 
 _defaults = {"positions": "original", "method.logn": False, "method.score": "per_layer"}  # keys older runs lack
+
+STAND_IN = "paper_settings.stand_in."  # a smoke preset's record values that ran in place of the table's
+
+
+def stand_in(cfg: dict, key: str, want):
+    """The record value a run put in place of the table's `want` for `key` (`meta.length`): a smoke preset's
+    `paper_settings.stand_in.length: {65536: 512}` (TailorKV Table 16's 64k rows read its 512-token runs); `want`
+    itself for every other run."""
+    return cfg.get(f"{STAND_IN}{key.removeprefix('meta.')}.{want}", want)
+
+
+def stand_ins(configs: dict[str, dict]) -> list[str]:
+    """`length 65536 ran as 512` for each stand-in value of the runs (the report's header names them)."""
+    found = {k.removeprefix(STAND_IN): v for cfg in configs.values() for k, v in cfg.items() if k.startswith(STAND_IN)}
+    return [f"{k.rsplit('.', 1)[0]} {k.rsplit('.', 1)[1]} ran as {v}" for k, v in found.items()]
 
 
 def cell_value(records: pd.DataFrame, spec: dict, column: dict) -> tuple[float | None, str]:
@@ -292,7 +310,8 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
     df = df.iloc[0:0] if model is None else df
     configs = run_configs(df) if not df.empty else {}
     table = PaperTable(spec, model if not df.empty else None, other_datasets=other_datasets,
-                       records=df[df["model"].isin(table_models(spec) if own_models else {model})])
+                       records=df[df["model"].isin(table_models(spec) if own_models else {model})],
+                       stand_ins=stand_ins(configs))
     for row in spec["rows"]:
         cells = {}
         row_model = row.get("model", spec["model"]) if own_models else model
@@ -357,6 +376,8 @@ def header(table: PaperTable) -> list[str]:
         lines.append("No matching runs: every rebuilt cell is missing (reasons in the cells).")
     elif table.model != spec["model"]:
         lines.append(f"Rebuilt on {table.model}, not the paper's {spec['model']}: the differences compare models.")
+    if table.stand_ins:
+        lines.append(f"Stand-ins (a smoke form's paper_settings.stand_in): {'; '.join(table.stand_ins)}.")
     return lines
 
 

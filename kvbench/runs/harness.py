@@ -163,13 +163,55 @@ class KVBenchLM(TemplateLM):
         return out
 
 
+def split_model_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(every `--model_args` value in order, the other arguments)."""
+    runs, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--model_args" and i + 1 < len(argv):
+            runs.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--model_args="):
+            runs.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return runs, rest
+
+
+def share_task_index() -> None:
+    """lm-eval scans its thousands of task YAMLs for every TaskManager (seconds of CPU); the scan depends on the
+    folders only, so the runs of one command share it (each run still builds its own TaskManager and tasks)."""
+    from lm_eval.tasks._index import TaskIndex
+
+    if getattr(TaskIndex.build, "kvbench_shared", False):
+        return
+    build, scans = TaskIndex.build, {}
+
+    def shared(paths, *, resolve_includes=True):
+        paths = list(paths)
+        key = (tuple(str(p) for p in paths), resolve_includes)
+        if key not in scans:
+            scans[key] = build(paths, resolve_includes=resolve_includes)
+        return dict(scans[key])
+
+    shared.kvbench_shared = True
+    TaskIndex.build = staticmethod(shared)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's command line with the kvbench model registered (this module's import did it)."""
+    """lm-eval's command line with the kvbench model registered (this module's import did it). Each `--model_args`
+    given is one lm-eval run, in this process, one after the other (lm-eval itself keeps the last): the methods of a
+    table on the same tasks pay the imports and the task scan once (Keyformer Table 2's smoke form, Makefile
+    LM_EVAL_keyformer_smoke)."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    runs, rest = split_model_args(sys.argv[1:] if argv is None else list(argv))
+    if len(runs) > 1:
+        share_task_index()
+    for model_args in runs or [None]:
+        sys.argv = ["lm_eval", *rest, *([] if model_args is None else ["--model_args", model_args])]
+        cli_evaluate()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
 """kvbench as an lm-eval model (kvbench.harness, lm-eval==0.4.13) on the tiny random Llama with the embedded
-tokenizer: loglikelihood under the full cache equals one direct forward; a compressed context changes it; and
-lm-eval's own command line runs a local multiple-choice task end to end (no download)."""
+tokenizer: loglikelihood under the full cache equals one direct forward and lm-eval's own `hf` model; a compressed
+context changes it; bad arguments are one line. lm-eval's command line on a local task, end to end into the report
+(its acc from our loglikelihoods, the imported records): Keyformer Table 2's smoke form in
+tests/integration/test_paper_smoke.py (keyformer_table_2); the import by hand: test_paper_keyformer_buzz.py."""
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 pytest.importorskip("lm_eval")
 
-from kvbench.report import load_runs  # noqa: E402
-from kvbench.report.lm_eval_runs import main as import_main  # noqa: E402
-from kvbench.runs.harness import KVBenchLM, main  # noqa: E402
+from kvbench.runs.harness import KVBenchLM, split_model_args  # noqa: E402
 
 CONTEXT = ("The keeper of the kvbench lighthouse painted its door blue in 1931, and the harbour board paid for "
            "the paint, the brushes and the ladder. The door was")
@@ -58,34 +56,6 @@ def test_bad_arguments_are_one_line():
         KVBenchLM(model="tiny_llama", method="h2o")
 
 
-def test_lm_eval_command_line_runs_a_local_task(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rows = [{"question": "The lighthouse door was painted", "choices": [" blue", " green", " red"], "answer": 0},
-            {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0}]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "kvbench_mc.yaml").write_text(
-        "task: kvbench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-        "metric_list:\n  - metric: acc\n")
-    main(["--model", "kvbench", "--model_args", "model=tiny_llama,method=h2o,budget=8", "--tasks", "kvbench_mc",
-          "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out"), "--log_samples"])
-    (results,) = (tmp_path / "out").rglob("results_*.json")
-    (samples,) = (tmp_path / "out").rglob("samples_kvbench_mc_*.jsonl")
-    logged = [json.loads(line) for line in samples.read_text().splitlines()]
-    acc = json.loads(results.read_text())["results"]["kvbench_mc"]["acc,none"]
-    # lm-eval's acc from our loglikelihoods: the argmax choice is the target
-    expected = sum(max(range(len(s["filtered_resps"])), key=lambda i: float(s["filtered_resps"][i][0])) == 0
-                   for s in logged) / len(logged)
-    assert len(logged) == 2 and acc == expected
-    # imported as a kvbench run (Keyformer Table 2's path into the report): its records average to lm-eval's acc
-    import_main([str(tmp_path / "out"), "--out", str(tmp_path / "runs")])
-    df = load_runs([tmp_path / "runs"])
-    assert df["scores.acc"].mean() == acc and set(df["meta.task"]) == {"kvbench_mc"}
-    assert set(df["meta.num_fewshot"]) == {0}
-    assert (df["method"].iloc[0], df["budget"].iloc[0], df["model"].iloc[0]) == ("h2o", 8, "tiny-llama")
-
-
 def test_full_cache_equals_lm_evals_own_hf_model_on_loglikelihood_requests(full):
     """The same requests through lm-eval's `hf` model (HFLM over the same weights and tokenizer) and through
     kvbench's teacher-forced streams: equal log-likelihoods and greedy flags."""
@@ -99,3 +69,12 @@ def test_full_cache_equals_lm_evals_own_hf_model_on_loglikelihood_requests(full)
     assert len(got) == len(want) == 3
     for (lp, greedy), (lp_hf, greedy_hf) in zip(got, want):
         assert lp == pytest.approx(lp_hf, rel=1e-5, abs=1e-5) and greedy == greedy_hf
+
+
+def test_each_model_args_is_one_run_of_one_command():
+    """`python -m kvbench.harness ... --model_args A --model_args=B`: one lm-eval run per value (lm-eval alone
+    keeps the last)."""
+    runs, rest = split_model_args(["--model", "kvbench", "--model_args", "method=full", "--tasks", "copa",
+                                   "--model_args=method=h2o,ratio=0.5", "--log_samples"])
+    assert runs == ["method=full", "method=h2o,ratio=0.5"]
+    assert rest == ["--model", "kvbench", "--tasks", "copa", "--log_samples"]

@@ -195,8 +195,12 @@ def test_lm_eval_results_fill_table_2(tmp_path):
     lm_eval_output(tmp_path / "o1", "copa", 5, {"model": "mpt_7b", "method": "keyformer", "ratio": 0.5,
                                                  "method.selection": "code_frozen"}, [1.0, 1.0, 0.0, 1.0])
     lm_eval_output(tmp_path / "o2", "piqa", 0, {"model": "cerebras_gpt_6_7b", "method": "full"}, [0.0, 1.0])
+    lm_eval_output(tmp_path / "o3", "piqa", 0, {"model": "tiny_llama", "method": "h2o", "budget": 8}, [1.0])
     for f in tmp_path.rglob("results_*.json"):
         import_results(f, tmp_path / "runs")
+    (by_budget,) = tmp_path.glob("runs/lm_eval/tiny-llama/h2o/b8-0shot-*/manifest.json")  # a budget, not a ratio
+    assert {k: json.loads(by_budget.read_text())[k] for k in ("method", "budget", "ratio", "model")} == {
+        "method": "h2o", "budget": 8, "ratio": None, "model": "tiny-llama"}
     table = build_paper_table(load_runs([tmp_path / "runs"]), "keyformer", table="t2")
     rows = {(r["group"], r["label"]): r["cells"] for r in table.rows}
     assert rows[("MPT-7B / COPA", "Keyformer")]["5"].rebuilt == 75.0

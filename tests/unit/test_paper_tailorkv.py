@@ -8,6 +8,7 @@ import functools
 import subprocess
 
 import pytest
+import yaml
 
 from kvbench.report import load_runs
 from kvbench.report.paper import build_paper_table, load_published, table_ids, to_markdown
@@ -147,3 +148,24 @@ def test_table_16_rows_read_their_length_and_model(tmp_path):
     assert rows[(f"{YI6}, 64k", "TailorKV-2")]["cwe"].note == "task not in the run"
     assert rows[(f"{YI9}, 64k", "TailorKV-2")]["vt"].rebuilt is None
     assert rows[(f"{LLAMA}, 64k", "TailorKV-1")]["vt"].rebuilt is None
+
+
+def test_a_smoke_forms_stand_in_lengths_fill_the_rows_they_stand_for(tmp_path):
+    """paper_settings.stand_in (tailorkv_t16_smoke): a stand-in model's 512- and 768-token runs fill the 64k and
+    128k rows, each its own length's records; without it they match no row; the header names each stand-in."""
+    small = "smollm2-135m-instruct"
+    runs(tmp_path / "smoke", "ruler", small, "snapkv", 1024,
+         [("vt", 512, 1.0), ("vt", 512, 0.0), ("vt", 768, 0.25), ("vt", 1024, 1.0)])
+    (config,) = (tmp_path / "smoke").rglob("config.yaml")
+    config.write_text(yaml.safe_dump({"paper_settings": {"stand_in": {"length": {65536: 512, 131072: 768}}}}))
+    table = build_paper_table(load_runs([tmp_path / "smoke"]), "tailorkv", table="t16")
+    rows = {(r["group"], r["label"]): r["cells"] for r in table.rows}
+    assert table.model == small and table.stand_ins == ["length 65536 ran as 512", "length 131072 ran as 768"]
+    assert rows[(f"{LLAMA}, 64k", "SnapKV")]["vt"].rebuilt == 50.0  # (1 + 0) / 2: the 512-token records
+    assert rows[(f"{YI6}, 64k", "SnapKV")]["vt"].rebuilt == 50.0  # a stand-in model fills every block
+    assert rows[(f"{LLAMA}, 128k", "SnapKV")]["vt"].rebuilt == 25.0  # not the 1024-token record
+    assert "Stand-ins (a smoke form's paper_settings.stand_in): length 65536 ran as 512; length 131072 ran as 768." \
+        in to_markdown(table)
+    runs(tmp_path / "plain", "ruler", small, "snapkv", 1024, [("vt", 512, 1.0)])  # no stand-in: no row is 512 tokens
+    plain = build_paper_table(load_runs([tmp_path / "plain"]), "tailorkv", table="t16")
+    assert not any(c.rebuilt is not None for r in plain.rows for c in r["cells"].values()) and not plain.stand_ins

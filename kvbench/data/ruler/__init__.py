@@ -118,6 +118,7 @@ class Ruler(Dataset):
     length_tokenizer_revision: str | None = None  # pin it (a Hub commit or tag); the resolved one goes in `provenance`
     cache_dir: str | None = None          # null = <cache_root>/ruler; "" disables the cache
     primary_metric: str = "string_match"  # each task's own metric (string_match_part for qa, else _all)
+    max_new_tokens: int | None = None     # cap on every task's tokens_to_generate (smoke runs); null = upstream's
     skipped: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     provenance: dict = field(default_factory=dict, init=False, repr=False)  # goes into the manifest
 
@@ -138,6 +139,8 @@ class Ruler(Dataset):
             raise ValueError(f"ruler: lengths={self.lengths} must be distinct positive token counts.")
         if self.num_samples < 1:
             raise ValueError(f"ruler: num_samples={self.num_samples} must be >= 1.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"ruler: max_new_tokens={self.max_new_tokens} must be >= 1 (or null: each task's own)")
         if self.model_template not in MODEL_TEMPLATES:
             raise ValueError("ruler: " + unknown_choice("model_template", self.model_template, list(MODEL_TEMPLATES)))
 
@@ -216,7 +219,7 @@ class Ruler(Dataset):
                                          f"or raise model.max_prompt_tokens.")
                     samples.append(Sample(
                         id=f"{task}-{length}-{r['index']}", prompt=r["input"], answers=list(r["outputs"]),
-                        max_new_tokens=tokens_to_generate(task),
+                        max_new_tokens=min(tokens_to_generate(task), self.max_new_tokens or tokens_to_generate(task)),
                         meta={"task": task, "length": length, "index": r["index"], "upstream_length": r["length"]},
                         input_ids=ids, context_end=context_end, context_tokens=None if context_end is None else
                         context_token_count(tokenizer, r["input"], context_end, ids)))
