@@ -10,7 +10,8 @@ import pytest
 from kvbench.models.adapters import BY_FAMILY
 from kvbench.models.loader import RANDOM_FAMILIES
 from kvbench.models.tiny import tiny_random_model
-from tests.unit.test_cli import kvbench, records, refusal, run_dirs
+from kvbench.runs.validate import validate
+from tests.unit.test_cli import records, refusal, run_dirs, run_here
 
 NIAH = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", "dataset.max_new_tokens=4"]
 
@@ -31,17 +32,21 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
 
 def test_snapkv_runs_on_every_family_from_a_local_checkpoint(checkpoints, tmp_path):
-    paths = ",".join(str(checkpoints[f]) for f in RANDOM_FAMILIES)  # one multirun: one process, every family
-    out = kvbench("-m", "model=hf", f"model.path={paths}", "model.name=tiny", "model.dtype=float32",
-                  "model.device=cpu", "method=snapkv", "method.window=8", "budget=32", *NIAH, results=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    dirs = run_dirs(tmp_path)
-    assert len(dirs) == len(RANDOM_FAMILIES)
+    """`python -m kvbench.run -m model=hf model.path=<dir>,<dir>,... ...`, in this process: the command's checks pass
+    for the whole sweep (one job per family, every checkpoint's config.json read), then each family's job as the
+    command runs it (run_here: the composed config, its run directory, setup and run). The command line as a
+    process, a multirun included, is test_cli.py's, test_grid.py's and test_validate.py's."""
+    args = ["model=hf", "model.name=tiny", "model.dtype=float32", "model.device=cpu", "method=snapkv",
+            "method.window=8", "budget=32", *NIAH]
+    paths = ",".join(str(checkpoints[f]) for f in RANDOM_FAMILIES)
+    assert validate(["-m", *args, f"model.path={paths}", f"results_dir={tmp_path}"]) == len(RANDOM_FAMILIES)
     by_family = {}
-    for run_dir in dirs:
+    for family in RANDOM_FAMILIES:
+        run_dir = run_here(*args, f"model.path={checkpoints[family]}", results=tmp_path)
         manifest = json.loads((run_dir / "manifest.json").read_text())
-        family = next(f for f, p in checkpoints.items() if manifest["model_source"] == str(p))
+        assert manifest["model_source"] == str(checkpoints[family])
         by_family[family] = records(run_dir)[0]
+    assert len(run_dirs(tmp_path)) == len(RANDOM_FAMILIES)
     for family, record in by_family.items():
         config = tiny_random_model(family).config
         window = BY_FAMILY[family].window_layers(config)  # window layers: the last sliding_window - 1 entries

@@ -3,9 +3,6 @@ SmolLM2 in a slow test): predictions, scores.json, resume, then `python -m kvben
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -13,11 +10,11 @@ import pytest
 
 from kvbench.report import load_runs
 from kvbench.report.longbench import kv_size, run_rows, table_frame, to_latex, to_markdown, write_reports
+from kvbench.report.__main__ import main as report_main
 from tests.unit.test_cli import refusal, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
 
 
 def make_run(root: Path, method: str, budget: int | None, scores: dict[str, list[float]], dataset="longbench",
@@ -115,30 +112,28 @@ def test_no_longbench_records_writes_nothing(tmp_path):
     assert write_reports(pd.DataFrame({"dataset": ["niah"], "score": [1.0]}), tmp_path) == []
 
 
-# --- end to end through the CLI --------------------------------------------------------------------------------------
-def kvbench(*args: str, results: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbench.run", *args, f"results_dir={results}"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-
-
+# --- end to end as the CLI runs it ----------------------------------------------------------------------------------
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
-def test_cli_tiny_model_runs_resumes_and_reports(tmp_path):
-    args = ["-m", "model=tiny_llama", "method=full,snapkv", "budget=40", "dataset=longbench",
-            f"dataset.root={FIXTURES}", "dataset.tasks=[trec,lcc]"]
-    first = kvbench(*args, "limit=2", results=tmp_path)
-    assert first.returncode == 0, first.stderr
-    run_dirs = sorted(p.parent for p in tmp_path.rglob("predictions.jsonl"))
+def test_cli_tiny_model_runs_resumes_and_reports(tmp_path, capfd):
+    """`python -m kvbench.run -m method=full,snapkv ... dataset=longbench` with limit=2, then again without it, then
+    `python -m kvbench.report`: each job as the command runs it, in this process (run_here, report's main; the
+    command line as a process: test_cli.py, test_grid.py)."""
+    args = ["model=tiny_llama", "budget=40", "dataset=longbench", f"dataset.root={FIXTURES}",
+            "dataset.tasks=[trec,lcc]"]
+    run_dirs = [run_here(f"method={m}", *args, "limit=2", results=tmp_path) for m in ("full", "snapkv")]
+    assert sorted(p.parent for p in tmp_path.rglob("predictions.jsonl")) == run_dirs
     assert [d.relative_to(tmp_path).parts[:3] for d in run_dirs] == [("longbench", "tiny-llama", "full"),
                                                                      ("longbench", "tiny-llama", "snapkv")]
     assert all([r["id"] for r in records(d)] == ["trec-kvb-trc-001", "trec-kvb-trc-002"] for d in run_dirs)
 
     before = {d: records(d) for d in run_dirs}
-    second = kvbench(*args, results=tmp_path)                 # same run directories, the two lcc samples added
-    assert second.returncode == 0, second.stderr
-    assert second.stderr.count("| 2/4 [") == 2                # each progress bar starts at the finished samples
+    capfd.readouterr()
+    again = [run_here(f"method={m}", *args, results=tmp_path) for m in ("full", "snapkv")]  # the two lcc samples added
+    assert again == run_dirs                                  # same run directories
+    assert capfd.readouterr().err.count("| 2/4 [") == 2       # each progress bar starts at the finished samples
     for d in run_dirs:
         recs = records(d)
         assert recs[:2] == before[d]                          # finished work is kept, not recomputed
@@ -153,9 +148,7 @@ def test_cli_tiny_model_runs_resumes_and_reports(tmp_path):
     snap = records(run_dirs[1])
     assert snap[0]["kept_per_layer"] == [40.0, 40.0] and snap[0]["kv_bytes"] < snap[0]["full_kv_bytes"]
 
-    report = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), "--out", str(tmp_path / "rep")],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert report.returncode == 0, report.stderr
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
     md = (tmp_path / "rep" / "longbench_table.md").read_text()
     assert "| KV Size | Method | TREC | Lcc | Avg. |" in md and "| Full | FullKV |" in md and "| 40 | SnapKV |" in md
     assert (tmp_path / "rep" / "longbench_table.tex").is_file() and (tmp_path / "rep" / "longbench_budget.png")

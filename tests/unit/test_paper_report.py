@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -139,24 +138,27 @@ def test_missing_cells_say_why_without_runs(tmp_path):
     assert tailor["PQCache"]["lcc"].note == tailor["SnapKV"]["lcc"].note
 
 
-def test_cli_prints_the_layout_and_writes_files(tmp_path):
+def test_cli_prints_the_layout_and_writes_files(tmp_path, capsys):
+    """`python -m kvbench.report ... --paper` in this process (its main: what the command runs; the command as a
+    process: every `make reproduce-<paper>-smoke` in tests/integration/test_paper_smoke.py)."""
+    from kvbench.report.__main__ import main
+
     longbench_run(tmp_path / "results", "snapkv", 64, {"hotpotqa": [1.0]})
-    out = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "results"), "--paper", "pyramidkv",
-                          "--out", str(tmp_path / "report")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "Table 11" in out.stdout and "| KV Size = 64 | SKV |" in out.stdout
+    assert main([str(tmp_path / "results"), "--paper", "pyramidkv", "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "Table 11" in out and "| KV Size = 64 | SKV |" in out
     assert {p.name for p in (tmp_path / "report").iterdir()} >= {
         "paper_pyramidkv_t11.md", "paper_pyramidkv_t11.tex", "paper_pyramidkv_t11.csv", "paper_pyramidkv_t11_budget.png"}
-    one = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path / "results"), "--paper", "pyramidkv",
-                          "--table", "t11", "--out", str(tmp_path / "one")], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert one.returncode == 0 and "| KV Size = 64 | SKV | –" in one.stdout, one.stderr
+    assert main([str(tmp_path / "results"), "--paper", "pyramidkv", "--table", "t11", "--out",
+                 str(tmp_path / "one")]) == 0
+    assert "| KV Size = 64 | SKV | –" in capsys.readouterr().out
     for argv, message in [(["--paper", "pyramid"], "kvbench: unknown paper 'pyramid'; choose one of adakv, buzz"),
                           (["--paper", "pyramidkv", "--table", "t99"], "kvbench: unknown table 't99'; pyramidkv has t"),
                           (["--table", "t11"], "kvbench: unknown table 't11'; it needs --paper")]:
-        bad = subprocess.run([sys.executable, "-m", "kvbench.report", str(tmp_path), *argv, "--out", str(tmp_path / "x")],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
+        with pytest.raises(SystemExit) as bad:
+            main([str(tmp_path), *argv, "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert bad.value.code == 2 and err.strip().splitlines()[-1].startswith(message), err
     assert not (tmp_path / "x").exists()  # bad input writes nothing
 
 
