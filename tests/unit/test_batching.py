@@ -281,3 +281,35 @@ def test_teacher_forced_streams_of_different_lengths_keep_their_own_tokens_in_on
         assert len(seen[i]) == len(streams[i]) + 1
         for a, b in zip(seen[i], seen_alone[i]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_samples_of_one_method_share_tailorkv_and_h2o_work_and_equal_batch_1(monkeypatch):
+    """Two TailorKV and two H2O samples in one batch: TailorKV's predicted query is one projection per layer over
+    both rows, its top-k retrieval one call, and H2O's scores and eviction one call for both (one budget); each
+    sample's tokens and records still equal its own batch-1 run."""
+    from kvbench.cache.offloaded import OffloadedLayer
+    from kvbench.methods.h2o import H2O
+
+    model = tiny_model("llama", layers=3)
+    tailorkv, h2o = configured("tailorkv"), configured("h2o")
+    methods = [tailorkv, h2o, tailorkv, h2o]
+    prompts = [prompt(n, seed=i) for i, n in enumerate([150, 120, 210, 95])]
+    rows = {"query": [], "retrieval": [], "evict": []}
+    with AttentionCapture(model) as capture:
+        alone = [generate(model, None, m, capture, ids, 48, 5, eos_ids=set(), seed=i)
+                 for i, (m, ids) in enumerate(zip(methods, prompts))]
+        predict, many, evict = capture.predict_query, OffloadedLayer.decode_kv_many, H2O.evict
+        monkeypatch.setattr(capture, "predict_query",
+                            lambda i, hidden, pos: rows["query"].append(len(hidden)) or predict(i, hidden, pos))
+        monkeypatch.setattr(OffloadedLayer, "decode_kv_many",
+                            staticmethod(lambda layers, q: rows["retrieval"].append(len(layers)) or many(layers, q)))
+        monkeypatch.setattr(H2O, "evict", lambda self, state, i, scores, prefill: rows["evict"].append(
+            0 if prefill else len(scores)) or evict(self, state, i, scores, prefill))
+        requests = [Request(ids, 48, 5, seed=i, tag=i, decoding=Decoding(m))
+                    for i, (m, ids) in enumerate(zip(methods, prompts))]
+        done = {r.tag: g for r, g in generate_batched(model, None, tailorkv, capture, requests, 4, eos_ids=set())}
+    assert_same(alone, [done[i] for i in range(4)])
+    # 4 decode steps: layers 1 and 2 offloaded (layer 0 quantized), both predicted; H2O: 2 samples x 3 layers at
+    # prefill, then every step and layer one call for both
+    assert rows["query"] == [2] * 8 and rows["retrieval"] == [2] * 8
+    assert rows["evict"] == [0] * 6 + [2] * 12
