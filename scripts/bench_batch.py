@@ -7,6 +7,8 @@ sample at a time at every batch size, so it is not what batching changes); every
 that compressed cache, and decode time is the run's wall time minus the time spent handing those copies over.
 The predictions must be identical to batch 1's. With `--reps 2` the batch sizes run forwards then backwards (1 4 8
 8 4 1), and each size reports its best rep, so a burst of load from other processes does not decide a ratio.
+Beside wall time it reports the process CPU time of the decoding (best rep): at one thread that is the work done,
+which moves much less with other processes' load than wall time does on a shared machine.
 
     python scripts/bench_batch.py [--batches 1 8 32] [--n 32] [--methods snapkv adakv h2o tailorkv] [--min-len 512]
                                   [--max-len 1536] [--new-tokens 32]
@@ -59,28 +61,32 @@ def main() -> None:
         method.prepare(model, tok)  # TailorKV: its layer split, identified once on the calibration prompt
     print(f"# device={device} threads={torch.get_num_threads()} methods={args.methods} budget={args.budget} "
           f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
-    best, same, reference, memo = {}, {}, None, {}
+    best, best_cpu, same, reference, memo = {}, {}, {}, None, {}
     order = [b for rep in range(args.reps) for b in (args.batches if rep % 2 == 0 else args.batches[::-1])]
     with AttentionCapture(model) as capture:
         for batch in order:
             requests = [Request(x, args.budget, args.new_tokens, tag=i,
                                 decoding=Decoding(methods[i % len(methods)])) for i, x in enumerate(ids)]
             decoder = PrefilledOnce(model, tok, methods[0], capture, batch, eos_ids=set(), memo=memo)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             done = {r.tag: g for r, g in decoder.run(requests)}
             seconds = time.perf_counter() - t0 - decoder.join_s
+            cpu = time.process_time() - c0 - decoder.join_cpu_s
             steps = sum(len(g.token_ids) - 1 for g in done.values())  # decode forwards (token 1 is prefill's)
             tokens = [done[i].token_ids for i in range(len(ids))]
             reference = reference or tokens
             same[batch] = same.get(batch, True) and tokens == reference  # in every rep
             if batch not in best or steps / seconds > best[batch][3]:
                 best[batch] = (batch, steps, seconds, steps / seconds)
-    rows = [(*best[b], same[b]) for b in args.batches]
-    base = rows[0][3]
-    print("| batch | decode tokens | decode s | decode tok/s | vs batch 1 | same tokens as batch 1 |")
-    print("|---|---|---|---|---|---|")
-    for batch, steps, seconds, tok_s, same in rows:
-        print(f"| {batch} | {steps} | {seconds:.2f} | {tok_s:.1f} | {tok_s / base:.2f}x | {same} |")
+            best_cpu[batch] = min(best_cpu.get(batch, float("inf")), cpu)
+    rows = [(*best[b], best_cpu[b], same[b]) for b in args.batches]
+    base, base_cpu = rows[0][3], rows[0][1] / rows[0][4]
+    print("| batch | decode tokens | decode s | decode tok/s | vs batch 1 | CPU s | tok per CPU s | vs batch 1 (CPU) "
+          "| same tokens as batch 1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch, steps, seconds, tok_s, cpu, same in rows:
+        print(f"| {batch} | {steps} | {seconds:.2f} | {tok_s:.1f} | {tok_s / base:.2f}x | {cpu:.2f} | "
+              f"{steps / cpu:.1f} | {steps / cpu / base_cpu:.2f}x | {same} |")
 
 
 if __name__ == "__main__":
