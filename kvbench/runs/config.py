@@ -27,16 +27,21 @@ PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
 
 
 QUERY_MODES = ("aware", "agnostic")
+# keys a config gained after run directories existed: left out of the hash while null (their default), so those
+# run directories keep their names and resume; set, they enter it
+LATER_KEYS = {"kvbench.data.ruler.Ruler": ("max_new_tokens",)}
 
 
 def config_hash(*nodes) -> str:
     """Short hash of the parts of the config that change results (the run dir's suffix). A last node equal to
     `aware` (the run-dir pattern ends with `${query}`) is left out, so question-aware runs keep the run dirs they
-    had before `query` existed; `agnostic` enters the hash."""
+    had before `query` existed; `agnostic` enters the hash. So are `LATER_KEYS` while null."""
     if nodes and isinstance(nodes[-1], str) and nodes[-1] == QUERY_MODES[0]:
         nodes = nodes[:-1]
     plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
     plain = [{k: v for k, v in n.items() if k not in PLACEMENT_KEYS} if isinstance(n, dict) else n for n in plain]
+    plain = [{k: v for k, v in n.items() if v is not None or k not in LATER_KEYS.get(n.get("_target_"), ())}
+             if isinstance(n, dict) else n for n in plain]
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 

@@ -141,6 +141,20 @@ def test_aware_keeps_its_run_dir_and_agnostic_gets_its_own():
     assert not dirs["agnostic"].endswith(f"-{before}") and dirs["agnostic"][:-8] == dirs["aware"][:-8]
 
 
+def test_ruler_run_dirs_keep_their_hash_until_max_new_tokens_is_set():
+    """`dataset.max_new_tokens` came to RULER after its run dirs existed: null leaves the hash as it was."""
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_llama", "dataset=ruler"])
+    older = OmegaConf.to_container(cfg.dataset)
+    del older["max_new_tokens"]  # the RULER config before the key existed
+    nodes = (cfg.method, cfg.model, cfg.generation, cfg.seed, cfg.positions)
+    assert config_hash(cfg.dataset, *nodes) == config_hash(OmegaConf.create(older), *nodes)
+    cfg.dataset.max_new_tokens = 8
+    assert config_hash(cfg.dataset, *nodes) != config_hash(OmegaConf.create(older), *nodes)
+
+
 # --- where each benchmark's question begins -------------------------------------------------------------------
 # kvpress's LongBench question templates start here (its typo fixes aside): an independent statement of the split
 QUESTION_STARTS = {
