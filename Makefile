@@ -146,7 +146,7 @@ EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
 SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke tailorkv_t16_smoke   # 14, 5, 8: LongBench; 15, 3: +IB; 16: RULER
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
-PRESETS_keyformer_t2 := none   # lm-eval runs + python -m kvbench.report.lm_eval_runs (docs/reproduce.md)
+PRESETS_keyformer_t2 := none   # no sweep: lm-eval runs (LM_EVAL_RUNS_keyformer_t2, below)
 PRESETS_keyformer_t4 := keyformer_t4 keyformer_t4_gptj keyformer_t4_cerebras
 PRESETS_keyformer_f7 := keyformer_f7 keyformer_f7_gptj keyformer_f7_cerebras
 EXTRA_keyformer_t4 := "method=h2o"
@@ -169,6 +169,15 @@ LM_EVAL_keyformer_smoke := --model kvbench --tasks copa --num_fewshot 0 --includ
 	--model_args model=smollm2,method=full \
 	--model_args model=smollm2,method=h2o,ratio=0.5,method.recent_ratio=0.3 \
 	--model_args model=smollm2,method=keyformer,ratio=0.5,method.selection=code_frozen
+# Table 2 itself: Full / H2O / Keyformer at 50 % KV on MPT-7B and Cerebras-GPT-6.7B, one harness process per shot
+# count (docs/reproduce.md); LM_EVAL_RUNS_<paper>_<id> names a table's lm-eval presets.
+KEYFORMER_T2_ARGS := --model kvbench --tasks copa,openbookqa,winogrande,piqa \
+	$(foreach m,mpt_7b cerebras_gpt_6_7b,--model_args model=$(m),method=full \
+	--model_args model=$(m),method=h2o,ratio=0.5,method.recent_ratio=0.3 \
+	--model_args model=$(m),method=keyformer,ratio=0.5,method.selection=code_frozen)
+LM_EVAL_keyformer_t2_0shot := $(KEYFORMER_T2_ARGS) --num_fewshot 0
+LM_EVAL_keyformer_t2_5shot := $(KEYFORMER_T2_ARGS) --num_fewshot 5
+LM_EVAL_RUNS_keyformer_t2 := keyformer_t2_0shot keyformer_t2_5shot
 REPRODUCE_DIR ?= results
 SMOKE_DIR ?= results/smoke
 
@@ -180,16 +189,17 @@ run-paper-%: setup  # one preset: its sweep, then its extra runs
 	$(PYTHON) -m kvbench.run -m paper=$* results_dir=$(call preset_dir,$*)
 	for extra in $(EXTRA_$*); do $(PYTHON) -m kvbench.run $$extra paper=$* results_dir=$(call preset_dir,$*) || exit 1; done
 
-run-lm-eval-%: setup  # a preset's lm-eval runs (LM_EVAL_<preset>), then their run directories
-	HF_DATASETS_OFFLINE=1 $(PYTHON) -m kvbench.harness $(LM_EVAL_$*) --output_path $(call preset_dir,$*)/lm_eval_out \
-		--log_samples
-	$(PYTHON) -m kvbench.report.lm_eval_runs $(call preset_dir,$*)/lm_eval_out --out $(call preset_dir,$*)
+run-lm-eval-%: setup  # a preset's lm-eval runs (LM_EVAL_<preset>), then their run directories (smoke: offline)
+	$(if $(filter %_smoke,$*),HF_DATASETS_OFFLINE=1) $(PYTHON) -m kvbench.harness $(LM_EVAL_$*) \
+		--output_path $(call preset_dir,$*)/lm_eval_out/$* --log_samples
+	$(PYTHON) -m kvbench.report.lm_eval_runs $(call preset_dir,$*)/lm_eval_out/$* --out $(call preset_dir,$*)
 
 # $(1) = paper: reproduce-<paper> (every table: each preset once, then every table with runs, one HTML page) and
 # reproduce-<paper>-smoke (the same report over the smoke sweep)
 define paper_targets
 .PHONY: reproduce-$(1) reproduce-$(1)-smoke
-reproduce-$(1): $(addprefix run-paper-,$(sort $(foreach t,$(TABLES_$(1)),$(call table_presets,$(1),$(t)))))
+reproduce-$(1): $(addprefix run-paper-,$(sort $(foreach t,$(TABLES_$(1)),$(call table_presets,$(1),$(t))))) \
+		$(addprefix run-lm-eval-,$(foreach t,$(TABLES_$(1)),$(LM_EVAL_RUNS_$(1)_$(t))))
 	$$(PYTHON) -m kvbench.report $$(REPRODUCE_DIR) --paper $(1) --out $$(REPRODUCE_DIR)/report/$(1) \
 		--html $$(REPRODUCE_DIR)/report/$(1)/$(1).html
 reproduce-$(1)-smoke: $(addprefix run-paper-,$(or $(SMOKE_$(1)),$(1)_smoke)) $(if $(LM_EVAL_$(1)_smoke),run-lm-eval-$(1)_smoke)
@@ -199,7 +209,8 @@ endef
 # $(1) = paper, $(2) = table id: reproduce-<paper>-<id>
 define table_target
 .PHONY: reproduce-$(1)-$(2)
-reproduce-$(1)-$(2): $(addprefix run-paper-,$(call table_presets,$(1),$(2)))
+reproduce-$(1)-$(2): $(addprefix run-paper-,$(call table_presets,$(1),$(2))) \
+		$(addprefix run-lm-eval-,$(LM_EVAL_RUNS_$(1)_$(2)))
 	$$(PYTHON) -m kvbench.report $$(REPRODUCE_DIR) --paper $(1) --table $(2) --out $$(REPRODUCE_DIR)/report/$(1) \
 		--html $$(REPRODUCE_DIR)/report/$(1)/$(1)_$(2).html
 endef

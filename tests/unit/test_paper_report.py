@@ -65,6 +65,32 @@ def test_every_table_has_a_make_target_and_presets_that_exist():
             assert spec.get("runner") or all(row.get("implemented") is False and row["note"] for row in spec["rows"])
 
 
+def test_keyformer_table_2_target_runs_lm_eval_once_per_shot_count():
+    """`make reproduce-keyformer-t2` (no sweep: lm-eval) runs the harness for 0 and 5 shots, each over every row of
+    the published table (its methods and ratio, its tasks) on both models, online, then imports the results."""
+    out = subprocess.run(["make", "-n", "-s", "--no-print-directory", "reproduce-keyformer-t2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.replace("\\\n", " ").splitlines()
+    harness = [line.split() for line in lines if "kvbench.harness" in line]
+    spec = load_published("keyformer", "t2")
+    tasks = {row["match"]["meta.task"] for row in spec["rows"]}
+    methods = {(row["match"]["method"], row["match"].get("ratio")) for row in spec["rows"]}
+    shots, runs = [], set()
+    for words in harness:
+        assert "HF_DATASETS_OFFLINE=1" not in words  # the real tables read lm-eval's datasets from the Hub
+        shots.append(int(words[words.index("--num_fewshot") + 1]))
+        assert set(words[words.index("--tasks") + 1].split(",")) == tasks
+        for i in (i for i, w in enumerate(words) if w == "--model_args"):
+            args = dict(kv.split("=", 1) for kv in words[i + 1].split(","))
+            runs.add((shots[-1], args["model"], args["method"], float(args["ratio"]) if "ratio" in args else None))
+    assert sorted(shots) == [0, 5]
+    assert runs == {(n, m, method, ratio) for n in (0, 5) for m in ("mpt_7b", "cerebras_gpt_6_7b")
+                    for method, ratio in methods}
+    assert sum("kvbench.report.lm_eval_runs" in line for line in lines) == 2
+    assert "--paper keyformer --table t2" in lines[-1]
+
+
 def test_unknown_paper_or_table_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown paper 'pyramid'; choose one of adakv, buzz"):
         load_published("pyramid")
