@@ -24,6 +24,16 @@ from kvbench.cache.kv_cache import KVLayer
 from kvbench.methods.base import Kind, Method, reduce_groups
 
 
+def grouped_logits(query: Tensor, key: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
+    """fp32 logits `[B, H_q, q, k]` of queries `[B, H_q, q, D]` over a layer's keys `[B, H_kv, k, D]` (each KV head
+    shared by its group of query heads), soft-capped as the model caps them (Gemma 2)."""
+    b, h_q, q, d = query.shape
+    h_kv = key.shape[1]
+    logits = (query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2)) * scaling
+    logits = logits.view(b, h_q, q, -1)
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 @dataclass
 class EvictionState:
     """Per-sample state of a decoding method: accumulated scores per layer, a step counter and a noise source."""
@@ -68,11 +78,7 @@ class EvictionState:
         self.layers[layer_idx] = layer
         h_kv = key.shape[1]
         if logits is None:
-            b, h_q, _, d = query.shape
-            logits = (query.float().reshape(b, h_kv, h_q // h_kv, d) @ key.float().transpose(-1, -2)) * scaling
-            logits = logits.view(b, h_q, 1, -1)
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
+            logits = grouped_logits(query, key, scaling, softcap)
             if bias is not None:
                 logits = logits + bias
         row = reduce_groups(self.method.row_score(logits, self, decoding=True)[:, :, 0], h_kv, self.method.gqa_reduce)
@@ -94,13 +100,10 @@ class EvictionState:
         layer is evicted to the budget as after a prefill (`evict(..., prefill=True)`: BUZZ thins its middle until
         it fits, Keyformer's code rule re-chooses its key set, a shared score waits for `prefill_done`)."""
         self.layers[layer_idx] = layer
-        b, h_q, q, d = query.shape
+        b, q = query.shape[0], query.shape[2]
         h_kv, length = key.shape[1], key.shape[2]
         if self.method.accumulates_attention:
-            logits = (query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2))
-            logits = logits.view(b, h_q, q, length) * scaling
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
+            logits = grouped_logits(query, key, scaling, softcap)
             rows = torch.arange(length - q, length, device=key.device)[:, None]
             logits = logits.masked_fill(torch.arange(length, device=key.device)[None, :] > rows, float("-inf"))
             sums = self.method.row_score(logits, self, decoding=False).sum(dim=2)  # [B, H_q, L]
