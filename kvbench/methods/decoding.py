@@ -21,17 +21,8 @@ import torch
 from torch import Tensor
 
 from kvbench.cache.kv_cache import KVLayer
+from kvbench.engine.columns import causal_column_sums, grouped_logits
 from kvbench.methods.base import Kind, Method, reduce_groups
-
-
-def grouped_logits(query: Tensor, key: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
-    """fp32 logits `[B, H_q, q, k]` of queries `[B, H_q, q, D]` over a layer's keys `[B, H_kv, k, D]` (each KV head
-    shared by its group of query heads), soft-capped as the model caps them (Gemma 2)."""
-    b, h_q, q, d = query.shape
-    h_kv = key.shape[1]
-    logits = (query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2)) * scaling
-    logits = logits.view(b, h_q, q, -1)
-    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 @dataclass
@@ -95,7 +86,8 @@ class EvictionState:
         """A chunk of q tokens fed on top of the cache (`generation.feed`: an agnostic question, a turn), after
         this layer's attention: `query` `[B, H_q, q, D]`, `key` `[B, H_kv, L, D]` the layer's entries as attention saw
         them, the chunk's last. The chunk's rows are scored as prefill rows are (each sees every earlier entry and
-        the chunk causally; `row_score(..., decoding=False)`, column sums over the rows, q x L: the chunk is short),
+        the chunk causally; `row_score(..., decoding=False)`, column sums over the rows by the prefill's helper
+        `engine.columns.causal_column_sums`, rows at positions L - q..L - 1, 512 at a time),
         added to the entries' scores (the chunk's own entries start from zero) or replacing them (TOVA), and the
         layer is evicted to the budget as after a prefill (`evict(..., prefill=True)`: BUZZ thins its middle until
         it fits, Keyformer's code rule re-chooses its key set, a shared score waits for `prefill_done`)."""
@@ -103,11 +95,9 @@ class EvictionState:
         b, q = query.shape[0], query.shape[2]
         h_kv, length = key.shape[1], key.shape[2]
         if self.method.accumulates_attention:
-            logits = grouped_logits(query, key, scaling, softcap)
-            rows = torch.arange(length - q, length, device=key.device)[:, None]
-            logits = logits.masked_fill(torch.arange(length, device=key.device)[None, :] > rows, float("-inf"))
-            sums = self.method.row_score(logits, self, decoding=False).sum(dim=2)  # [B, H_q, L]
-            row = self.method.prefill_scores(sums, h_kv)
+            score = lambda logits: self.method.row_score(logits, self, decoding=False)  # noqa: E731
+            sums = causal_column_sums(query, key, scaling, {"chunk": score}, offset=length - q, softcap=softcap)
+            row = self.method.prefill_scores(sums["chunk"], h_kv)  # [B, H_q, L] -> the method's score layout
         else:  # a position-only policy: no scores needed
             row = key.new_zeros(b, h_kv, length, dtype=torch.float32)
         old = self.scores[layer_idx]

@@ -41,6 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.engine.attention import attend, chunk_attention
+from kvbench.engine.columns import causal_column_sums
 from kvbench.models.adapters import adapter_for
 from kvbench.models.placement import to_device_of, weights_present
 from kvbench.models.rotary import Rotary
@@ -271,33 +272,13 @@ class AttentionCapture:
         outside = outside.repeat_interleave(n_heads // outside.shape[1], dim=1)[:, :, None]  # [B, H_q, 1, k]
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 
-    @torch.no_grad()
     def _column_sums(self, query: Tensor, key: Tensor, scaling: float, scorers: dict, score_bias=None,
                      softcap: float | None = None) -> dict:
-        """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows (a
-        chunk's logits are computed once for all scorers). The logits are shaped as the model shapes them:
-        `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
-        b, h_q, n, d = query.shape
-        h_kv = key.shape[1]
-        keys = key.float()
-        totals = {name: query.new_zeros(b, h_q, n, dtype=torch.float32) for name in scorers}
-        for start in range(0, n, self.chunk):
-            rows = query[:, :, start:start + self.chunk].float()
-            c = rows.shape[2]
-            grouped = rows.reshape(b, h_kv, (h_q // h_kv) * c, d) if key.shape[1] != h_q else rows
-            logits = (grouped @ keys.transpose(-1, -2)).view(b, h_q, c, n) * scaling
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
-            if score_bias is not None:
-                logits = logits + score_bias(slice(start, start + c))
-            rows_at = torch.arange(start, start + c, device=query.device)[:, None]
-            future = torch.arange(n, device=query.device)[None, :] > rows_at
-            if self.column_block is not None:  # earlier rows see every key, future ones included
-                future = future & (rows_at >= n - self.column_block)
-            masked = logits.masked_fill(future, float("-inf"))
-            for name, score in scorers.items():
-                totals[name] += score(masked).sum(dim=2)
-        return totals
+        """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows
+        (`engine.columns.causal_column_sums`, the helper fed chunks are scored with too). The logits are shaped as
+        the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
+        return causal_column_sums(query, key, scaling, scorers, softcap=softcap, score_bias=score_bias,
+                                  block=self.column_block, chunk=self.chunk)
 
 
 def refuse_window(layer, window: int | None) -> None:

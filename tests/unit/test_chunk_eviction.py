@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
+from kvbench.engine.columns import causal_column_sums
 from kvbench.engine.generation import feed, prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
@@ -121,3 +122,26 @@ def test_other_evictors_score_the_chunk_and_hold_the_budget(name, kwargs):
     if kwargs.get("score") == "shared":  # one decision for every layer
         first = prepared.cache.layers[0].positions
         assert all(torch.equal(layer.positions, first) for layer in prepared.cache.layers)
+
+
+@pytest.mark.parametrize("offset, block", [(0, None), (9, None), (0, 4)])
+def test_causal_column_sums_at_an_offset_match_an_eager_sum(offset, block):
+    """The one helper of the prefill (offset 0, KVCache-Factory's trailing block) and of a fed chunk (rows at
+    positions offset..offset+q-1 over keys 0..offset+q-1), in blocks of 3 rows, against float64 written out here:
+    GQA (query head h reads KV head h // 3), soft cap, then the causal mask."""
+    gen = torch.Generator().manual_seed(0)
+    q, n_keys, scale, cap = 7, offset + 7, 0.3, 5.0
+    query, key = torch.randn(1, 6, q, 8, generator=gen), torch.randn(1, 2, n_keys, 8, generator=gen)
+    sums = causal_column_sums(query, key, scale, {"p": lambda x: x.softmax(-1), "exp": lambda x: x.exp()},
+                              offset=offset, softcap=cap, block=block, chunk=3)
+    logits = torch.einsum("hqd,hkd->hqk", query[0].double(), key[0].double().repeat_interleave(3, 0)) * scale
+    logits = cap * torch.tanh(logits / cap)
+    rows = torch.arange(offset, offset + q)[:, None]
+    future = torch.arange(n_keys)[None, :] > rows
+    if block is not None:
+        future &= rows >= n_keys - block
+    masked = logits.masked_fill(future, float("-inf"))
+    torch.testing.assert_close(sums["p"][0].double(), masked.softmax(-1).sum(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums["exp"][0].double(), masked.exp().sum(1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="need"):
+        causal_column_sums(query, key[:, :, 1:], scale, {}, offset=offset)
