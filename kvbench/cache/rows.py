@@ -116,6 +116,15 @@ class RowLayer(KVLayer):
         """The sample has left the batch: its row is free for the next one (this layer must not be used again)."""
         self.rows.release(self.row)
 
+    def detach(self) -> KVLayer:
+        """The sample has left the batch but its cache lives on (a conversation's next turn is fed on it): a plain
+        layer holding a copy of the row, and the row freed."""
+        layer = KVLayer.__new__(KVLayer)
+        layer.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("rows", "row")})
+        layer.keys, layer.values, layer.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+        self.release()
+        return layer
+
 
 def append(layers: list[RowLayer], key_states: list[Tensor], value_states: list[Tensor]) -> None:
     """One decoded token per layer (`key_states[j]` `[H_kv, 1, D]` for `layers[j]`), written in place at the end

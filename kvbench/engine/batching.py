@@ -17,7 +17,9 @@ scoring and eviction for samples of one budget). A sample
 that finishes leaves at once and the next prompt is prefilled and joins (continuous batching), so one long
 generation does not hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and
 a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
-sweep together this way. A sample whose prefill, compression, token choice or batched step raises comes back as
+sweep together this way. A request may also be a step of something longer: `on_join` prepares it when it joins
+(a conversation's next turn, fed on its cache then) and `then` gives its follow-up once it has finished, admitted
+before any new request (`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression, token choice or batched step raises comes back as
 its exception; the others go on.
 
 Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
@@ -87,6 +89,8 @@ class Request:
     forced: list[int] | None = None  # a teacher-forced stream: step t feeds forced[t] (no EOS or stop ends it)
     beams: object = None  # `beam.BeamSearch`: the token rule of a beam sequence (its cache has a row per beam)
     question_len: int = 0  # query=agnostic: the last tokens of input_ids, fed after compression (generation.prepare)
+    on_join: Callable[[], Prepared] | None = None  # prepares it when it joins (a conversation's turn, fed then)
+    then: Callable[[Generation], Request | None] | None = None  # its follow-up once it has finished (the next turn)
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -175,11 +179,12 @@ class BatchedDecoder:
         """Yield (request, generation) as each sample finishes (completion order, not request order). A request
         whose prefill or compression raised yields its exception instead, and so does every sample of a batched
         step that raised; the others go on (one failing sample must not stop the rest)."""
-        pending, active = iter(requests), deque()
+        pending, active, follow = iter(requests), deque(), deque()
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
-                while len(active) < self.batch_size and (request := next(pending, None)) is not None:
+                while len(active) < self.batch_size and (
+                        request := follow.popleft() if follow else next(pending, None)) is not None:
                     try:
                         active.append(self._into_rows(self._join(request)))
                     except Exception as e:  # noqa: BLE001 - this sample's failure, reported to the caller
@@ -203,7 +208,10 @@ class BatchedDecoder:
                         continue
                     active.remove(slot)
                     outcome = going if isinstance(going, Exception) else self._try(self._finish, slot)
-                    self._leave_rows(slot)
+                    then = slot.request.then if isinstance(outcome, Generation) else None
+                    self._leave_rows(slot, keep=then is not None)
+                    if then is not None and (after := then(outcome)) is not None:
+                        follow.append(after)  # admitted before any new request: its cache is held meanwhile
                     yield slot.request, outcome
                 if stepping:
                     try:
@@ -226,9 +234,13 @@ class BatchedDecoder:
         decoding = request.decoding or self.decoding
         if request.beams is not None and self.batch_size > 1:
             raise ValueError("beam search decodes at batch_size=1 (its cache has a row per beam)")
-        run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
-                                          request.budget, request.max_new_tokens, decoding.positions, request.seed,
-                                          decoding.compress_after, request.prefilled, request.question_len)
+        if request.on_join is not None:  # (it leaves its hooks on the capture, as prepare does)
+            run = request.on_join()
+        else:
+            run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
+                                              request.budget, request.max_new_tokens, decoding.positions,
+                                              request.seed, decoding.compress_after, request.prefilled,
+                                              request.question_len)
         generator = sampling_generator(decoding.sampling, run.logits.device)
         slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
                     self.capture.logit_scale, generator, run.logits)
@@ -259,11 +271,16 @@ class BatchedDecoder:
             raise
         return slot
 
-    def _leave_rows(self, slot: Slot) -> None:
-        """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger)."""
-        for layer in slot.run.cache.layers:
+    def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
+        """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger). `keep`:
+        the cache lives on (a follow-up request feeds it), so its layers leave the rows as plain layers."""
+        layers = slot.run.cache.layers
+        for i, layer in enumerate(layers):
             if isinstance(layer, RowLayer):
-                layer.release()
+                if keep:
+                    layers[i] = layer.detach()
+                else:
+                    layer.release()
         self.rows = {key: rows for key, rows in self.rows.items() if any(o is not None for o in rows.owners)}
 
     @staticmethod

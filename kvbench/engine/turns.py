@@ -8,53 +8,133 @@ cache, as SCBench's multi-turn mode) or on a copy of the cache as compression le
 from the same compressed prompt). Nothing new is selected after the first turn: methods that evict while decoding
 score each fed turn's rows into their accumulated scores, as at prefill, and evict to their budget right after it
 (`EvictionState.chunk`), then go on evicting at every step; the others keep every fed token. Positions stay
-original (a turn's tokens follow everything the cache has seen). Batch size 1, greedy or sampled as configured.
+original (a turn's tokens follow everything the cache has seen). Greedy or sampled as configured.
+
+Several conversations decode together (`converse_many`, `batch_size` > 1) through the engine's batched step: each
+turn is a `batching.Request` whose join feeds the turn on the conversation's cache (its first: the prefill and
+compression), and whose `then` gives the next turn's request once its answer is done; that request is admitted
+before any new conversation, so a conversation rejoins the batch while the others go on decoding, and at most
+`batch_size` caches are held (plus, in `reset` mode, each one's compressed copy). Batch size 1 is a batch of one:
+conversation after conversation, turn after turn. An answer's tokens and accounting are batch 1's (up to the
+batched step's rounding, `kvbench.engine.batching`), whatever order the turns of different conversations finish in.
 """
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kvbench.cache.ledger import StepStart
-from kvbench.engine.batching import decode
-from kvbench.engine.generation import (EvictionHook, Generation, Prepared, Sampling, eos_token_ids, feed,
-                                       prepare)
+from kvbench.engine.batching import BatchedDecoder, Request
+from kvbench.engine.generation import EvictionHook, Generation, Prepared, Sampling, feed, prepare
 from kvbench.methods.base import Method
 from kvbench.models.capture import AttentionCapture
+
+
+@dataclass(eq=False)
+class Conversation:
+    """One conversation to play: turn 0 answers `first_ids` (its last `question_len` tokens fed after compression
+    under `query=agnostic`), turn k >= 1 answers `turns[k - 1]` (token ids: the follow-up in `append` mode, the
+    question part in `reset` mode). `tag` travels with it back to the caller."""
+
+    first_ids: list[int]
+    turns: list[list[int]]
+    budget: int | None
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    mode: str = "append"
+    question_len: int = 0
+    seed: int = 0
+    tag: object = None
+
+    def __post_init__(self):
+        if self.mode not in ("append", "reset"):
+            raise ValueError(f"turn_mode={self.mode!r} is not one of append, reset")
 
 
 def converse(model, tokenizer, method: Method, capture: AttentionCapture, first_ids: Tensor, turns: list[list[int]],
              budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (), mode: str = "append",
              question_len: int = 0, sampling: Sampling = Sampling(), positions: str = "original", seed: int = 0,
              compress_after: str = "layer") -> Iterator[Generation]:
-    """Yield one Generation per turn: turn 0 answers `first_ids` `[1, n]` (its last `question_len` tokens fed after
-    compression under `query=agnostic`), turn k >= 1 answers `turns[k - 1]` (token ids: the follow-up in `append`
-    mode, the question part in `reset` mode). `kv_bytes` of a turn is what the cache held when its decoding began."""
-    if mode not in ("append", "reset"):
-        raise ValueError(f"turn_mode={mode!r} is not one of append, reset")
-    eos, n = eos_token_ids(model, tokenizer), first_ids.shape[1]
-    # reset under query=agnostic: the compressed prompt is the context alone, and every turn (the first too) feeds
-    # its question on a copy of it
-    split_first = mode == "reset" and question_len > 0
-    run = prepare(model, method, capture, first_ids[:, :n - question_len] if split_first else first_ids, budget,
-                  max_new_tokens, positions, seed, compress_after, question_len=0 if split_first else question_len)
-    hooks, compressed = (capture.decode_hook, capture.input_hook), (copy.deepcopy(run) if mode == "reset" else None)
-    previous = None
-    for tokens in [first_ids[0, n - question_len:].tolist() if split_first else None, *turns]:
-        if mode == "reset" and tokens is not None:
-            run = copy.deepcopy(compressed)
-        _attach(capture, method, run, *hooks)  # the engine's batch of one forgets the hooks when it ends
+    """Yield one Generation per turn of one conversation (see `Conversation`; `first_ids` `[1, n]`). `kv_bytes` of a
+    turn is what the cache held when its decoding began. A failure raises."""
+    conversation = Conversation(first_ids[0].tolist(), turns, budget, max_new_tokens, tuple(stop), mode,
+                                question_len, seed)
+    for _, _, outcome in converse_many(model, tokenizer, method, capture, [conversation], 1, sampling, positions,
+                                       compress_after):
+        if isinstance(outcome, Exception):
+            raise outcome
+        yield outcome
+
+
+def converse_many(model, tokenizer, method: Method, capture: AttentionCapture,
+                  conversations: Iterable[Conversation], batch_size: int, sampling: Sampling = Sampling(),
+                  positions: str = "original", compress_after: str = "layer",
+                  ) -> Iterator[tuple[Conversation, int, Generation | Exception]]:
+    """Play every conversation, `batch_size` answers decoding at once (see the module docstring); yield
+    (conversation, turn, generation) as each answer finishes, or (conversation, turn, exception) for the turn whose
+    feed, prefill or decoding raised: that conversation ends there, the others go on."""
+    decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions,
+                             compress_after=compress_after)
+    firsts = (_Playing(c, model, method, capture, positions, compress_after).request(0) for c in conversations)
+    for request, outcome in decoder.run(firsts):
+        playing, k = request.tag
+        yield playing.conversation, k, outcome
+
+
+class _Playing:
+    """A conversation being played: its cache between turns, and the request of each turn in turn."""
+
+    def __init__(self, conversation: Conversation, model, method: Method, capture: AttentionCapture, positions: str,
+                 compress_after: str):
+        self.conversation, self.model, self.method, self.capture = conversation, model, method, capture
+        self.positions, self.compress_after = positions, compress_after
+        c, n = conversation, len(conversation.first_ids)
+        # reset under query=agnostic: the compressed prompt is the context alone, and every turn (the first too)
+        # feeds its question on a copy of it
+        self.split_first = c.mode == "reset" and c.question_len > 0
+        self.feeds = [c.first_ids[n - c.question_len:] if self.split_first else None, *c.turns]
+        self.run: Prepared | None = None
+        self.compressed: Prepared | None = None  # reset: the cache as compression left it
+        self.hooks: tuple = (None, None)  # the decode and input hooks compression left on the capture
+        self.previous: Generation | None = None
+
+    def request(self, k: int) -> Request:
+        c = self.conversation
+        then = (lambda gen: self._answered(k, gen)) if k + 1 < len(self.feeds) else None
+        return Request(None, c.budget, c.max_new_tokens, tuple(c.stop), seed=c.seed, tag=(self, k),
+                       on_join=lambda: self._join(k), then=then)
+
+    def _answered(self, k: int, gen: Generation) -> Request:
+        self.previous = gen
+        return self.request(k + 1)
+
+    def _join(self, k: int) -> Prepared:
+        """Turn k's cache, ready to decode, with its hooks on the capture: turn 0 prefilled and compressed, a later
+        turn's tokens fed on the live cache (append) or on a copy of the compressed one (reset)."""
+        c, capture = self.conversation, self.capture
+        if k == 0:
+            n, q = len(c.first_ids), c.question_len
+            ids = torch.tensor([c.first_ids[:n - q] if self.split_first else c.first_ids],
+                               device=next(self.model.parameters()).device)
+            self.run = prepare(self.model, self.method, capture, ids, c.budget, c.max_new_tokens, self.positions,
+                               c.seed, self.compress_after, question_len=0 if self.split_first else q)
+            self.hooks = (capture.decode_hook, capture.input_hook)
+            self.compressed = copy.deepcopy(self.run) if c.mode == "reset" else None
+        tokens = self.feeds[k]
+        if c.mode == "reset" and tokens is not None:
+            self.run = copy.deepcopy(self.compressed)
+        _attach(capture, self.method, self.run, *self.hooks)  # (a batch of one forgets the hooks when it ends)
         if tokens is not None:
-            if run.ledger is not None:  # a storage method's transfers: each turn reports its own feed and steps
-                run.ledger.restart()
-            run = _feed(model, capture, run, (unfed(run, previous) if mode == "append" else []) + tokens, positions)
-        previous = decode(model, tokenizer, method, capture, run, max_new_tokens, eos, stop, positions, sampling)
-        previous.timings.update({name: v for name, v in run.timings.items() if name not in previous.timings})
-        yield previous
+            if self.run.ledger is not None:  # a storage method's transfers: each turn reports its own feed and steps
+                self.run.ledger.restart()
+            unanswered = unfed(self.run, self.previous) if c.mode == "append" and self.previous is not None else []
+            self.run = _feed(self.model, capture, self.run, unanswered + tokens, self.positions)
+        return self.run
 
 
 def unfed(run: Prepared, gen: Generation) -> list[int]:

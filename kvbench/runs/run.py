@@ -123,42 +123,54 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
     return attempt(sample, make, context, on_failure=capture.reset)  # reset: drop the failed sample's cache
 
 
-def conversation_records(model, tokenizer, method, capture, dataset, turns: list, cfg: DictConfig, spec, sampling,
-                         done: set[str]):
-    """One conversation's records, one per turn (`meta["turn"]`; kvbench.engine.turns), skipping turns already in
-    predictions.jsonl (they are replayed, not rewritten: a later turn needs the earlier ones on its cache). A failure
-    gives failure records to the turns it left unanswered."""
-    import torch
-
-    from kvbench.engine.turns import converse
+def conversation_records(model, tokenizer, method, capture, dataset, conversations: list[list], cfg: DictConfig,
+                         spec, sampling, done: set[str]):
+    """The conversations' records, one per turn (`meta["turn"]`), in completion order: `cfg.batch_size` answers
+    decode together and a conversation rejoins the batch with its next turn (kvbench.engine.turns). Turns already in
+    predictions.jsonl are skipped (replayed, not rewritten: a later turn needs the earlier ones on its cache). A
+    failure gives failure records to the turns its conversation left unanswered; the others go on."""
+    from kvbench.engine.turns import Conversation, converse_many
     from kvbench.runs.failures import failure_record
 
-    first, mode = turns[0], turns[0].meta.get("turn_mode", "append")
-    agnostic = cfg.get("query", "aware") == "agnostic"
-    k = 0  # the next turn to answer
+    query = cfg.get("query", "aware")
+    playing: list = []
+    for turns in conversations:  # what needs no weights first: a conversation that cannot start fails here
+        first, mode = turns[0], turns[0].meta.get("turn_mode", "append")
+        try:
+            ids, n_context = prompt_split(first, tokenizer, spec, split=query == "agnostic")
+            question_len = len(ids) - n_context if n_context else 0
+            budget = sample_budget(cfg, len(ids) - question_len)
+            if cfg.ratio is not None:
+                method.check_budget(budget)
+            text = "followup" if mode == "append" else "question"
+            later = [tokenizer(t.meta[text], add_special_tokens=False).input_ids for t in turns[1:]]
+            playing.append(Conversation(ids, later, budget, first.max_new_tokens, tuple(first.stop), mode,
+                                        question_len, sample_seed(cfg, first), tag=turns))
+        except Exception as e:  # noqa: BLE001 - this conversation's failure; the run goes on
+            yield from (failure_record(t, e) for t in turns if t.id not in done)
+    answered = {id(c): 0 for c in playing}  # the turns each conversation has answered so far
+
+    def fail(conversation, k: int, e: Exception):
+        answered.pop(id(conversation), None)
+        return (failure_record(t, e) for t in conversation.tag[k:] if t.id not in done)
+
     try:
-        ids, n_context = prompt_split(first, tokenizer, spec, split=agnostic)
-        question_len = len(ids) - n_context if n_context else 0
-        budget = sample_budget(cfg, len(ids) - question_len)
-        if cfg.ratio is not None:
-            method.check_budget(budget)
-        text = "followup" if mode == "append" else "question"
-        later = [tokenizer(t.meta[text], add_special_tokens=False).input_ids for t in turns[1:]]
-        device = next(model.parameters()).device
-        answers = converse(model, tokenizer, method, capture, torch.tensor([ids], device=device), later, budget,
-                           first.max_new_tokens, first.stop, mode, question_len, sampling, cfg.positions,
-                           sample_seed(cfg, first), cfg.get("compress_after", "layer"))
-        for gen in answers:
-            if turns[k].id not in done:
-                record = sample_record(dataset, turns[k], ids if k == 0 else later[k - 1], budget, gen,
-                                       cfg.get("query", "aware"), question_len if k == 0 else 0)
-                yield {**record, "turn": k, "turn_mode": mode}
-            k += 1
-    except Exception as e:  # noqa: BLE001 - this conversation's failure; the run goes on
+        for conversation, k, gen in converse_many(model, tokenizer, method, capture, playing, cfg.batch_size,
+                                                  sampling, cfg.positions, cfg.get("compress_after", "layer")):
+            if isinstance(gen, Exception):
+                yield from fail(conversation, k, gen)
+                continue
+            answered[id(conversation)] = k + 1
+            turn = conversation.tag[k]
+            if turn.id not in done:
+                record = sample_record(dataset, turn, conversation.first_ids if k == 0 else conversation.turns[k - 1],
+                                       conversation.budget, gen, query, conversation.question_len if k == 0 else 0)
+                yield {**record, "turn": k, "turn_mode": conversation.mode}
+    except Exception as e:  # the batching loop itself failed: every turn not answered yet fails with it
         capture.reset()
-        for t in turns[k:]:
-            if t.id not in done:
-                yield failure_record(t, e)
+        for conversation in playing:
+            if id(conversation) in answered:
+                yield from fail(conversation, answered[id(conversation)], e)
 
 
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
@@ -247,11 +259,10 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     try:
         with stop_on_signals(), AttentionCapture(model, window=window) as capture:
             jobs = []
-            for turns in conversations(samples, todo):  # multi-turn datasets (niah_multiturn): turn by turn
-                for record in conversation_records(model, tokenizer, method, capture, dataset, turns, cfg, spec,
-                                                   sampling, done):
-                    store.append(record)
-                    store.write_json(manifest_name, {**info, **meter.fields()})
+            for record in conversation_records(model, tokenizer, method, capture, dataset,  # niah_multiturn...
+                                               conversations(samples, todo), cfg, spec, sampling, done):
+                store.append(record)
+                store.write_json(manifest_name, {**info, **meter.fields()})
             todo = [s for s in todo if "conversation" not in s.meta]
             for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
                                disable=cfg.batch_size > 1):
