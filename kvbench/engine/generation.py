@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,7 +21,9 @@ from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import Kind, LayerView, Method
 from kvbench.methods.decoding import EvictionState
-from kvbench.models.capture import AttentionCapture
+
+if TYPE_CHECKING:  # annotations only: the config checks import Sampling without transformers' attention registries
+    from kvbench.models.capture import AttentionCapture
 
 
 @dataclass

@@ -29,7 +29,6 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.models.alibi import mpt_attention_forward
 from kvbench.models.falcon import falcon_attention_forward, falcon_query
@@ -73,6 +72,8 @@ class Adapter:
     def eager_function(self):
         """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper;
         exact sdpa for a family whose forward kvbench replaces (its bias arrives as a float mask)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # ~2.5 s of imports the config checks skip
+
         module = importlib.import_module(f"transformers.models.{self.modeling}")
         return getattr(module, "eager_attention_forward", None) or ALL_ATTENTION_FUNCTIONS["sdpa"]
 

@@ -10,24 +10,33 @@ The CLI does the same: `python -m kvbench.report results/ --out results/report`.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 
-from kvbench.report.heatmap import has_needle_grid, needle_heatmap, needle_matrix, needle_panels, run_caption
-from kvbench.report.runs import find_run_dirs, load_runs, read_predictions
-from kvbench.report.tables import summary_table, to_latex, to_markdown, write_tables
-from kvbench.report.turns import has_turns, turn_heatmap
-from kvbench.report.stats import mean_se
-
 logger = logging.getLogger(__name__)
+
+# The names in __all__ load with their module on first use (PEP 562): datasets import `kvbench.report.stats`, which runs
+# this file, and a run with report=false (or a command refused by its checks) must not pay for pandas and matplotlib.
+_EXPORTS = {"has_needle_grid": "heatmap", "needle_heatmap": "heatmap", "needle_matrix": "heatmap",
+            "needle_panels": "heatmap", "run_caption": "heatmap", "find_run_dirs": "runs", "load_runs": "runs",
+            "read_predictions": "runs", "summary_table": "tables", "to_latex": "tables", "to_markdown": "tables",
+            "write_tables": "tables", "has_turns": "turns", "turn_heatmap": "turns", "mean_se": "stats"}
 
 __all__ = ["find_run_dirs", "has_needle_grid", "load_runs", "needle_heatmap", "needle_matrix", "needle_panels",
            "read_predictions", "run_caption", "summary_table", "to_latex", "to_markdown", "write_run_report",
            "write_tables"]
 
 
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def failures_note(run_dir: Path) -> list[str]:
     """summary.md lines for failed samples (excluded from the table's means; a rerun retries them)."""
+    from kvbench.report.runs import read_predictions
     from kvbench.runs.store import is_failure, latest_per_id
 
     failed = [r for r in latest_per_id(read_predictions(run_dir / "predictions.jsonl")) if is_failure(r)]
@@ -43,6 +52,12 @@ def write_run_report(run_dir: str | Path) -> None:
 
     Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
     """
+    from kvbench.report.heatmap import has_needle_grid, needle_heatmap
+    from kvbench.report.runs import load_runs
+    from kvbench.report.stats import mean_se
+    from kvbench.report.tables import summary_table, to_markdown
+    from kvbench.report.turns import has_turns, turn_heatmap
+
     run_dir = Path(run_dir)
     df = load_runs([run_dir])
     lines = [f"# {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
