@@ -6,6 +6,16 @@ generation (tau_t = tau_init + t (tau_end - tau_init) / max_new_tokens). Scores 
 whole prompt (column sums) and every decode step. The cache holds k = budget entries: the last w = int(k *
 recent_ratio) plus the k - w best "key tokens". The attention itself stays a plain softmax.
 
+Temperature of a fed chunk (a `query=agnostic` question, a conversation's later turn, scored as prefill rows by
+`EvictionState.chunk`): the schedule's tau at the decode steps so far, t = `state.step` (k after k steps; tau_init
+right after the prompt). Eq. 10 defines tau per decoding iteration, and §3.3.1 raises it "as more tokens are
+discarded": a chunk after k steps faces the cache those k steps left, so it takes the temperature in force there.
+The released code has no such chunk: any multi-token forward restarts everything as a new prompt
+(mpt-keyformer-lib/attention.py L102-117: score_fn, discard mask and itr_count reset, so tau = tau_init at L141),
+and its conversation task generates once from the first turn (conversation/dialogue.py L328-346, `if j == 0`).
+t stops at T (tau_end) when a conversation decodes more than T = max_new_tokens steps in all: Eq. 10 spans
+[tau_init, tau_end] ("we define a range for tau"); past T the paper says nothing.
+
 Selection rules:
 - `paper` (default): the token leaving the recent window competes with the key tokens on accumulated score (§3.4).
 - `code_frozen`: the released code's off-by-one: the boundary token is dropped unscored (at prefill, position
@@ -89,8 +99,12 @@ class Keyformer(DecodingMethod):
             budget = max(1, math.floor(base * self.budget_fraction + 1e-9))  # int(n * pct / 100) of the code
         return super().start(prompt_len, budget, max_new_tokens, seed)
 
-    def tau(self, state: EvictionState, decoding: bool) -> float:
-        t = state.step if decoding else 0
+    def tau(self, state: EvictionState) -> float:
+        """Eq. 10 at t = the decode steps so far (`state.step`): tau_init at prefill, tau_init + t (tau_end -
+        tau_init) / T at the t-th step, and for a chunk fed after k steps (a later turn) the temperature in force
+        at step k. t stops at T = max_new_tokens, so tau stays in the paper's range [tau_init, tau_end] when a
+        conversation decodes more than T steps in all."""
+        t = min(state.step, max(state.max_new_tokens, 1))
         return self.tau_init + t * (self.tau_end - self.tau_init) / max(state.max_new_tokens, 1)
 
     def noise(self, logits: Tensor, state: EvictionState) -> Tensor | float:
@@ -104,7 +118,7 @@ class Keyformer(DecodingMethod):
         return -draw.exponential_(generator=gen).log()  # standard Gumbel
 
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
-        return ((logits + self.noise(logits, state)) / self.tau(state, decoding)).softmax(dim=-1)
+        return ((logits + self.noise(logits, state)) / self.tau(state)).softmax(dim=-1)
 
     def evict(self, state: EvictionState, layer_idx: int, scores: Tensor, prefill: bool) -> Tensor | None:
         if self.score == "per_layer":

@@ -147,7 +147,7 @@ def chunk_gumbel(noise, kept, n_heads) -> dict[int, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("step, tau", [(0, 1.0)])
+@pytest.mark.parametrize("step, tau", [(0, 1.0), (3, 1.75), (9, 2.0)])
 def test_keyformer_adds_the_questions_gumbel_scores_at_the_steps_temperature(step, tau):
     """Keyformer's row score: softmax((x + g) / tau), g fresh standard Gumbel noise per element, summed over the
     question's rows; tau the schedule's after the decode steps so far (Eq. 10, tau_init 1 -> tau_end 2 over
