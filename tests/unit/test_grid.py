@@ -112,8 +112,10 @@ def test_configurations_decoding_together_match_their_own_runs():
 
 
 # --- the command line -------------------------------------------------------------------------------------------
+# two samples are enough for a kill in the middle (faulty.HeldNeedle holds each configuration in its second sample);
+# each process costs seconds of imports, each sample more generations of every configuration
 SWEEP = ["-m", "model=tiny_llama", "method=full,pyramidkv,keyformer", "budget=40,64", "report=false",
-         "dataset.context_lengths=[300,400]", "dataset.depth_percents=[0,50,100]"]
+         "dataset.context_lengths=[300,400]", "dataset.depth_percents=[50]"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
 VOLATILE = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes", "peak_kv_bytes",
             "prefill_shared_by", "prefill_s_mean", "decode_tok_s_mean"}
@@ -151,7 +153,7 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
         run_here(*fixed, *held, f"method={method}", f"budget={budget}", results=basic)
     expected = outputs(basic)
     assert len(expected) == 5 and {d.split("/")[2] for d in expected} == {"full", "pyramidkv", "keyformer"}
-    assert all(len(recs) == 6 for recs, _ in expected.values())  # full once, not once per budget
+    assert all(len(recs) == 2 for recs, _ in expected.values())  # full once, not once per budget
 
     release.unlink()
     proc = subprocess.Popen(command(grid, "hydra/launcher=grid", *held), cwd=ROOT, env=ENV,
@@ -170,4 +172,4 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
     assert again.returncode == 0, again.stderr
     assert outputs(grid) == expected
     manifest = json.loads(next(grid.rglob("keyformer/b40-*/manifest.json")).read_text())
-    assert manifest["launcher"] == "grid" and manifest["finished_utc"] and manifest["n_samples"] == 6
+    assert manifest["launcher"] == "grid" and manifest["finished_utc"] and manifest["n_samples"] == 2

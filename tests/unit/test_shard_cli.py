@@ -35,14 +35,18 @@ def merge_cli(capsys, *paths: Path) -> SimpleNamespace:
 
 
 def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path, capsys):
+    """Shards 0 and 1 are `python -m kvbench.run` processes, shard 2 runs in this process (a third process would
+    only add its imports), all at the same time into one run dir; whichever finishes last merges."""
     sharded, plain = tmp_path / "sharded", tmp_path / "plain"
     procs = [subprocess.Popen([sys.executable, "-m", "kvbench.run", *NEEDLE, f"shard={i}/3",
                                f"results_dir={sharded}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    here = run_here(*NEEDLE, "shard=2/3", results=sharded)
     plain_dir = run_here(*NEEDLE, results=plain)  # meanwhile, the same config unsharded (in this process)
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()
     (run_dir,) = run_dirs(sharded)  # shard is not part of the run's identity: one directory for all three
+    assert here == run_dir
     assert run_dirs(plain) == [plain_dir]
     assert run_dir.relative_to(sharded) == plain_dir.relative_to(plain)
     shard_ids = [[r["id"] for r in map(json.loads, (run_dir / f"predictions.shard-{i}-of-3.jsonl").open())]
