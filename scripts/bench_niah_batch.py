@@ -7,6 +7,10 @@ an order that rotates on each repetition, so a burst of load from other processe
 CPU seconds, the ratio to batch 1 and whether the predictions equal batch 1's.
 
     python scripts/bench_niah_batch.py [--method snapkv] [--budget 128] [--batch-sizes 1 8] [--reps 1]
+
+`--multiturn append|reset`: `dataset=niah_multiturn` at its defaults instead (8 conversations of 4 turns over
+contexts of 1,000 and 2,000 tokens, 16 new tokens per answer), the conversations decoded together at batch_size > 1.
+Predictions are compared per sample id (batched runs write records in completion order).
 """
 from __future__ import annotations
 
@@ -24,9 +28,13 @@ DEPTHS = [0, 33, 66, 100]
 
 def run(batch_size: int, results: Path, args) -> tuple[float, float]:
     """One end-to-end run; returns (wall s, CPU s of the child)."""
-    cmd = [sys.executable, "-m", "kvbench.run", "dataset=niah", f"method={args.method}", f"budget={args.budget}",
-           f"batch_size={batch_size}", f"dataset.context_lengths=[{','.join(map(str, LENGTHS))}]",
-           f"dataset.depth_percents=[{','.join(map(str, DEPTHS))}]", "report=false", f"results_dir={results}"]
+    if args.multiturn:
+        data = ["dataset=niah_multiturn", f"dataset.turn_mode={args.multiturn}"]
+    else:
+        data = ["dataset=niah", f"dataset.context_lengths=[{','.join(map(str, LENGTHS))}]",
+                f"dataset.depth_percents=[{','.join(map(str, DEPTHS))}]"]
+    cmd = [sys.executable, "-m", "kvbench.run", *data, f"method={args.method}", f"budget={args.budget}",
+           f"batch_size={batch_size}", "report=false", f"results_dir={results}"]
     return timed(cmd, f"batch_size={batch_size}")
 
 
@@ -36,6 +44,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--multiturn", choices=["append", "reset"], default=None)
     args = ap.parse_args()
     sizes = args.batch_sizes
     wall, cpu, same = {b: 0.0 for b in sizes}, {b: 0.0 for b in sizes}, {b: True for b in sizes}
@@ -48,9 +57,10 @@ def main() -> None:
             first = predictions(Path(tmp) / f"b{sizes[0]}-{rep}")
             for b in sizes:
                 got = predictions(Path(tmp) / f"b{b}-{rep}")
-                same[b] &= list(got.values()) == list(first.values()) and len(first) > 0
-    n = len(LENGTHS) * len(DEPTHS)
-    print(f"\n## NIAH end to end, {args.method} budget {args.budget}, {n} samples, {args.reps} rep(s), "
+                same[b] &= got == first and len(first) > 0
+    n = len(next(iter(first.values()), {}))
+    what = f"niah_multiturn ({args.multiturn})" if args.multiturn else "NIAH"
+    print(f"\n## {what} end to end, {args.method} budget {args.budget}, {n} samples, {args.reps} rep(s), "
           f"threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"| batch_size | wall s | CPU s | speed-up vs batch {sizes[0]} | same predictions |")
     print("|---|---|---|---|---|")

@@ -162,10 +162,11 @@ def conversation_records(model, tokenizer, method, capture, dataset, conversatio
                 continue
             answered[id(conversation)] = k + 1
             turn = conversation.tag[k]
-            if turn.id not in done:
-                record = sample_record(dataset, turn, conversation.first_ids if k == 0 else conversation.turns[k - 1],
-                                       conversation.budget, gen, query, conversation.question_len if k == 0 else 0)
-                yield {**record, "turn": k, "turn_mode": conversation.mode}
+            if turn.id not in done:  # (a record that cannot be made fails this turn only: the next one is decoding)
+                record = generated_record(dataset, turn, conversation.first_ids if k == 0 else
+                                          conversation.turns[k - 1], conversation.budget, gen, query,
+                                          conversation.question_len if k == 0 else 0)
+                yield record if record.get("failed") else {**record, "turn": k, "turn_mode": conversation.mode}
     except Exception as e:  # the batching loop itself failed: every turn not answered yet fails with it
         capture.reset()
         for conversation in playing:

@@ -105,8 +105,9 @@ RECORD_FIELDS = ("id", "turn", "turn_mode", "prediction", "new_tokens", "kv_byte
                  "kv_bytes_final", "kept_per_head", "score", "prompt_tokens", "budget")
 
 
-@pytest.mark.parametrize("method,mode,query", [("h2o", "append", "aware"), ("snapkv", "reset", "agnostic")])
-def test_niah_multiturn_at_batch_size_3_writes_batch_1_records_and_resumes(tmp_path, method, mode, query):
+@pytest.mark.parametrize("method,mode,query,resume", [("snapkv", "append", "agnostic", True),
+                                                      ("h2o", "reset", "aware", False)])
+def test_niah_multiturn_at_batch_size_3_writes_batch_1_records_and_resumes(tmp_path, method, mode, query, resume):
     overrides = [f"method={method}", f"dataset.turn_mode={mode}", f"query={query}", "dataset.turns=3",
                  "dataset.depth_percents=[20,50,80]", "report=false"]
     _, one = kvbench_run(tmp_path / "b1", *overrides)
@@ -116,9 +117,51 @@ def test_niah_multiturn_at_batch_size_3_writes_batch_1_records_and_resumes(tmp_p
         return {r["id"]: {f: r.get(f) for f in RECORD_FIELDS} for r in records}
 
     assert len(one) == 9 and all("error" not in r for r in one) and by_id(many) == by_id(one)
+    if not resume:
+        return
     lines = (run_dir / "predictions.jsonl").read_text().splitlines()
     kept = lines[:4]  # a partial run: the last five turns were lost
     (run_dir / "predictions.jsonl").write_text("\n".join(kept) + "\n")
     _, again = kvbench_run(tmp_path / "b3", *overrides, "batch_size=3")
     assert [json.dumps(r) for r in again[:4]] == [json.dumps(json.loads(x)) for x in kept]  # not rewritten
     assert len(again) == 9 and by_id(again) == by_id(one)
+
+
+def test_conversation_records_fail_only_the_failing_conversations_remaining_turns_and_skip_done_turns():
+    """runs/run.py's conversation records at batch_size 3 against batch 1: conversation c1's last turn has a word
+    the tiny model has no embedding for, so c1-t2 gets a failure record and every other turn its record; a turn
+    already done (c2-t0) is replayed on the cache but not written again."""
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvbench.data.base import Sample
+    from kvbench.data.niah_multiturn import NeedleMultiTurn
+    from kvbench.engine.generation import Sampling
+    from kvbench.runs.run import conversation_records
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "ok": 5, "then": 6, "so": 7, "boom": 300}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)  # (ids up to 300; the model's vocabulary is 256)
+    groups = [[Sample(f"c{c}-t{t}", f"c{c}", ["7"], NEW[c], meta={"conversation": f"c{c}", "turn": t,
+                                                                    "turn_mode": "append",
+                                                                    "followup": "boom ok" if (c, t) == (1, 2) else
+                                                                    "ok then so" * (c + 1)},
+                      input_ids=tuple(prompt(CONTEXTS[c], seed=c)[0].tolist()) if t == 0 else None)
+               for t in range(3)] for c in range(3)]
+    model, method = tiny_model("llama", layers=2), method_named("snapkv")
+
+    def records(batch_size: int) -> list[dict]:
+        cfg = OmegaConf.create({"query": "aware", "ratio": None, "budget": 40, "batch_size": batch_size,
+                                "positions": "original", "seed": 0})
+        with AttentionCapture(model, window=method.query_window) as capture:
+            return list(conversation_records(model, tokenizer, method, capture, NeedleMultiTurn(), groups, cfg,
+                                             None, Sampling(), {"c2-t0"}))
+
+    def by_id(rs):
+        return {r["id"]: {f: r.get(f) for f in (*RECORD_FIELDS, "error_type", "failed")} for r in rs}
+
+    one, three = records(1), records(3)
+    assert [r["id"] for r in one] == ["c0-t0", "c0-t1", "c0-t2", "c1-t0", "c1-t1", "c1-t2", "c2-t1", "c2-t2"]
+    assert [r["id"] for r in one if r.get("failed")] == ["c1-t2"] and one[5]["error_type"] == "IndexError"
+    assert by_id(three) == by_id(one) and [r["id"] for r in three] != [r["id"] for r in one]
