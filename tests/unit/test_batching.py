@@ -3,9 +3,6 @@ same tokens, text and cache accounting per sample, for prompts of different leng
 (Ada-KV) and decode-time (H2O, Keyformer, BUZZ) methods, with samples leaving and joining the batch."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -220,18 +217,17 @@ def test_a_failing_step_fails_the_samples_in_it_and_no_others():
 
 
 def test_cli_batch_size_gives_the_same_records(tmp_path):
-    """One multirun over batch_size=1,3 (one process; results_dir per batch size, as batch_size does not change
-    the run's identity): the same records, timings aside."""
-    from tests.unit.test_cli import ENV, GRID, ROOT, records, run_dirs
+    """The command at batch_size=1 and 3, each as `python -m kvbench.run` runs it once its checks pass, in this
+    process (run_here; results_dir per batch size, as batch_size does not change the run's identity): the same
+    records, timings aside."""
+    from tests.unit.test_cli import GRID, records, run_dirs, run_here
 
-    out = subprocess.run([sys.executable, "-m", "kvbench.run", "-m", "model=tiny_llama", "method=h2o", "budget=64",
-                          *GRID, "report=false", "batch_size=1,3", f"results_dir={tmp_path}/b${{batch_size}}"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
     timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes")
     runs = {}
     for batch_size in (1, 3):
-        (run_dir,) = run_dirs(tmp_path / f"b{batch_size}")
+        run_dir = run_here("model=tiny_llama", "method=h2o", "budget=64", *GRID, "report=false",
+                           f"batch_size={batch_size}", results=tmp_path / f"b{batch_size}")
+        assert run_dirs(tmp_path / f"b{batch_size}") == [run_dir]
         runs[batch_size] = {r["id"]: {k: v for k, v in r.items() if k not in timing} for r in records(run_dir)}
         assert OmegaConf.load(run_dir / "config.yaml").batch_size == batch_size
     assert runs[3] == runs[1] and len(runs[1]) == 4
