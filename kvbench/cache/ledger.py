@@ -119,3 +119,7 @@ class StepStart:
     def __call__(self, layer_idx: int, hidden, position_embeddings) -> None:
         if layer_idx == 0:
             self.ledger.begin_step(sum(layer.nbytes() for layer in self.layers))
+
+    def rebind(self, layers: list, ledger: TransferLedger) -> StepStart:
+        """This hook on a copy's layers and ledger (a conversation's `reset` turn decodes on a copy of the cache)."""
+        return StepStart(layers, ledger)

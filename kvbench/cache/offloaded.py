@@ -12,6 +12,13 @@ sinks and the recent window of the prompt, `max_t |K|` per channel, and every ge
 
 Every host->device copy goes through the `TransferLedger`, so the bytes per token are counted, not estimated.
 
+Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns) join
+the generated tokens on the device (`update`): never candidates, always attended, as the official code keeps every
+generated token; the top-k candidates stay the prompt's. The chunk itself attends the whole layer densely (every
+offloaded prompt row, copied from the host, + the generated and fed tokens, causally among its own): the official
+code's multi-token path is its prefill, exact attention over every token (it has no retrieval for several queries).
+That copy, the layer's whole K and V, goes to the ledger's `feed_bytes`, not to a decode step.
+
 CPU (the reference) runs both stages synchronously. On CUDA the host pool is pinned and `prefetch` runs on a side
 stream that `decode_kv` waits for; the rows are gathered on the host and copied asynchronously (the official code
 gathers with a UVA kernel from DGL, which kvbench does not depend on). Reading the chosen indices back to the host
@@ -71,8 +78,22 @@ class OffloadedLayer(KVLayer):
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """What one token `[B, H_q, 1, D]` attends: sinks + recent + its top-k prompt rows, fetched now + generated
-        (the new token was appended by `update` before this call)."""
+        (the new token was appended by `update` before this call). A chunk of several tokens `[B, H_q, q, D]` (a fed
+        question or turn, appended last) attends every entry instead (`_everything`)."""
+        if query is not None and query.shape[2] > 1:
+            return self._everything()
         return OffloadedLayer.decode_kv_many([self], query)[0]
+
+    def _everything(self) -> DecodeKV:
+        """Every prompt row, copied from the host, + the generated and fed tokens, in position order: what a chunk
+        fed on top attends (dense, as the official prefill). The copy goes to the ledger's `feed_bytes`."""
+        keys, values = self.host_keys.to(self.device), self.host_values.to(self.device)
+        self.ledger.fed("offloaded_keys", keys.numel() * keys.element_size())
+        self.ledger.fed("offloaded_values", values.numel() * values.element_size())
+        b, h = keys.shape[:2]
+        prompt = torch.arange(self.prompt_len, device=self.device).expand(b, h, self.prompt_len)
+        return DecodeKV(torch.cat([keys, self.keys], dim=2), torch.cat([values, self.values], dim=2), None,
+                        torch.cat([prompt, self.positions], dim=2))
 
     # --- several sequences' layers at once (batched decoding: one call per step and layer, not per sequence) --
     @staticmethod

@@ -16,6 +16,17 @@ byte, the first code in the lowest bits), so `nbytes()` is the memory a packed k
 Decode attention reads the layer dequantized to fp32 (`decode_kv`; the official fused dequant-GEMV kernel is not
 reimplemented), so each step holds a transient of 2 x T x D x H fp32 for this layer. Every token is kept, so eviction
 (`keep`) is not supported; `positions` is None because nothing reads it for this layer (no eviction, no re-rotation).
+
+Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns;
+`append_chunk`) are stored as generated tokens are: they enter the full-precision residuals, every key block the
+residual fills is quantized, and values older than the last `residual` tokens are quantized one per token, so the
+storage after a feed equals that after the same tokens appended one per step (quantization is per key block and per
+value token, so the order of flushes does not change a code). The chunk attends the past as stored before it
+(dequantized where quantized) and itself in full precision, causally: the official code's only multi-token path is
+its prefill, which attends its own tokens unquantized and quantizes afterwards (`TailorKVCache.quantize`); it has no
+append of several tokens on a quantized layer. One-token decoding differs only where a flush falls inside the chunk:
+there token i sees the earlier chunk tokens (and, the value window being full once `residual` tokens are stored, the
+past's oldest residual values) already quantized by the tokens before it.
 """
 from __future__ import annotations
 
@@ -129,14 +140,16 @@ class QuantizedLayer(KVLayer):
         new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, None
         n_kq, n_vq = n // residual * residual, max(n - residual, 0)
         new.k_quant = quantize(keys[:, :, :n_kq].transpose(-1, -2), bits, group) if n_kq else None
+        new.chunk_view = None  # set by `append_chunk` for the `decode_kv` of the chunk's own attention
         new.v_quant = quantize(values[:, :, :n_vq], bits, group_v) if n_vq else None
         new.keys, new.values = keys[:, :, n_kq:].clone(), values[:, :, n_vq:].clone()  # clone: slices pin storage
         return new
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append one decode step `[B, H_kv, 1, D]`, flushing the residual windows; returns the fp residuals."""
+        """Append one decode step `[B, H_kv, 1, D]`, flushing the residual windows; returns the fp residuals.
+        Several tokens (a fed chunk) go to `append_chunk`."""
         if key_states.shape[-2] != 1:
-            raise ValueError(f"quantized cache: one token per update after the build, got {key_states.shape[-2]}")
+            return self.append_chunk(key_states, value_states)
         if self.repeat > 1:
             key_states = key_states.repeat_interleave(self.repeat, dim=1)
             value_states = value_states.repeat_interleave(self.repeat, dim=1)
@@ -153,14 +166,56 @@ class QuantizedLayer(KVLayer):
         self.seen_tokens += 1
         return self.keys, self.values
 
+    def append_chunk(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Append a fed chunk `[B, H_kv, q, D]` (query=agnostic's question, a later turn) as `q` decode steps would
+        store it: keys flush in whole blocks of `residual` (every block the residual fills), values keep the last
+        `residual` tokens and quantize the older ones per token, so the storage equals that after `q` one-token
+        updates. What the chunk attends (`decode_kv` with its `q` queries, right after) is kept aside: the past as it
+        was stored before the chunk (dequantized where quantized) and the chunk in full precision."""
+        if self.repeat > 1:
+            key_states = key_states.repeat_interleave(self.repeat, dim=1)
+            value_states = value_states.repeat_interleave(self.repeat, dim=1)
+        quantized_keys = self.k_quant.length if self.k_quant is not None else 0
+        quantized_values = self.v_quant.packed.shape[-2] if self.v_quant is not None else 0
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.chunk_view = (quantized_keys, quantized_values, self.keys, self.values)
+        full = self.keys.shape[-2] // self.residual * self.residual
+        if full:  # whole blocks of keys, quantized as the one-token path quantizes each block it fills
+            block = quantize(self.keys[:, :, :full].transpose(-1, -2), self.bits, self.group)
+            self.k_quant = cat(self.k_quant, block, dim=-1)
+            self.keys = self.keys[:, :, full:].clone()
+        leaving = self.values.shape[-2] - self.residual
+        if leaving > 0:  # the oldest values leave the window, each quantized on its own (groups of channels)
+            self.v_quant = cat(self.v_quant, quantize(self.values[:, :, :leaving], self.bits, self.group_v), dim=-2)
+            self.values = self.values[:, :, leaving:].clone()
+        self.seen_tokens += key_states.shape[-2]
+        return self.keys, self.values
+
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """Every token's key and value, dequantized, fp32 `[B, H, T, D]`. Keys and values split quantized/residual
-        at different tokens; each side is reassembled in token order (nothing is evicted: slot = position)."""
+        at different tokens; each side is reassembled in token order (nothing is evicted: slot = position). Right
+        after `append_chunk`, a chunk's queries `[B, H_q, q, D]` get the past as stored before it + the chunk in full
+        precision (its last `q` entries; causal among them: the caller's)."""
+        if query is not None and query.shape[2] > 1 and getattr(self, "chunk_view", None) is not None:
+            return self._chunk_kv()
         keys, values = self.keys.float(), self.values.float()  # fp32 math
         if self.k_quant is not None:  # quantized keys are stored [B, H, D, T]
             keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2), keys], dim=-2)
         if self.v_quant is not None:
             values = torch.cat([self.v_quant.dequantize(), values], dim=-2)
+        return DecodeKV(keys, values)
+
+    def _chunk_kv(self) -> DecodeKV:
+        """What a fed chunk attends (see `append_chunk`): as the official prefill attends its own tokens in full
+        precision and quantizes after, the chunk sees itself unquantized; the past is what the step before it saw."""
+        quantized_keys, quantized_values, keys, values = self.chunk_view
+        self.chunk_view = None
+        keys, values = keys.float(), values.float()
+        if quantized_keys:  # (the blocks the chunk flushed come after: their tokens are in `keys` unquantized)
+            keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2)[:, :, :quantized_keys], keys], dim=-2)
+        if quantized_values:
+            values = torch.cat([self.v_quant.dequantize()[:, :, :quantized_values], values], dim=-2)
         return DecodeKV(keys, values)
 
     def keep(self, idx: Tensor) -> None:

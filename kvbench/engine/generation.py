@@ -353,7 +353,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
 def feed(model, capture: AttentionCapture, cache: KVCache, tokens: Tensor, positions: str = "original") -> Tensor:
     """Prefill `tokens` `[1, q]` on top of a (compressed) cache, keeping them all: the question of `query=agnostic`,
     a turn of a conversation. Through `prefill` (no new model call site); the capture masks each layer for its own
-    length and attends layers with their own storage (Ada-KV; Quest and PQCache hand the chunk their whole cache)
+    length and attends layers with their own storage (Ada-KV; Quest, PQCache, TailorKV hand the chunk their whole cache)
     itself. The window is off (no selection runs); a decode-time evictor (H2O, TOVA, Keyformer, BUZZ, the rolling
     windows) scores the chunk's rows into its state as at prefill and evicts each layer to its budget after the
     layer's attention (`EvictionHook.chunk`). Returns the last token's logits."""

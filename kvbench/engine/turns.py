@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.ledger import StepStart
 from kvbench.engine.batching import BatchedDecoder, Request
 from kvbench.engine.generation import EvictionHook, Generation, Prepared, Sampling, feed, prepare
 from kvbench.methods.base import Method
@@ -161,7 +160,7 @@ def _attach(capture: AttentionCapture, method: Method, run: Prepared, hook, inpu
     storage method's step hook (rebuilt on a copy's layers and ledger), the method's attention temperature."""
     if isinstance(hook, EvictionHook):
         hook = EvictionHook(run.state, run.cache, hook.fixed, hook.softcap)
-    if isinstance(inputs, StepStart):
-        inputs = StepStart(run.cache.layers, run.ledger)
+    if hasattr(inputs, "rebind"):  # StepStart, TailorKV's Prefetch
+        inputs = inputs.rebind(run.cache.layers, run.ledger)
     capture.cache, capture.decode_hook, capture.input_hook = run.cache, hook, inputs
     capture.logit_scale = getattr(method, "logit_scale", None)

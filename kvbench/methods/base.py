@@ -70,7 +70,7 @@ class Method:
     def takes_chunks(self) -> bool:
         """Whether several tokens can be fed on top of the compressed cache at once (query=agnostic's question, a
         conversation's later turns: `generation.feed`). Dense and per-head layers can; a storage method's layers only
-        where it says so (`takes_chunks = True`: Quest, PQCache; TailorKV's quantized/offloaded layers cannot)."""
+        where it says so (`takes_chunks = True`: Quest, PQCache, TailorKV)."""
         return self.kind is not Kind.STORAGE
 
     @property

@@ -14,6 +14,11 @@ Budget semantics (the paper's "64(+128)"): `budget` = sinks + recent + fetched t
 generated tokens excluded. LongBench: budget 192, start 8, recent 56, channels 8; RULER/InfiniteBench: budget 1024,
 start 64, recent 64, channels 12. A storage method builds its own cache layers (`attach`), unlike the eviction
 methods, whose choices `generation.compress` applies.
+
+Tokens fed on top (`query=agnostic`'s question, a conversation's later turns) join each store as generated tokens do
+and attend it in full: a quantized layer's past dequantized + the chunk in full precision, an offloaded layer's
+whole prompt copied from the host (the ledger's `feed_bytes`) + generated and fed tokens; only the decode steps after
+it retrieve (see `kvbench.cache.quantized` and `kvbench.cache.offloaded`).
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ class Prefetch:
 
     def __call__(self, layer_idx: int, hidden, position_embeddings) -> None:
         Prefetch.together([self], layer_idx, hidden, position_embeddings)
+
+    def rebind(self, layers: list, ledger: TransferLedger) -> Prefetch:
+        """This hook on a copy's layers and ledger (a conversation's `reset` turn decodes on a copy of the cache)."""
+        return Prefetch(layers, ledger, self.capture, self.predictable)
 
     @staticmethod
     def together(hooks: list[Prefetch], layer_idx: int, hidden, position_embeddings) -> None:
@@ -83,6 +92,7 @@ class TailorKV(Method):
 
     kind: ClassVar[Kind] = Kind.STORAGE
     own_storage: ClassVar[bool] = True
+    takes_chunks: ClassVar[bool] = True  # a fed question or turn joins the stores as generated tokens do
 
     def __post_init__(self):
         if self.channel_query not in ("predicted", "current"):

@@ -146,9 +146,9 @@ def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
     if query == "aware" and why is None:
         return
     why = why or "query=agnostic"
-    if not method.takes_chunks:  # TailorKV: its quantized/offloaded layers append one token per step
-        raise ValueError(f"{why}: {method.registry_name}'s quantized/offloaded layers take one token per step, not "
-                         "several on top of the compressed cache (quest and pqcache do); use query=aware and one turn")
+    if not method.takes_chunks:  # a storage method whose layers append one token per step (none at present)
+        raise ValueError(f"{why}: {method.registry_name}'s layers take one token per step, not several on top of "
+                         "the compressed cache (quest, pqcache and tailorkv do); use query=aware and one turn")
     if cfg.generation.get("num_beams", 1) > 1:
         raise ValueError(f"{why} runs at generation.num_beams=1 (beam search prefills the whole prompt)")
 

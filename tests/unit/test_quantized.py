@@ -150,8 +150,8 @@ def test_build_keeps_no_reference_and_rejects_misuse():
     held = {t.untyped_storage().data_ptr() for t in (layer.keys, layer.values)}
     assert not held & {src.keys.untyped_storage().data_ptr(), src.values.untyped_storage().data_ptr()}
     assert layer.positions is None and not layer.is_varlen
-    with pytest.raises(ValueError, match="one token per update"):
-        layer.update(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16))
+    layer.update(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16))  # a fed chunk (tests/unit/test_tailorkv_feed.py)
+    assert layer.get_seq_length() == layer.seen_tokens == 202
     with pytest.raises(NotImplementedError):
         layer.keep(torch.zeros(1, 2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="bits=3"):

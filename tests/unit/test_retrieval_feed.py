@@ -135,7 +135,7 @@ def test_quest_reset_conversation_asks_the_same_question_alike():
     assert gens[0].transfers == gens[2].transfers  # a copy's ledger, restarted: the same reads each time
 
 
-def test_tailorkv_is_still_refused_and_quest_pqcache_are_accepted():
+def test_quest_pqcache_are_accepted():
     def check(*overrides):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             setup(compose("config", overrides=["model=tiny_llama", *overrides]))
@@ -143,8 +143,6 @@ def test_tailorkv_is_still_refused_and_quest_pqcache_are_accepted():
     for method in ("quest", "pqcache"):
         check("query=agnostic", f"method={method}", "budget=256")
         check("dataset=niah_multiturn", "dataset.turns=2", f"method={method}", "budget=256")
-    with pytest.raises(ValueError, match="dataset.turns=2: tailorkv's .* one token per step.*quest and pqcache do"):
-        check("dataset=niah_multiturn", "dataset.turns=2", "method=tailorkv")
 
 
 def test_niah_multiturn_and_scbench_run_with_quest(tmp_path):
