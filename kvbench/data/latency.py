@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.niah import essays_dir, read_haystack
+from kvbench.data.niah import encode_text, essays_dir, read_haystack
 from kvbench.registry import DATASETS
 
 
@@ -37,7 +37,7 @@ class FixedLength(Dataset):
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """One sample per (prompt length, generation length), prompt lengths outer."""
         text = read_haystack(Path(self.haystack_dir).expanduser() if self.haystack_dir else essays_dir())
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_text(tokenizer, text)
         while len(ids) < max(self.prompt_lengths):
             ids = ids + ids
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

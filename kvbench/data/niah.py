@@ -13,6 +13,7 @@ Why each step is the way it is:
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -59,6 +60,31 @@ def read_haystack(folder: Path) -> str:
             f"niah: no text in {folder}/*.txt; run `{INSTALL_HINT}` or point dataset.haystack_dir at .txt files."
         )
     return text
+
+
+# (tokenizer class, sha256 of its serialised state, split_special_tokens, sha256 of the text) -> token ids
+_ENCODED: dict[tuple[str, str, bool, str], list[int]] = {}
+_ENCODED_MAX = 4  # distinct (tokenizer, text) pairs kept: a process rarely meets more than one or two
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, remembered for the rest of the process.
+
+    Why: the essays are ~150k tokens (0.6-0.9 s of a CPU core) and every build of niah, niah_multiturn or
+    fixed_length encodes them whole, while the jobs of a sweep (and a test session) load the same tokenizer again for
+    each run. The key is exact: the fast tokenizer's whole serialised state (`backend_tokenizer.to_str()`:
+    vocabulary, merges, normalizer, pre-tokenizer, added tokens), its class and `split_special_tokens`, and the text;
+    a tokenizer without a Rust backend is not remembered. Each call returns a new list."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    key = (type(tokenizer).__qualname__, hashlib.sha256(backend.to_str().encode()).hexdigest(),
+           bool(getattr(tokenizer, "split_special_tokens", False)), hashlib.sha256(text.encode()).hexdigest())
+    if key not in _ENCODED:
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.pop(next(iter(_ENCODED)))  # the oldest
+        _ENCODED[key] = tokenizer.encode(text, add_special_tokens=False)
+    return list(_ENCODED[key])
 
 
 def period_token_ids(tokenizer) -> frozenset[int]:
@@ -146,7 +172,7 @@ class NeedleHaystack(Dataset):
         one_pass = read_haystack(Path(self.haystack_dir).expanduser() if self.haystack_dir else essays_dir())
         text = one_pass
         while True:
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_text(tokenizer, text)
             if len(ids) >= n_tokens:
                 return ids
             text += one_pass * max(1, n_tokens // max(1, len(ids)))

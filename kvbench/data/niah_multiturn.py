@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.niah import essays_dir, insert_needle, period_token_ids, read_haystack
+from kvbench.data.niah import encode_text, essays_dir, insert_needle, period_token_ids, read_haystack
 from kvbench.data.split import split_template
 from kvbench.registry import DATASETS
 
@@ -75,7 +75,7 @@ class NeedleMultiTurn(Dataset):
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         text = read_haystack(Path(self.haystack_dir).expanduser() if self.haystack_dir else essays_dir())
-        haystack = tokenizer.encode(text * (1 + max(self.context_lengths) // 10_000), add_special_tokens=False)
+        haystack = encode_text(tokenizer, text * (1 + max(self.context_lengths) // 10_000))
         periods = period_token_ids(tokenizer)
         head = split_template(TEMPLATE, boundary=" Based on the content of the book")[0]
         samples = []

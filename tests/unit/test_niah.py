@@ -16,6 +16,7 @@ from kvbench.data.niah import (
     PYRAMIDKV_NEEDLE,
     PYRAMIDKV_TEMPLATE,
     NeedleHaystack,
+    encode_text,
     essays_dir,
     insert_needle,
     period_token_ids,
@@ -129,6 +130,26 @@ def test_real_essays_lengths_and_boundaries(smollm2_tokenizer):
     # the haystack starts with the first essay in sorted order
     first = sorted(essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8")
     assert samples[1].prompt[len(PREFIX):].startswith(first[:200])
+
+
+def test_encoded_text_is_remembered_per_tokenizer_state_and_text(smollm2_dir, monkeypatch):
+    """A tokenizer loaded again from the same files reuses the encoding (its `encode` is not called); one with an added
+    token, or another text, gets its own; each call hands out a new list."""
+    from transformers import AutoTokenizer
+
+    text = f"Red fox runs.{PYRAMIDKV_NEEDLE}Blue owl sleeps in Dolores Park." * 3
+    first = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = encode_text(first, text)
+    assert ids == first.encode(text, add_special_tokens=False)
+    ids.append(-1)  # the caller's list: the remembered one is untouched
+    again = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    with monkeypatch.context() as m:
+        m.setattr(again, "encode", lambda *a, **k: pytest.fail("encoded again"))
+        assert encode_text(again, text) == ids[:-1]
+    other = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    other.add_tokens(["Dolores Park"])
+    assert encode_text(other, text) == other.encode(text, add_special_tokens=False) != ids[:-1]
+    assert encode_text(first, text[:40]) == first.encode(text[:40], add_special_tokens=False)
 
 
 def test_deterministic(smollm2_tokenizer, tiny_dir):
