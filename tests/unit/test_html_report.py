@@ -6,17 +6,16 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from kvbench.report.__main__ import main as report_main
 from tests.unit.test_paper_report import longbench_run
 from tests.unit.test_report import make_run, niah_records
 
-REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 
 
@@ -28,17 +27,18 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture
-def report(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    """`python -m kvbench.report <runs> --out ... --html page`, by its `main` in this process (the command as a
+    process: test_report.py), once for the tests that read the page."""
+    tmp_path = tmp_path_factory.mktemp("html")
     root = tmp_path / "results"
     grid = {(n, d): float(d < 50) for n in (1000, 2000) for d in (0.0, 50.0, 100.0)}
     make_run(root, "pyramidkv", 64, niah_records(grid))
     longbench_run(root, "snapkv", 64, {"hotpotqa": [1.0, 0.5], "qasper": [0.25]})
     longbench_run(root, "pyramidkv", 128, {"hotpotqa": [0.5, 0.5], "qasper": [0.75]})
     page = tmp_path / "report.html"
-    out = subprocess.run([sys.executable, "-m", "kvbench.report", str(root), "--out", str(tmp_path / "out"),
-                          "--html", str(page)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert report_main([str(root), "--out", str(tmp_path / "out"), "--html", str(page)]) == 0
     return page
 
 
@@ -76,10 +76,7 @@ def test_paper_page_renders(tmp_path):
     root = tmp_path / "results"
     longbench_run(root, "snapkv", 64, {"hotpotqa": [1.0]})
     page = tmp_path / "t11.html"
-    out = subprocess.run([sys.executable, "-m", "kvbench.report", str(root), "--paper", "pyramidkv", "--out",
-                          str(tmp_path / "out"), "--html", str(page)], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert report_main([str(root), "--paper", "pyramidkv", "--out", str(tmp_path / "out"), "--html", str(page)]) == 0
     dom = chromium(tmp_path, "--dump-dom", page.as_uri())
     assert "KV Size = 64" in dom.stdout and "100.00 / 37.34 (+62.66)" in dom.stdout
     attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom.stdout).group(1)))
