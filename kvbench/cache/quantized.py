@@ -11,22 +11,26 @@ byte, the first code in the lowest bits), so `nbytes()` is the memory a packed k
 - keys are quantized per channel: stored `[B, H, D, T]`, groups of `group` consecutive tokens; the last n mod
   `residual` prompt tokens stay full precision, and each time that residual reaches `residual` tokens it is quantized
   as one block (blocks are whole groups, so appending is concatenating along the packed axis);
-- values are quantized per token: stored `[B, H, T, D]`, groups of min(group, D) channels; the last `residual` tokens
-  stay full precision, and once more arrive the oldest one is quantized (the window slides one token per step).
+- values are quantized per token: stored `[B, H, T, D]`, groups of min(group, D) channels; the last `residual` prompt
+  tokens stay full precision, and from then on each step quantizes the oldest one (the window slides one token per
+  step).
+As in the official step, a decode step attends first and flushes after: the token that fills a key block attends
+that block in full precision, and each step attends `residual + 1` full-precision values; the flush is carried out
+when the next token arrives (`update`), so between steps the layer holds what the official one holds while it attends.
 Decode attention reads the layer dequantized to fp32 (`decode_kv`; the official fused dequant-GEMV kernel is not
 reimplemented), so each step holds a transient of 2 x T x D x H fp32 for this layer. Every token is kept, so eviction
 (`keep`) is not supported; `positions` is None because nothing reads it for this layer (no eviction, no re-rotation).
 
 Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns;
-`append_chunk`) are stored as generated tokens are: they enter the full-precision residuals, every key block the
-residual fills is quantized, and values older than the last `residual` tokens are quantized one per token, so the
-storage after a feed equals that after the same tokens appended one per step (quantization is per key block and per
-value token, so the order of flushes does not change a code). The chunk attends the past as stored before it
-(dequantized where quantized) and itself in full precision, causally: the official code's only multi-token path is
-its prefill, which attends its own tokens unquantized and quantizes afterwards (`TailorKVCache.quantize`); it has no
-append of several tokens on a quantized layer. One-token decoding differs only where a flush falls inside the chunk:
-there token i sees the earlier chunk tokens (and, the value window being full once `residual` tokens are stored, the
-past's oldest residual values) already quantized by the tokens before it.
+`append_chunk`) are stored as generated tokens are: they enter the full-precision residuals, the keys go in whole
+blocks but one the chunk's last token just filled, and values older than the last `residual + 1` are quantized one per token,
+so the storage after a feed equals that after the same tokens appended one per step (quantization is per key block
+and per value token, so the order of flushes does not change a code). The chunk attends the past as its first token's
+step would (dequantized where quantized) and itself in full precision, causally: the official code's only
+multi-token path is its prefill, which attends its own tokens unquantized and quantizes afterwards
+(`TailorKVCache.quantize`); it has no append of several tokens on a quantized layer. One-token decoding differs only
+where a flush falls inside the chunk: there token i sees earlier chunk tokens (and the oldest past values) already
+quantized by the steps before it.
 """
 from __future__ import annotations
 
@@ -146,51 +150,60 @@ class QuantizedLayer(KVLayer):
         return new
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append one decode step `[B, H_kv, 1, D]`, flushing the residual windows; returns the fp residuals.
-        Several tokens (a fed chunk) go to `append_chunk`."""
+        """Append one decode step `[B, H_kv, 1, D]`; returns the fp residuals. What the previous step's attention
+        left over the windows is quantized first: the official step attends its token with the key block and the
+        `residual + 1` values still in full precision and flushes afterwards (`TailorKVCache.quantize`), so a step
+        never sees its own block or the value it pushes out quantized. Several tokens (a fed chunk) go to
+        `append_chunk`."""
         if key_states.shape[-2] != 1:
             return self.append_chunk(key_states, value_states)
         if self.repeat > 1:
             key_states = key_states.repeat_interleave(self.repeat, dim=1)
             value_states = value_states.repeat_interleave(self.repeat, dim=1)
+        self._settle()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
-        if self.keys.shape[-2] == self.residual:  # a full block of keys: quantize it whole, empty the residual
-            self.k_quant = cat(self.k_quant, quantize(self.keys.transpose(-1, -2), self.bits, self.group), dim=-1)
-            self.keys = self.keys[:, :, :0].clone()
-        if self.values.shape[-2] == self.residual:  # the window is full: its oldest value leaves it quantized
-            oldest = quantize(self.values[:, :, :1], self.bits, self.group_v)
-            self.v_quant = cat(self.v_quant, oldest, dim=-2)
-            self.values = torch.cat([self.values[:, :, 1:], value_states], dim=-2)
-        else:
-            self.values = torch.cat([self.values, value_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
         self.seen_tokens += 1
         return self.keys, self.values
 
     def append_chunk(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         """Append a fed chunk `[B, H_kv, q, D]` (query=agnostic's question, a later turn) as `q` decode steps would
-        store it: keys flush in whole blocks of `residual` (every block the residual fills), values keep the last
-        `residual` tokens and quantize the older ones per token, so the storage equals that after `q` one-token
-        updates. What the chunk attends (`decode_kv` with its `q` queries, right after) is kept aside: the past as it
-        was stored before the chunk (dequantized where quantized) and the chunk in full precision."""
+        store it: every key block of `residual` the chunk fills is quantized but the newest (a step flushes its block
+        only after attending it), values keep the last `residual + 1` tokens and quantize the older ones per token,
+        so the storage equals that after `q` one-token updates. What the chunk attends (`decode_kv` with its `q`
+        queries, right after) is kept aside: the past as its first token's step would see it (dequantized where
+        quantized) and the chunk in full precision."""
         if self.repeat > 1:
             key_states = key_states.repeat_interleave(self.repeat, dim=1)
             value_states = value_states.repeat_interleave(self.repeat, dim=1)
+        self._settle()
         quantized_keys = self.k_quant.length if self.k_quant is not None else 0
         quantized_values = self.v_quant.packed.shape[-2] if self.v_quant is not None else 0
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.chunk_view = (quantized_keys, quantized_values, self.keys, self.values)
-        full = self.keys.shape[-2] // self.residual * self.residual
-        if full:  # whole blocks of keys, quantized as the one-token path quantizes each block it fills
-            block = quantize(self.keys[:, :, :full].transpose(-1, -2), self.bits, self.group)
-            self.k_quant = cat(self.k_quant, block, dim=-1)
-            self.keys = self.keys[:, :, full:].clone()
-        leaving = self.values.shape[-2] - self.residual
-        if leaving > 0:  # the oldest values leave the window, each quantized on its own (groups of channels)
-            self.v_quant = cat(self.v_quant, quantize(self.values[:, :, :leaving], self.bits, self.group_v), dim=-2)
-            self.values = self.values[:, :, leaving:].clone()
+        n_keys, n_values = self.keys.shape[-2], self.values.shape[-2]
+        self._flush((n_keys - 1) % self.residual + 1, min(n_values, self.residual + 1))  # as the last step leaves it
         self.seen_tokens += key_states.shape[-2]
         return self.keys, self.values
+
+    def _settle(self) -> None:
+        """The flush a step does after attending: a full key block (`residual` fp keys) is quantized whole, and
+        values beyond the last `residual` leave the window quantized."""
+        self._flush(self.keys.shape[-2] % self.residual, min(self.values.shape[-2], self.residual))
+
+    def _flush(self, keys_left: int, values_left: int) -> None:
+        """Quantize all but the newest `keys_left` fp keys (whole blocks: blocks are whole groups, so quantizing
+        several at once equals one by one) and all but the newest `values_left` fp values (per token)."""
+        old_keys = self.keys.shape[-2] - keys_left
+        if old_keys > 0:
+            block = quantize(self.keys[:, :, :old_keys].transpose(-1, -2), self.bits, self.group)
+            self.k_quant = cat(self.k_quant, block, dim=-1)
+            self.keys = self.keys[:, :, old_keys:].clone()
+        old_values = self.values.shape[-2] - values_left
+        if old_values > 0:
+            self.v_quant = cat(self.v_quant, quantize(self.values[:, :, :old_values], self.bits, self.group_v), dim=-2)
+            self.values = self.values[:, :, old_values:].clone()
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
         """Every token's key and value, dequantized, fp32 `[B, H, T, D]`. Keys and values split quantized/residual

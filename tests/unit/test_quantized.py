@@ -125,6 +125,8 @@ def sizes(layer: QuantizedLayer) -> tuple[int, int, int, int]:
 
 
 def test_residual_windows_flush_at_the_official_points():
+    """The official step attends first and flushes after (`TailorKVCache.quantize`): the key block a token fills is
+    quantized when the next token arrives, and each step attends 129 fp values, the oldest quantized at the next."""
     torch.manual_seed(0)
     b, h, n, d, steps = 1, 2, 300, 16, 90
     k_all, v_all = torch.randn(b, h, n + steps, d), torch.randn(b, h, n + steps, d)
@@ -133,14 +135,31 @@ def test_residual_windows_flush_at_the_official_points():
     for t in range(1, steps + 1):
         layer.update(k_all[:, :, n + t - 1: n + t], v_all[:, :, n + t - 1: n + t])
         kq, kr, vq, vr = sizes(layer)
-        assert (kq, kr) == ((256, 44 + t) if t < 84 else (384, t - 84))  # flush when the residual reaches 128
-        assert (vq, vr) == (172 + t, 128)  # the value window slides one token per step
+        assert (kq, kr) == ((256, 44 + t) if t <= 84 else (384, t - 84))  # the step that fills 128 attends them fp
+        assert (vq, vr) == (171 + t, 129)  # 128 + the step's own value in full precision; one leaves per step
         assert layer.get_seq_length() == layer.seen_tokens == n + t
     # the flushed block equals quantizing those keys at once (blocks are whole groups), values likewise per token
     kq_ref = reference_dequant(k_all[:, :, :384].transpose(-1, -2), 2, 64)
     assert torch.equal(layer.k_quant.dequantize().double(), kq_ref)
-    assert torch.equal(layer.v_quant.dequantize().double(), reference_dequant(v_all[:, :, :262], 2, 16))
-    assert torch.equal(layer.keys, k_all[:, :, 384:]) and torch.equal(layer.values, v_all[:, :, 262:])
+    assert torch.equal(layer.v_quant.dequantize().double(), reference_dequant(v_all[:, :, :261], 2, 16))
+    assert torch.equal(layer.keys, k_all[:, :, 384:]) and torch.equal(layer.values, v_all[:, :, 261:])
+
+
+def test_the_step_that_fills_a_key_block_attends_it_in_full_precision():
+    """At the official flush points the step's own attention is unquantized over its block and its 129 values."""
+    torch.manual_seed(1)
+    b, h, n, d = 1, 2, 255, 16  # the next token fills the second key block (keys 128 quantized + 127 fp)
+    k_all, v_all = torch.randn(b, h, n + 1, d), torch.randn(b, h, n + 1, d)
+    layer = QuantizedLayer.from_layer(filled_layer(k_all[:, :, :n], v_all[:, :, :n]), bits=1)
+    layer.update(k_all[:, :, n:], v_all[:, :, n:])
+    k_hat = torch.cat([reference_dequant(k_all[:, :, :128].transpose(-1, -2), 1, 64).transpose(-1, -2),
+                       k_all[:, :, 128:].double()], dim=2)
+    v_hat = torch.cat([reference_dequant(v_all[:, :, :127], 1, 16), v_all[:, :, 127:].double()], dim=2)
+    query = torch.randn(1, 6, 1, 16)
+    torch.testing.assert_close(attend(layer, query, 0.25).double(), attention64(query, k_hat, v_hat, 0.25),
+                               rtol=0, atol=1e-5)
+    layer.update(torch.randn(b, h, 1, d), torch.randn(b, h, 1, d))  # the next step carries out the flush
+    assert sizes(layer) == (256, 1, 128, 129)
 
 
 def test_build_keeps_no_reference_and_rejects_misuse():
@@ -170,10 +189,10 @@ def decoded_layer(bits: int, n: int, steps: int, b: int = 2, h: int = 2, d: int 
 
 @pytest.mark.parametrize("bits", [1, 2])
 def test_attend_matches_float64_reference(bits):
-    layer, k_all, v_all = decoded_layer(bits, n=300, steps=90)  # T = 390: keys 384 + 6, values 262 + 128
+    layer, k_all, v_all = decoded_layer(bits, n=300, steps=90)  # T = 390: keys 384 + 6, values 261 + 129
     k_hat = torch.cat([reference_dequant(k_all[:, :, :384].transpose(-1, -2), bits, 64).transpose(-1, -2),
                        k_all[:, :, 384:].double()], dim=2)
-    v_hat = torch.cat([reference_dequant(v_all[:, :, :262], bits, 16), v_all[:, :, 262:].double()], dim=2)
+    v_hat = torch.cat([reference_dequant(v_all[:, :, :261], bits, 16), v_all[:, :, 261:].double()], dim=2)
     query = torch.randn(2, 6, 1, 16)  # GQA: 6 query heads over 2 KV heads
     out = attend(layer, query, 0.25)
     assert out.shape == (2, 1, 6, 16) and out.dtype == query.dtype

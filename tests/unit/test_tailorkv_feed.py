@@ -87,7 +87,7 @@ def eager_causal(query, keys, values, scaling):
     return out
 
 
-@pytest.mark.parametrize("q", [3, 37])  # the key residual (12) stays below a block / three blocks fill
+@pytest.mark.parametrize("q", [3, 4, 37])  # the key residual (12) stays below a block / fills one / three fill
 def test_quantized_chunk_stores_as_one_token_per_step_and_attends_the_past_plus_itself_unquantized(q):
     layer = QuantizedLayer.from_layer(filled_layer(44), bits=2, group=8, residual=16)  # keys 32 + 12, values 28 + 16
     past = layer.decode_kv()  # what a step before the chunk attends: the past dequantized / residual
@@ -97,8 +97,8 @@ def test_quantized_chunk_stores_as_one_token_per_step_and_attends_the_past_plus_
     for t in range(q):
         steps.update(keys[:, :, t:t + 1], values[:, :, t:t + 1])
     n = 44 + q
-    assert layer.k_quant.length == steps.k_quant.length == n // 16 * 16
-    assert layer.v_quant.packed.shape[-2] == n - 16 and layer.get_seq_length() == n == layer.seen_tokens
+    assert layer.k_quant.length == steps.k_quant.length == n - ((n - 1) % 16 + 1)  # a block just filled stays fp
+    assert layer.v_quant.packed.shape[-2] == n - 17 and layer.get_seq_length() == n == layer.seen_tokens
     for name in ("packed", "scale", "zero"):  # bitwise the storage of q decode steps
         assert torch.equal(getattr(layer.k_quant, name), getattr(steps.k_quant, name))
         assert torch.equal(getattr(layer.v_quant, name), getattr(steps.v_quant, name))
