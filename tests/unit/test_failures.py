@@ -91,6 +91,7 @@ def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_pat
         results = tmp_path / signal.Signals(signum).name
         args = ["model=tiny_llama", "method=snapkv", "budget=64", *THREE,
                 "dataset._target_=tests.unit.faulty.HeldNeedle", f"+dataset.release={tmp_path / 'never'}",
+                "dataset.metrics=[pyramidkv_recall]",  # one metric: ROUGE's import (nltk) costs ~1.3 s of CPU
                 f"results_dir={results}"]
         procs[signum] = (results, subprocess.Popen([sys.executable, "-m", "kvbench.run", *args], cwd=ROOT, env=ENV,
                                                    stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
