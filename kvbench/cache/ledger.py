@@ -19,6 +19,8 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from kvbench.cache.kv_cache import gather_rows
+
 H2D = ("critical_keys", "topk_keys", "topk_values")
 
 
@@ -47,8 +49,7 @@ class TransferLedger:
         """Gather rows `index` `[B, H, k]` of the host tensor `source` `[B, H, rows, cols]` (per batch and head) and
         move them to `device`, counting the bytes moved. On CUDA the gather lands in pinned memory and is copied
         asynchronously on the current stream."""
-        b, h, k = index.shape
-        rows = source.gather(2, index.to(source.device)[..., None].expand(b, h, k, source.shape[-1]))
+        rows = gather_rows(source, index.to(source.device))
         if device.type == "cuda":
             rows = rows.pin_memory().to(device, non_blocking=True)
         elif rows.device != device:

@@ -48,7 +48,10 @@ class VarlenLayer(KVLayer):
         heads = torch.arange(len(idx), device=lens.device)
         flat_head = heads.repeat_interleave(lens)  # each flat entry's head and place in it (decode padding)
         flat_slot = torch.arange(int(new.cu[-1]), device=lens.device) - new.cu[:-1].repeat_interleave(lens)
-        new.prompt_slots = flat_head * new.max_head_len + flat_slot  # where each flat entry lands in [H * longest]
+        slots = flat_head * new.max_head_len + flat_slot  # where each flat entry lands in [H * longest]
+        new.prompt_source = torch.zeros(len(idx) * new.max_head_len, dtype=torch.long, device=lens.device)
+        new.prompt_source[slots] = torch.arange(len(slots), device=lens.device)  # each slot's flat entry (padding:
+        #                                                                           entry 0, masked by `valid`)
         new.prompt_valid = (torch.arange(new.max_head_len, device=lens.device)[None] < lens[:, None])[None]
         new.prompt_positions = new.flat_positions.new_zeros(len(idx), new.max_head_len)
         new.prompt_positions[flat_head, flat_slot] = new.flat_positions
@@ -64,10 +67,10 @@ class VarlenLayer(KVLayer):
         """This step's keys/values `[1, H, longest + t, D]`: each head's prompt entries padded to the longest,
         then the t decoded tokens; `valid` masks the padding."""
         h, longest, t, d = len(self.offsets) - 1, self.max_head_len, self.keys.shape[-2], self.flat_keys.shape[-1]
-        out = []
+        out = []  # (one row copy per slot; a padding slot copies entry 0, which `valid` masks)
         for flat, dense in ((self.flat_keys, self.keys), (self.flat_values, self.values)):
-            prompt = flat.new_zeros(h * longest, d).index_copy_(0, self.prompt_slots, flat)
-            out.append(torch.cat([prompt.view(1, h, longest, d), dense], dim=2))
+            prompt = flat.index_select(0, self.prompt_source).view(1, h, longest, d)
+            out.append(torch.cat([prompt, dense], dim=2) if t else prompt)
         valid = torch.cat([self.prompt_valid, self.prompt_valid.new_ones(1, h, t)], dim=-1)
         return DecodeKV(*out, valid, torch.cat([self.prompt_positions, self.positions], dim=-1))
 

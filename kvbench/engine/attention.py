@@ -12,7 +12,8 @@ one flat K/V. Otherwise on CUDA every sequence is copied into one padded block a
 softmax, one more matmul. On the CPU the same masked math runs per sequence over its own tensors (`padded=False`):
 there kernel launches cost little and the padded copy costs more than it saves (`scripts/bench_attention.py`:
 padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending each where it lies; nested
-tensors through sdpa 10-30x slower). Rows whose layers hand over different head counts (Quest's one row of entries per query
+tensors through sdpa 10-30x slower). Sequences of one shape (H2O's at one budget, TailorKV's offloaded layers
+at one step) need no padding: they are stacked and attended in one call. Rows whose layers hand over different head counts (Quest's one row of entries per query
 head beside layers per KV head) take one padded or flash call per head count.
 
 What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale
@@ -57,20 +58,44 @@ def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Se
         return _by_layout(query, kvs, scale, return_logits, padded, shaping)
     if use_flash(query) and alibi_slopes is None and window is None and not return_logits:
         return _flash(query, kvs, scale, softcap), None
+    positions = alibi_slopes is not None or window is not None
     if padded:
-        return _attend(query, *pad(kvs, positions=alibi_slopes is not None or window is not None), scale, **shaping)
-    outs, logits, start = [], [], 0
+        return _attend(query, *pad(kvs, positions=positions), scale, **shaping)
+    starts = [0]
     for kv in kvs:
-        b = kv.keys.shape[0]
-        out, row_logits = _attend(query[start:start + b], kv.keys, kv.values, kv.valid, kv.positions,
-                                  scale[start:start + b], **shaping)
-        outs.append(out)
-        logits.append(row_logits)
-        start += b
+        starts.append(starts[-1] + kv.keys.shape[0])
+    outs, logits = [None] * len(kvs), [None] * len(kvs)
+    for members in _same_shape(kvs, positions):  # rows of one shape: one matmul, no padding
+        rows = [query[starts[i]:starts[i + 1]] for i in members]
+        kv = kvs[members[0]] if len(members) == 1 else stack([kvs[i] for i in members], positions)
+        out, row_logits = _attend(torch.cat(rows) if len(rows) > 1 else rows[0], kv.keys, kv.values, kv.valid,
+                                  kv.positions, torch.cat([scale[starts[i]:starts[i + 1]] for i in members]),
+                                  **shaping)
+        sizes = [starts[i + 1] - starts[i] for i in members]
+        for i, o, x in zip(members, out.split(sizes), row_logits.split(sizes)):
+            outs[i], logits[i] = o, x
     if not return_logits:
         return torch.cat(outs), None
     length = max(x.shape[-1] for x in logits)
     return torch.cat(outs), torch.cat([F.pad(x, (0, length - x.shape[-1]), value=float("-inf")) for x in logits])
+
+
+def _same_shape(kvs: Sequence[DecodeKV], positions: bool) -> list[list[int]]:
+    """Indices of `kvs` grouped by what one masked matmul can take without padding: the same heads, length and
+    head dims, a mask for all or none, and (when `positions` are read) positions for all or none."""
+    groups: dict[tuple, list[int]] = {}
+    for i, kv in enumerate(kvs):
+        key = (kv.keys.shape[1:], kv.values.shape[1:], kv.keys.dtype, kv.keys.device, kv.valid is None,
+               positions and kv.positions is None)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def stack(kvs: Sequence[DecodeKV], positions: bool = True) -> DecodeKV:
+    """`DecodeKV`s of one shape as one, their rows in order (`positions`: kept, else dropped)."""
+    return DecodeKV(torch.cat([kv.keys for kv in kvs]), torch.cat([kv.values for kv in kvs]),
+                    None if kvs[0].valid is None else torch.cat([kv.valid for kv in kvs]),
+                    torch.cat([kv.positions for kv in kvs]) if positions and kvs[0].positions is not None else None)
 
 
 def _by_layout(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, return_logits: bool, padded: bool,
@@ -106,9 +131,10 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, p
             ) -> tuple[Tensor, Tensor]:
     """The math over one `[S, H_kv, L, D]` block: logits, soft cap, ALiBi and window by position, mask, softmax,
     values. fp32. Returns the output `[S, 1, H_q, D]` and the masked logits `[S, H_q, L]`."""
-    s, h_kv, length, d = keys.shape
-    q = query.float().reshape(s, h_kv, -1, d)  # [S, H_kv, G, D]
-    logits = q @ keys.float().transpose(-1, -2) * scale[:, None, None, None]  # [S, H_kv, G, L]
+    s, h_kv, length, d = keys.shape  # (bmm on 3-d views: what `@` runs on 4-d tensors, in fewer dispatched ops)
+    q = query.float().reshape(s * h_kv, -1, d)  # [S * H_kv, G, D]
+    logits = torch.bmm(q, keys.float().reshape(s * h_kv, length, d).transpose(1, 2))
+    logits = logits.view(s, h_kv, -1, length) * scale.view(s, 1, 1, 1)  # [S, H_kv, G, L]
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     if alibi_slopes is not None or window is not None:
@@ -122,8 +148,9 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, p
             valid = inside if valid is None else valid & inside
     if valid is not None:
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    out = logits.softmax(dim=-1) @ values.float()  # [S, H_kv, G, D]
-    return out.reshape(s, 1, -1, d).to(query.dtype), logits.reshape(s, -1, length)
+    probs = logits.softmax(dim=-1).view(s * h_kv, -1, length)
+    out = torch.bmm(probs, values.float().reshape(s * h_kv, length, -1))  # [S * H_kv, G, D]
+    return out.view(s, 1, -1, d).to(query.dtype), logits.view(s, -1, length)
 
 
 def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:

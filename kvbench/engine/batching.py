@@ -30,14 +30,15 @@ evictor's top-k, can flip where two candidates are that close; after a flip the 
 test models and the embedded model at fp32 no flip occurred (tests/unit/test_batching.py checks tokens, logits and
 evictors' scores; scripts/bench_batch.py checks tokens on the embedded model).
 
-No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices),
-so CUDA streams are not synchronized by it; tokens are read to the host once per step for all samples. On CUDA the
+No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices; the
+index of a set of samples is made once per set, `index_of`), so CUDA streams are not synchronized by it; tokens are read to the host once per step for all samples. On CUDA the
 engine's call runs flash-attn varlen over (sample, KV head) segments where it can (see `kvbench.engine.attention`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
 generates.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
 from collections import deque
@@ -495,19 +496,26 @@ def per_row(value, batch: int) -> bool:
 
 
 def rows_of(tensor: Tensor, rows: list[int]) -> Tensor:
-    """Rows `rows` of `tensor`, in that order (slices, so no index tensor goes to the device)."""
+    """Rows `rows` of `tensor`, in that order."""
     if rows == list(range(tensor.shape[0])):
         return tensor
-    return torch.cat([tensor[i:i + 1] for i in rows])
+    if len(rows) == 1:
+        return tensor[rows[0]:rows[0] + 1]
+    return tensor.index_select(0, index_of(tuple(rows), tensor.device))
 
 
 def scattered(tensor: Tensor, slot_idx: list[int], row_idx: list[int], n_rows: int) -> Tensor:
-    """The batch's rows `slot_idx` of `tensor` placed at rows `row_idx` of an `n_rows` tensor (the others zero);
-    row by row, so no index tensor goes to the device."""
-    out = tensor.new_zeros(n_rows, *tensor.shape[1:])
-    for i, r in zip(slot_idx, row_idx):
-        out[r] = tensor[i]
-    return out
+    """The batch's rows `slot_idx` of `tensor` placed at rows `row_idx` of an `n_rows` tensor (the others zero)."""
+    return tensor.new_zeros(n_rows, *tensor.shape[1:]).index_copy_(0, index_of(tuple(row_idx), tensor.device),
+                                                                   rows_of(tensor, slot_idx))
+
+
+@functools.lru_cache(maxsize=1024)
+def index_of(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """`rows` as an index tensor on `device`, made once per set of rows (a set lasts until a sample joins or leaves),
+    so the step does not copy an index from the host to the device each time; one `index_select` replaces a slice
+    and a copy per row."""
+    return torch.tensor(rows, device=device)
 
 
 class PrefilledOnce(BatchedDecoder):

@@ -4,7 +4,8 @@ With a device map, layer i's weights, its KV cache, its captured queries and (Ta
 side all belong on layer i's device; activations cross devices only between layers, where accelerate's hooks move
 them. kvbench's caches already allocate from the tensors they are given, so the one place that must move data
 itself is code that runs a layer's weights on another layer's activations (TailorKV's one-layer-ahead query
-prediction): `to_device_of` moves the activations and `weights_present` loads weights offloaded to cpu/disk.
+prediction): it moves the activations to the layer's `execution_device` and `weights_present` loads weights offloaded
+to cpu/disk.
 `layer_devices` resolves an accelerate device map (module-name prefixes -> device) to one device per decoder layer,
 as accelerate does: the longest matching prefix wins.
 """
@@ -63,11 +64,11 @@ def execution_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def to_device_of(module: torch.nn.Module, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """Move tensors to where `module` computes (no copy when they are already there): another layer's activations
-    fed to this layer's weights."""
-    device = execution_device(module)
-    return tuple(t.to(device) for t in tensors)
+def offloads_weights(module: torch.nn.Module) -> bool:
+    """Whether any of `module`'s weights are offloaded to cpu/disk (accelerate), so `weights_present` must load them."""
+    from accelerate.utils import has_offloaded_params
+
+    return any(has_offloaded_params(sub) for sub in module.modules())
 
 
 @contextmanager
