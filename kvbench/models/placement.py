@@ -14,7 +14,6 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 
 import torch
-from torch import Tensor
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
