@@ -85,8 +85,8 @@ def _same_shape(kvs: Sequence[DecodeKV], positions: bool) -> list[list[int]]:
     head dims, a mask for all or none, and (when `positions` are read) positions for all or none."""
     groups: dict[tuple, list[int]] = {}
     for i, kv in enumerate(kvs):
-        key = (kv.keys.shape[1:], kv.values.shape[1:], kv.keys.dtype, kv.keys.device, kv.valid is None,
-               positions and kv.positions is None)
+        key = (kv.keys.shape[1:], kv.values.shape[1:], kv.keys.dtype, kv.values.dtype, kv.keys.device,
+               kv.valid is None, positions and kv.positions is None)
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
