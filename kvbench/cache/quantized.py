@@ -23,7 +23,8 @@ reimplemented), so each step holds a transient of 2 x T x D x H fp32 for this la
 
 Several tokens appended at once (`generation.feed`: query=agnostic's question, a conversation's later turns;
 `append_chunk`) are stored as generated tokens are: they enter the full-precision residuals, the keys go in whole
-blocks but one the chunk's last token just filled, and values older than the last `residual + 1` are quantized one per token,
+blocks but one the chunk's last token just filled, and values older than the last `residual + 1` are quantized one
+per token,
 so the storage after a feed equals that after the same tokens appended one per step (quantization is per key block
 and per value token, so the order of flushes does not change a code). The chunk attends the past as its first token's
 step would (dequantized where quantized) and itself in full precision, causally: the official code's only

@@ -13,7 +13,8 @@ softmax, one more matmul. On the CPU the same masked math runs per sequence over
 there kernel launches cost little and the padded copy costs more than it saves (`scripts/bench_attention.py`:
 padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending each where it lies; nested
 tensors through sdpa 10-30x slower). Sequences of one shape (H2O's at one budget, TailorKV's offloaded layers
-at one step) need no padding: they are stacked and attended in one call. Rows whose layers hand over different head counts (Quest's one row of entries per query
+at one step) need no padding: they are stacked and attended in one call. Rows whose layers hand over different head
+counts (Quest's one row of entries per query
 head beside layers per KV head) take one padded or flash call per head count.
 
 What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale

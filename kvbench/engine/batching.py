@@ -19,7 +19,8 @@ generation does not hold the others back. A request may bring its own `Decoding`
 a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
 sweep together this way. A request may also be a step of something longer: `on_join` prepares it when it joins
 (a conversation's next turn, fed on its cache then) and `then` gives its follow-up once it has finished, admitted
-before any new request (`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression, token choice or batched step raises comes back as
+before any new request (`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression,
+token choice or batched step raises comes back as
 its exception; the others go on.
 
 Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
@@ -31,8 +32,10 @@ test models and the embedded model at fp32 no flip occurred (tests/unit/test_bat
 evictors' scores; scripts/bench_batch.py checks tokens on the embedded model).
 
 No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices; the
-index of a set of samples is made once per set, `index_of`), so CUDA streams are not synchronized by it; tokens are read to the host once per step for all samples. On CUDA the
-engine's call runs flash-attn varlen over (sample, KV head) segments where it can (see `kvbench.engine.attention`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
+index of a set of samples is made once per set, `index_of`), so CUDA streams are not synchronized by it; tokens are
+read to the host once per step for all samples. On CUDA the
+engine's call runs flash-attn varlen over (sample, KV head) segments where it can (see `kvbench.engine.attention`).
+Failure records, sharding and the record layout stay in `kvbench.run`; this module only
 generates.
 """
 from __future__ import annotations
@@ -252,7 +255,8 @@ class BatchedDecoder:
 
     def _into_rows(self, slot: Slot) -> Slot:
         """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`):
-        no decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and capacity, so
+        no decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and
+        capacity, so
         samples of one budget share them and a long full cache does not widen the others'."""
         if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
                 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
