@@ -43,7 +43,7 @@ test-gpu: setup  ## GPU tier (skipped without CUDA)
 gpu-check: setup  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + packed vs per-prompt prefill
 	$(PYTHON) -m pytest -q tests/gpu
 	$(PYTHON) scripts/bench_gpu.py
-	$(PYTHON) scripts/bench_prefill.py --dtype bfloat16 --lengths 1000 4000 --n 8
+	$(PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8
 
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 (grid launcher: one prefill per sample), then the report
 	$(PYTHON) -m kvbench.run -m hydra/launcher=grid method=full,streamingllm,snapkv,pyramidkv budget=64,128,256

@@ -7,6 +7,7 @@ one `[n, L]` forward, interleaved over `--reps` rounds; each way reports its bes
 
     python scripts/bench_prefill.py [--model embedded] [--lengths 300 1000] [--n 8] [--threads 1] [--device auto]
                                    [--dtype float32]
+    python scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000   # GPU: random weights
 """
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import time
 
 import torch
 
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from kvbench.models import ModelSpec, load
+from shapes import LLAMA3_1_8B  # scripts/shapes.py
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--shape", choices=["llama3.1-8b"], help="random weights of this shape instead of --model")
     ap.add_argument("--lengths", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--n", type=int, default=8, help="prompts per length")
     ap.add_argument("--reps", type=int, default=3)
@@ -29,11 +34,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = load(ModelSpec(name="bench", path=args.model, dtype=args.dtype, device=args.device))
+    if args.shape:  # the real shapes and kernels without a download
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA3_1_8B), dtype=getattr(torch, args.dtype),
+                                                     attn_implementation="sdpa").eval()
+    else:
+        model, _ = load(ModelSpec(name="bench", path=args.model, dtype=args.dtype, device=args.device))
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
-    print(f"# device={device} threads={torch.get_num_threads()} prompts per length={args.n} reps={args.reps}")
+    print(f"# {args.shape or args.model} {args.dtype} device={device} threads={torch.get_num_threads()} prompts per length={args.n} reps={args.reps}")
     print("| tokens per prompt | one forward per prompt s | one packed forward s | packed speed-up |")
     print("|---|---|---|---|")
     for length in args.lengths:

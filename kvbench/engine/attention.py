@@ -8,14 +8,16 @@ them in one call, per KV head over that head's own valid entries (a mask hides a
 
 Strategy, by device. On CUDA in fp16/bf16 with flash-attn importable, flash-attn's varlen kernel runs: each
 (sequence, KV head) one segment of one query token carrying its G query heads, over the valid entries gathered into
-one flat K/V. Otherwise on CUDA every sequence is copied into one padded block and masked: one batched matmul, one
-softmax, one more matmul. On the CPU the same masked math runs per sequence over its own tensors (`padded=False`):
-there kernel launches cost little and the padded copy costs more than it saves (`scripts/bench_attention.py`:
-padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending each where it lies; nested
-tensors through sdpa 10-30x slower). Sequences of one shape (H2O's at one budget, TailorKV's offloaded layers
-at one step) need no padding: they are stacked and attended in one call. Rows whose layers hand over different head
-counts (Quest's one row of entries per query
-head beside layers per KV head) take one padded or flash call per head count.
+one flat K/V. Otherwise on CUDA every sequence is copied into one padded block and masked: PyTorch's fused
+attention (`scaled_dot_product_attention`) in the cache's dtype, or, where the logits are wanted or shaped (soft
+cap, ALiBi, window), one batched fp32 matmul, one softmax, one more matmul; decode steps never use cuDNN's fused
+kernel (`without_cudnn_attention`). On the CPU that masked math runs per sequence over its own tensors
+(`padded=False`): there kernel launches cost little and the padded copy costs more than it saves
+(`scripts/bench_attention.py`: padding 32 Ada-KV-like sequences into one block was about 2-3x slower than attending
+each where it lies; nested tensors through sdpa 10-30x slower). Sequences of one shape (H2O's at one budget,
+TailorKV's offloaded layers at one step) need no padding: they are stacked and attended in one call. Rows whose
+layers hand over different head counts (Quest's one row of entries per query head beside layers per KV head) take
+one padded or flash call per head count.
 
 What shapes the logits is applied inside, per sequence and per head, as the model would: the softmax scale
 (a per-sequence temperature such as BUZZ's log n included), Gemma 2's soft cap `cap * tanh(logits / cap)`, ALiBi
@@ -29,12 +31,14 @@ logits) take the padded path. Query head `h * G + g` reads KV head h (GQA).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvbench.cache.kv_cache import DecodeKV
 
@@ -60,6 +64,8 @@ def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Se
     if use_flash(query) and alibi_slopes is None and window is None and not return_logits:
         return _flash(query, kvs, scale, softcap), None
     positions = alibi_slopes is not None or window is not None
+    if padded and query.is_cuda and not (return_logits or positions or softcap is not None):
+        return _sdpa(query, *pad(kvs, positions=False)[:3], scale, _uniform(scaling)), None
     if padded:
         return _attend(query, *pad(kvs, positions=positions), scale, **shaping)
     starts = [0]
@@ -152,6 +158,40 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, p
     probs = logits.softmax(dim=-1).view(s * h_kv, -1, length)
     out = torch.bmm(probs, values.float().reshape(s * h_kv, length, -1))  # [S * H_kv, G, D]
     return out.view(s, 1, -1, d).to(query.dtype), logits.view(s, -1, length)
+
+
+def without_cudnn_attention() -> contextlib.AbstractContextManager:
+    """Decode steps run PyTorch's fused attention on its flash, memory-efficient or math kernels, never cuDNN's:
+    cuDNN builds a graph for every new shape (68 ms each on an H100 with torch 2.11, against 0.09 ms for the call
+    itself), and a decode step is a new shape every step, per layer where layers hold different lengths (PyramidKV
+    decoded at 1.7 s/token with it, 33 ms without; docs/throughput.md). Prefill keeps PyTorch's choice: one shape
+    per prompt, and cuDNN's prefill was faster at 32k-64k tokens."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _sdpa(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, scale: Tensor,
+          uniform_scale: float | None) -> Tensor:
+    """The padded block through PyTorch's fused attention, in the cache's dtype: CUDA without flash-attn when no
+    logits are wanted (the fp32 math of `_attend` copies the whole padded block to fp32 every step: at batch 8 of
+    32k-token full Llama-3.1-8B caches, 1 GiB read and 2 GiB written per layer and step). A KV head's G query heads
+    are G query rows over that head (GQA without repeating K/V); `valid` masks each head's padding; a per-row scale
+    multiplies the query. Returns `[S, 1, H_q, D]`."""
+    s, h_q, _, d = query.shape
+    h_kv = keys.shape[1]
+    q = query.reshape(s, h_kv, h_q // h_kv, d)
+    if uniform_scale is None:
+        q, uniform_scale = (q.float() * scale.view(s, 1, 1, 1)).to(query.dtype), 1.0
+    mask = None if valid is None else valid[:, :, None, :]  # [S, H_kv, 1, L], the same for the G rows
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=uniform_scale)
+    return out.reshape(s, 1, h_q, -1).to(query.dtype)
+
+
+def _uniform(scaling: float | Sequence[float]) -> float | None:
+    """The one softmax scale all rows share, or None when they differ."""
+    if isinstance(scaling, (int, float)):
+        return float(scaling)
+    values = {float(x) for x in scaling}
+    return values.pop() if len(values) == 1 else None
 
 
 def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:

@@ -55,7 +55,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
-from kvbench.engine.attention import decode_attention
+from kvbench.engine.attention import decode_attention, without_cudnn_attention
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
@@ -377,8 +377,9 @@ class BatchedDecoder:
         self.model.set_attn_implementation(attention)
         t0 = time.perf_counter()
         try:
-            logits = self.model(input_ids=input_ids, past_key_values=past, position_ids=positions,
-                                use_cache=True).logits[:, -1]
+            with without_cudnn_attention():
+                logits = self.model(input_ids=input_ids, past_key_values=past, position_ids=positions,
+                                    use_cache=True).logits[:, -1]
         finally:
             self.model.set_attn_implementation(capture_name)
             if self.batch_size > 1:

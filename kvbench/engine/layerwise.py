@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import torch
+
 from kvbench.cache import KVCache
 from kvbench.methods.base import Kind, Method
 
@@ -47,10 +49,14 @@ def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | N
     budgets = method.layer_budgets(prompt_len, n_layers, budget)
 
     def after_attention(module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        sync = torch.cuda.synchronize if hidden.is_cuda else (lambda: None)
+        sync()  # CUDA: the layer's queued kernels are prefill time, not the eviction's (it would wait for them)
         t0 = time.perf_counter()
         idx = module.layer_idx
         stats.full_nbytes += cache.layers[idx].nbytes()
         compress_layer(method, cache, capture, idx, n_layers, budgets[idx], state)
+        sync()
         stats.compress_s += time.perf_counter() - t0
 
     handles = [m.register_forward_hook(after_attention) for m in modules.values()]

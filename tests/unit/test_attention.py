@@ -12,6 +12,7 @@ from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
 from kvbench.cache.varlen import VarlenLayer
+from kvbench.engine import attention
 from kvbench.engine.attention import attend, decode_attention
 
 H_KV, G, D = 2, 3, 8
@@ -79,6 +80,22 @@ def test_one_call_equals_each_sequence_and_head_alone(shaping, padded):
             torch.testing.assert_close(ours.double(), row, rtol=1e-5, atol=1e-5)
     if shaping.get("window"):  # the window really hid entries somewhere
         assert any((pos <= pos[-1] - shaping["window"]).any() for heads, _ in sequences for *_, pos in heads)
+
+
+@pytest.mark.parametrize("scales", [[0.35, 0.2, 0.5, 0.35 * 0.6], [0.35] * 4])
+def test_fused_path_equals_each_sequence_and_head_alone(scales):
+    """CUDA's fused (sdpa) path for logit-free steps, run here on the CPU: GQA as G query rows per KV head, padding
+    masked, a per-sequence scale through the query (or the shared one as sdpa's own scale)."""
+    gen = torch.Generator().manual_seed(11)
+    sequences = [ragged_sequence(gen, n) for n in [[5, 17], [40, 1], [23, 23], [3, 30]]]
+    query = torch.randn(4, H_KV * G, 1, D, generator=gen)
+    kvs = [kv for _, kv in sequences]
+    out = attention._sdpa(query, *attention.pad(kvs, positions=False)[:3],
+                          attention._scales(scales, kvs, "cpu"), attention._uniform(scales))
+    assert out.shape == (4, 1, H_KV * G, D)
+    for s, (heads, _) in enumerate(sequences):
+        torch.testing.assert_close(out[s, 0].double(), reference(query[s, :, 0], heads, scales[s])[0],
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_padding_never_changes_a_sequence():
