@@ -6,6 +6,7 @@ weights (no download), per prompt length and method at one budget:
 - decode ms/token at batch 1 and its ratio to the bytes-read bound: (weights read per token + KV bytes held) /
   memory bandwidth, the bandwidth measured here with a device-to-device copy (or given with --bandwidth-gbs);
 - peak device memory of the method's batch-1 run (CUDA);
+- first, per length, plain transformers' `generate` with its full cache: the baseline of the batch-1 decode step;
 - batched decode tokens/s at batch 1/8/32 (`kvbench.engine.batching`, after one more prefill), every sample decoding from
   a copy of the same compressed cache (decode-time eviction and storage methods hold per-sample hooks and are
   skipped there; a batch whose caches do not fit in free memory says so).
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import PrefilledOnce, Request
+from kvbench.engine.attention import without_cudnn_attention
 from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
@@ -100,6 +102,22 @@ def decode_run(model, method, capture, ids, budget, batch, copies_of, new_tokens
     return sum(len(g.token_ids) - 1 for g in gens) / seconds
 
 
+def transformers_decode(model, ids, new_tokens: int, device) -> tuple[float, float]:
+    """Plain transformers: greedy `generate` with its own full cache, as the baseline of kvbench's batch-1 step (both
+    launch-bound on a GPU at batch 1). Run without cuDNN attention like kvbench's decode steps (with it, every step
+    is a new shape and a new cuDNN graph). Returns (prefill s, decode s per token): one generate of 1 token, one of
+    `new_tokens`, the difference over the extra steps."""
+    seconds = []
+    with without_cudnn_attention():
+        for n in (1, new_tokens):
+            sync(device)
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            sync(device)
+            seconds.append(time.perf_counter() - t0)
+    return seconds[0], (seconds[1] - seconds[0]) / (new_tokens - 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3.1-8b")
@@ -143,6 +161,9 @@ def main() -> None:
     for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
         ids = ids.to(device)
+        prefill_s, decode_s = transformers_decode(model, ids, new_tokens, device)
+        print(f"| {n} | transformers generate | {n / prefill_s:.0f} | n/a | {1000 * decode_s:.2f} | n/a | n/a | n/a | "
+              + " | ".join("n/a" for _ in batches) + " |", flush=True)
         for method_name in args.methods:
             method = METHODS[method_name]()
             method_budget = None if method_name == "full" else budget
