@@ -20,8 +20,8 @@ def grouped_logits(query: Tensor, key: Tensor, scaling: float, softcap: float | 
     shared by its group of query heads), soft-capped as the model caps them (Gemma 2)."""
     b, h_q, q, d = query.shape
     h_kv = key.shape[1]
-    logits = (query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2)) * scaling
-    logits = logits.view(b, h_q, q, -1)
+    logits = query.float().reshape(b, h_kv, (h_q // h_kv) * q, d) @ key.float().transpose(-1, -2)
+    logits = logits.mul_(scaling).view(b, h_q, q, -1)  # in place: q x k floats are this function's whole cost
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
@@ -46,12 +46,12 @@ def causal_column_sums(query: Tensor, key: Tensor, scaling: float, scorers: dict
         c = rows.shape[2]
         logits = grouped_logits(rows, keys, scaling, softcap)
         if score_bias is not None:
-            logits = logits + score_bias(slice(start, start + c))
+            logits += score_bias(slice(start, start + c))
         at = torch.arange(offset + start, offset + start + c, device=query.device)[:, None]
         future = torch.arange(n_keys, device=query.device)[None, :] > at
         if block is not None:  # earlier rows see every key, future ones included
             future = future & (at >= n_keys - block)
-        masked = logits.masked_fill(future, float("-inf"))
+        masked = logits.masked_fill_(future, float("-inf"))  # in place, as above
         for name, score in scorers.items():
             totals[name] += score(masked).sum(dim=2)
     return totals
