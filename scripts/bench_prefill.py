@@ -44,7 +44,8 @@ def main() -> None:
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
-    print(f"# {args.shape or args.model} {args.dtype} device={device} threads={torch.get_num_threads()} prompts per length={args.n} reps={args.reps}")
+    print(f"# {args.shape or args.model} {args.dtype} device={device} threads={torch.get_num_threads()} "
+          f"prompts per length={args.n} reps={args.reps}")
     print("| tokens per prompt | one forward per prompt s | one packed forward s | packed speed-up |")
     print("|---|---|---|---|")
     for length in args.lengths:
