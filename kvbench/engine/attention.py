@@ -164,8 +164,8 @@ def without_cudnn_attention() -> contextlib.AbstractContextManager:
     """Decode steps run PyTorch's fused attention on its flash, memory-efficient or math kernels, never cuDNN's:
     cuDNN builds a graph for every new shape (68 ms each on an H100 with torch 2.11, against 0.09 ms for the call
     itself), and a decode step is a new shape every step, per layer where layers hold different lengths (PyramidKV
-    decoded at 1.7 s/token with it, 33 ms without; docs/throughput.md). Prefill keeps PyTorch's choice: one shape
-    per prompt, and cuDNN's prefill was faster at 32k-64k tokens."""
+    decoded at 1.7 s/token with it, 33 ms without; docs/throughput.md); so do chunks fed on top of a cache. A
+    prompt's prefill keeps PyTorch's choice: one shape per prompt, and cuDNN's prefill was faster at 32k-64k tokens."""
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 

@@ -7,6 +7,7 @@ keys keep their original RoPE positions. No Hydra, no files: `kvbench.runs` owns
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kvbench.engine import layerwise
+from kvbench.engine.attention import without_cudnn_attention
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
@@ -82,9 +84,11 @@ class Generation:
 def prefill(model, input_ids: Tensor, cache: KVCache, start: int = 0) -> Tensor:
     """Full-attention forward over the prompt; fills `cache`; returns the last position's logits `[B, V]`.
     `start` > 0: a chunk after `start` tokens already in `cache` (compressed or not: the capture masks each layer
-    as long as it is; `query=agnostic` feeds the question this way)."""
+    as long as it is; `query=agnostic` feeds the question this way). Such a chunk meets layers of different lengths
+    (PyramidKV's), a new attention shape per layer, so it runs without cuDNN's attention, as decode steps do."""
     pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
-    out = model(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    with without_cudnn_attention() if start else contextlib.nullcontext():
+        out = model(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
 
