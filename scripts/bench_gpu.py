@@ -26,9 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import PrefilledOnce, Request
 from kvbench.engine.attention import without_cudnn_attention
-from kvbench.engine.batching import generate
+from kvbench.engine.batching import PrefilledOnce, Request, generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

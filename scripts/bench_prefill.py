@@ -15,7 +15,6 @@ import argparse
 import time
 
 import torch
-
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvbench.models import ModelSpec, load
