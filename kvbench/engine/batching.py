@@ -12,16 +12,15 @@ decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine
 head; each sample's temperature scales its own logits, and its evictor scores the logits of that call (no second
 computation). So a layer costs two attention calls whatever the batch (rows, the rest); a lone sample outside the
 rows takes batch 1's path. Per-sample method work that several samples can share runs once for them: a layer type's
-`decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query prefetch, H2O's
-scoring and eviction for samples of one budget). A sample
-that finishes leaves at once and the next prompt is prefilled and joins (continuous batching), so one long
-generation does not hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and
-a prefill shared with other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a
-sweep together this way. A request may also be a step of something longer: `on_join` prepares it when it joins
-(a conversation's next turn, fed on its cache then) and `then` gives its follow-up once it has finished, admitted
-before any new request (`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression,
-token choice or batched step raises comes back as
-its exception; the others go on.
+`decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query prefetch,
+H2O's scoring and eviction for samples of one budget). A sample that finishes leaves at once and the next prompt is
+prefilled and joins (continuous batching), so one long generation does not hold the others back. A request may bring
+its own `Decoding` (method, sampling, positions) and a prefill shared with other requests (`generation.Prefilled`):
+the grid launcher decodes the configurations of a sweep together this way. A request may also be a step of something
+longer: `on_join` prepares it when it joins (a conversation's next turn, fed on its cache then) and `then` gives its
+follow-up once it has finished, admitted before any new request (`kvbench.engine.turns`: conversations decode
+together). A sample whose prefill, compression, token choice or batched step raises comes back as its exception; the
+others go on.
 
 Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
 The arithmetic is not bit-identical: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order differs from the
@@ -33,9 +32,9 @@ evictors' scores; scripts/bench_batch.py checks tokens on the embedded model).
 
 No index goes from the host to the device in the per-step bookkeeping (rows are written with host-side slices; the
 index of a set of samples is made once per set, `index_of`), so CUDA streams are not synchronized by it; tokens are
-read to the host once per step for all samples. On CUDA the
-engine's call runs flash-attn varlen over (sample, KV head) segments where it can (see `kvbench.engine.attention`).
-Failure records, sharding and the record layout stay in `kvbench.run`; this module only
+read to the host once per step for all samples. On CUDA the engine's call runs flash-attn varlen over (sample, KV
+head) segments where it can, else PyTorch's fused attention, and no decode step runs cuDNN's (see
+`kvbench.engine.attention`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
 generates.
 """
 from __future__ import annotations
@@ -254,10 +253,9 @@ class BatchedDecoder:
         return slot
 
     def _into_rows(self, slot: Slot) -> Slot:
-        """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`):
-        no decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and
-        capacity, so
-        samples of one budget share them and a long full cache does not widen the others'."""
+        """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`): no
+        decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and
+        capacity, so samples of one budget share them and a long full cache does not widen the others'."""
         if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
                 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
