@@ -34,11 +34,22 @@ from kvbench.methods.base import Method
 from kvbench.models.capture import AttentionCapture
 
 
+@dataclass(frozen=True)
+class Limits:
+    """When one answer ends: its dataset sample's fields of the same names (see `kvbench.data.base.Sample`)."""
+
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+
+
 @dataclass(eq=False)
 class Conversation:
     """One conversation to play: turn 0 answers `first_ids` (its last `question_len` tokens fed after compression
     under `query=agnostic`), turn k >= 1 answers `turns[k - 1]` (token ids: the follow-up in `append` mode, the
-    question part in `reset` mode). `tag` travels with it back to the caller."""
+    question part in `reset` mode). Each turn ends by its own `per_turn[k]` limits (None: `max_new_tokens` and
+    `stop` for every turn). `tag` travels with it back to the caller."""
 
     first_ids: list[int]
     turns: list[list[int]]
@@ -49,20 +60,26 @@ class Conversation:
     question_len: int = 0
     seed: int = 0
     tag: object = None
+    per_turn: list[Limits] | None = None
 
     def __post_init__(self):
         if self.mode not in ("append", "reset"):
             raise ValueError(f"turn_mode={self.mode!r} is not one of append, reset")
+        if self.per_turn is not None and len(self.per_turn) != len(self.turns) + 1:
+            raise ValueError(f"{len(self.per_turn)} turn limits for {len(self.turns) + 1} turns")
+
+    def limits(self, k: int) -> Limits:
+        return self.per_turn[k] if self.per_turn is not None else Limits(self.max_new_tokens, tuple(self.stop))
 
 
 def converse(model, tokenizer, method: Method, capture: AttentionCapture, first_ids: Tensor, turns: list[list[int]],
              budget: int | None, max_new_tokens: int, stop: tuple[str, ...] = (), mode: str = "append",
              question_len: int = 0, sampling: Sampling = Sampling(), positions: str = "original", seed: int = 0,
-             compress_after: str = "layer") -> Iterator[Generation]:
+             compress_after: str = "layer", per_turn: list[Limits] | None = None) -> Iterator[Generation]:
     """Yield one Generation per turn of one conversation (see `Conversation`; `first_ids` `[1, n]`). `kv_bytes` of a
     turn is what the cache held when its decoding began. A failure raises."""
     conversation = Conversation(first_ids[0].tolist(), turns, budget, max_new_tokens, tuple(stop), mode,
-                                question_len, seed)
+                                question_len, seed, per_turn=per_turn)
     for _, _, outcome in converse_many(model, tokenizer, method, capture, [conversation], 1, sampling, positions,
                                        compress_after):
         if isinstance(outcome, Exception):
@@ -103,10 +120,10 @@ class _Playing:
         self.previous: Generation | None = None
 
     def request(self, k: int) -> Request:
-        c = self.conversation
+        c, limits = self.conversation, self.conversation.limits(k)
         then = (lambda gen: self._answered(k, gen)) if k + 1 < len(self.feeds) else None
-        return Request(None, c.budget, c.max_new_tokens, tuple(c.stop), seed=c.seed, tag=(self, k),
-                       on_join=lambda: self._join(k), then=then)
+        return Request(None, c.budget, limits.max_new_tokens, limits.stop, limits.stop_token_ids,
+                       limits.min_new_tokens, c.seed, tag=(self, k), on_join=lambda: self._join(k), then=then)
 
     def _answered(self, k: int, gen: Generation) -> Request:
         self.previous = gen
@@ -120,8 +137,8 @@ class _Playing:
             n, q = len(c.first_ids), c.question_len
             ids = torch.tensor([c.first_ids[:n - q] if self.split_first else c.first_ids],
                                device=next(self.model.parameters()).device)
-            self.run = prepare(self.model, self.method, capture, ids, c.budget, c.max_new_tokens, self.positions,
-                               c.seed, self.compress_after, question_len=0 if self.split_first else q)
+            self.run = prepare(self.model, self.method, capture, ids, c.budget, c.limits(0).max_new_tokens,
+                               self.positions, c.seed, self.compress_after, question_len=0 if self.split_first else q)
             self.hooks = (capture.decode_hook, capture.input_hook)
             self.compressed = copy.deepcopy(self.run) if c.mode == "reset" else None
         tokens = self.feeds[k]

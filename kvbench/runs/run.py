@@ -129,7 +129,7 @@ def conversation_records(model, tokenizer, method, capture, dataset, conversatio
     decode together and a conversation rejoins the batch with its next turn (kvbench.engine.turns). Turns already in
     predictions.jsonl are skipped (replayed, not rewritten: a later turn needs the earlier ones on its cache). A
     failure gives failure records to the turns its conversation left unanswered; the others go on."""
-    from kvbench.engine.turns import Conversation, converse_many
+    from kvbench.engine.turns import Conversation, Limits, converse_many
     from kvbench.runs.failures import failure_record
 
     query = cfg.get("query", "aware")
@@ -144,8 +144,9 @@ def conversation_records(model, tokenizer, method, capture, dataset, conversatio
                 method.check_budget(budget)
             text = "followup" if mode == "append" else "question"
             later = [tokenizer(t.meta[text], add_special_tokens=False).input_ids for t in turns[1:]]
+            limits = [Limits(t.max_new_tokens, tuple(t.stop), tuple(t.stop_token_ids), t.min_new_tokens) for t in turns]
             playing.append(Conversation(ids, later, budget, first.max_new_tokens, tuple(first.stop), mode,
-                                        question_len, sample_seed(cfg, first), tag=turns))
+                                        question_len, sample_seed(cfg, first), tag=turns, per_turn=limits))
         except Exception as e:  # noqa: BLE001 - this conversation's failure; the run goes on
             yield from (failure_record(t, e) for t in turns if t.id not in done)
     answered = {id(c): 0 for c in playing}  # the turns each conversation has answered so far

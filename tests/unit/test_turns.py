@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.turns import converse
+from kvbench.engine.turns import Limits, converse
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, setup
@@ -25,10 +25,10 @@ from tests.unit.tiny import prompt, tiny_model
 NEW = 5
 
 
-def greedy(model, ids: list[int]) -> list[int]:
+def greedy(model, ids: list[int], new: int = NEW) -> list[int]:
     """transformers' greedy continuation, cut before EOS as kvbench cuts it."""
     eos = model.generation_config.eos_token_id
-    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=eos)[0, len(ids):]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=eos)[0, len(ids):]
     out = out.tolist()
     return out[: out.index(eos)] if eos in out else out
 
@@ -45,6 +45,30 @@ def test_append_with_the_full_cache_is_greedy_decoding_of_the_whole_conversation
         conversation += gen.token_ids
     assert gens[2].kv_bytes > gens[1].kv_bytes > gens[0].kv_bytes  # one cache, growing with the conversation
     assert [g.kv_bytes for g in gens] == [g.full_kv_bytes for g in gens]  # the full cache is 100 % of itself
+
+
+def test_each_turn_ends_by_its_own_limits():
+    """A dataset's turns may ask for different answer lengths and stop tokens: turn k decodes by its own sample's
+    limits, not the first turn's (greedy decoding of the whole conversation, as above, is the reference)."""
+    model = tiny_model("llama")
+    first, followups = prompt(90)[0].tolist(), [prompt(7, seed=s)[0].tolist() for s in (3, 4)]
+    before_last = first + greedy(model, first, 2) + followups[0]
+    before_last += greedy(model, before_last, 7) + followups[1]
+    last = greedy(model, before_last, 6)
+    stop = last[2]  # the last turn stops at this token (excluded), before its length
+    per_turn = [Limits(2), Limits(7), Limits(6, stop_token_ids=(stop,))]
+    with AttentionCapture(model) as capture:
+        gens = list(converse(model, None, METHODS["full"](), capture, torch.tensor([first]), followups, None, NEW,
+                             per_turn=per_turn))
+    conversation = list(first)
+    for gen, followup, limits in zip(gens, [None, *followups], per_turn):
+        conversation += followup or []
+        expected = greedy(model, conversation, limits.max_new_tokens)
+        if limits.stop_token_ids:
+            expected = expected[:expected.index(stop)]
+        assert gen.token_ids == expected
+        conversation += expected
+    assert [len(g.token_ids) for g in gens] == [2, 7, last.index(stop)]
 
 
 def test_reset_agnostic_with_the_full_cache_answers_each_question_after_the_context_alone():
