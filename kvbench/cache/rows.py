@@ -6,7 +6,8 @@ entries, then each decoded token written in place, and one attention call reads 
 length. The sample's `RowLayer` is a view of its row, so its accounting (`nbytes`, entries per head) is what its
 own tensors would give; the rows' spare capacity (at most the tokens still to decode, rounded up to `ROUND`) is not
 counted per sample. Only plain dense layers move into rows (`kvbench.engine.batching` decides): no decode-time eviction,
-no per-sample attention temperature, no position shift, no sliding window.
+no per-sample attention temperature, no position shift, no sliding window; the decoded tokens of per-head variable
+layers do too, beside their pool (`kvbench.cache.varlen.VarlenRows`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Rows:
         self.held = torch.zeros(0, capacity, dtype=torch.bool, device=like.keys.device)  # entries a row holds
         self.lengths: list[int] = []
         self.owners: list[RowLayer | None] = []
+        self.pool = None  # the `varlen.VarlenRows` whose decoded tokens these rows hold, if any
 
     @staticmethod
     def capacity_for(layer: KVLayer, new_tokens: int) -> int:

@@ -2,25 +2,26 @@
 
 Each prompt is prefilled and compressed alone (`generation.prepare`: exact, no padding inside a prompt). Decoding
 then runs one model forward per step for every active sample: embeddings, norms, RoPE, MLPs and the LM head see an
-`[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention: a sample's
-plain dense layers (no decode-time eviction, temperature, prefetch or position shift: SnapKV, PyramidKV,
-StreamingLLM, full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are
-written in place and one call per layer attends every row, masked to each row's length. Every other sample's layer
-(Ada-KV's per-head layers, TailorKV's quantized and offloaded layers, the layers of H2O / Keyformer / BUZZ with their
-decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's decode attention
-(`kvbench.engine.attention`) with what it holds this step (`decode_kv`), whatever the lengths per sample, layer and
-head; each sample's temperature scales its own logits, and its evictor scores the logits of that call (no second
-computation). So a layer costs two attention calls whatever the batch (rows, the rest); a lone sample outside the
-rows takes batch 1's path. Per-sample method work that several samples can share runs once for them: a layer type's
-`decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query prefetch,
-H2O's scoring and eviction for samples of one budget). A sample that finishes leaves at once and the next prompt is
-prefilled and joins (continuous batching), so one long generation does not hold the others back. A request may bring
-its own `Decoding` (method, sampling, positions) and a prefill shared with other requests (`generation.Prefilled`):
-the grid launcher decodes the configurations of a sweep together this way. A request may also be a step of something
-longer: `on_join` prepares it when it joins (a conversation's next turn, fed on its cache then) and `then` gives its
-follow-up once it has finished, admitted before any new request (`kvbench.engine.turns`: conversations decode
-together). A sample whose prefill, compression, token choice or batched step raises comes back as its exception; the
-others go on.
+`[N, 1]` batch, so the weights are read once for N tokens (decode is weight-read bound). Attention: a sample's plain
+dense layers (no decode-time eviction, temperature, prefetch or position shift: SnapKV, PyramidKV, StreamingLLM,
+full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are written in place
+and one call per layer attends every row, masked to each row's length. Per-head variable layers (Ada-KV, KVzip) move
+into a pool of their own (`kvbench.cache.varlen.VarlenRows`): one padded block per layer and step for all of them,
+one engine call. Every other sample's layer (TailorKV's quantized and offloaded layers, the layers of H2O /
+Keyformer / BUZZ with their decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's
+decode attention (`kvbench.engine.attention`) with what it holds this step (`decode_kv`), whatever the lengths per
+sample, layer and head; each sample's temperature scales its own logits, and its evictor scores the logits of that
+call (no second computation). So a layer costs one attention call per set of rows or pool and one for the rest,
+whatever the batch; a lone sample outside them takes batch 1's path. Per-sample method work that several samples can
+share runs once for them: a layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together`
+(TailorKV's predicted-query prefetch, H2O's scoring and eviction for samples of one budget). A sample that finishes
+leaves at once and the next prompt is prefilled and joins (continuous batching), so one long generation does not
+hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and a prefill shared with
+other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a sweep together this way.
+A request may also be a step of something longer: `on_join` prepares it when it joins (a conversation's next turn,
+fed on its cache then) and `then` gives its follow-up once it has finished, admitted before any new request
+(`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression, token choice or
+batched step raises comes back as its exception; the others go on.
 
 Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
 The arithmetic is not bit-identical: an `[N, d] x [d, m]` matmul runs a GEMM whose reduction order differs from the
@@ -54,6 +55,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
+from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.attention import decode_attention, without_cudnn_attention
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
@@ -253,21 +255,23 @@ class BatchedDecoder:
         return slot
 
     def _into_rows(self, slot: Slot) -> Slot:
-        """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`): no
-        decode-time eviction, temperature, prefetch, position shift or sliding window. Rows are per layer and
-        capacity, so samples of one budget share them and a long full cache does not widen the others'."""
+        """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`),
+        and its per-head variable layers into a pool (`kvbench.cache.varlen.VarlenRows`): no decode-time eviction,
+        temperature, prefetch, position shift or sliding window. Rows are per layer and capacity, so samples of one
+        budget share them and a long full cache does not widen the others'."""
         if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
                 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
         layers = slot.run.cache.layers
         try:
             for i, layer in enumerate(layers):
-                if type(layer) is KVLayer and layer.is_initialized and layer.shift_inv_freq is None:
+                kind = Rows if type(layer) is KVLayer else VarlenRows if type(layer) is VarlenLayer else None
+                if kind is not None and layer.is_initialized and layer.shift_inv_freq is None:
                     capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
                     key = (i, capacity, layer.keys.shape[1], layer.keys.shape[-1], layer.keys.dtype,
-                           layer.keys.device)
+                           layer.keys.device, kind)
                     if key not in self.rows:
-                        self.rows[key] = Rows(layer, capacity)
+                        self.rows[key] = kind(layer, capacity)
                     layers[i] = self.rows[key].take(layer)
         except BaseException:
             self._leave_rows(slot)
@@ -423,11 +427,19 @@ class BatchedDecoder:
         for rows, members in shared.values():
             self.capture.cache = self.cache.slots[members[0][0]].run.cache
             n_rows, slot_idx, row_idx = len(rows.owners), *map(list, zip(*members))
-            if slot_idx == row_idx == list(range(batch)) and n_rows == batch:  # the batch is the rows, in order
+            in_order = slot_idx == row_idx == list(range(batch)) and n_rows == batch  # the batch is the rows
+            if rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
+                scale = kwargs.get("scaling") or module.scaling
+                out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
+                                       [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
+            elif in_order:
                 return capture_fn(module, query, *rows.attention_inputs(), **kwargs)
-            out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows), *rows.attention_inputs(),
-                             **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
-                                for k, v in kwargs.items()})[0]
+            else:
+                out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows), *rows.attention_inputs(),
+                                 **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
+                                    for k, v in kwargs.items()})[0]
+            if in_order:
+                return out, None
             for i, r in members:
                 outputs[i] = out[r:r + 1]
         others = [i for i in range(batch) if outputs[i] is None]

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache.kv_cache import KVLayer
-from kvbench.cache.varlen import VarlenLayer
-from kvbench.engine.attention import attend
+from kvbench.cache.rows import append
+from kvbench.cache.varlen import VarlenLayer, VarlenRows
+from kvbench.engine.attention import attend, decode_attention
 from kvbench.engine.batching import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture
@@ -131,6 +132,47 @@ def test_decode_appends_without_copying_the_flattened_prompt():
     for _ in range(3):
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
     assert layer.flat_keys.data_ptr() == before and layer.keys.shape[2] == 3
+
+
+def test_samples_in_one_pool_hold_attend_and_leave_as_their_own_layers():
+    """Batched decoding's `VarlenRows`: three samples' per-head layers (different head lengths) in one flat pool, their
+    decoded tokens in shared rows (one sample skips a step). Each holds its own bytes and entries; one call attends
+    all three as a float64 recomputation over each one's own kept entries does; a sample leaving takes exactly its
+    entries out of the pool, and one detaching becomes a `VarlenLayer` that attends as before."""
+    references = [random_varlen(decode=0, seed=s) for s in range(3)]
+    pool = VarlenRows(random_varlen(decode=0, seed=0)[0], capacity=64)
+    pooled = [pool.take(random_varlen(decode=0, seed=s)[0]) for s in range(3)]
+    g, new = torch.Generator().manual_seed(5), [[], [], []]
+    for step in range(3):
+        for i in ([0, 1, 2] if step < 2 else [0, 2]):
+            k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g)
+            references[i][0].update(k, v)
+            append([pooled[i]], [k[0]], [v[0]])
+            new[i].append((k, v))
+    q = torch.randn(3, 6, 1, 8, generator=g)
+
+    def assert_attends_as_alone(rows):
+        out = decode_attention(q, [pool.decode_kv()], 0.35)[0]
+        for i in rows:
+            _, keys, values, idx, _ = references[i]
+            expected = dense_recompute(q[i:i + 1], keys, values, idx, new[i], 0.35)
+            torch.testing.assert_close(out[i:i + 1].double(), expected, rtol=1e-5, atol=1e-6)
+
+    for layer, (reference, *_) in zip(pooled, references):
+        assert layer.nbytes() == reference.nbytes() and layer.entries_per_head() == reference.entries_per_head()
+    assert pool.flat_keys.shape[0] == sum(len(i) for _, _, _, idx, _ in references for i in idx)  # no padding
+    assert_attends_as_alone([0, 1, 2])
+    held = pool.flat_keys.shape[0]
+    pooled[1].release()
+    assert pool.flat_keys.shape[0] == held - sum(len(i) for i in references[1][3])
+    assert_attends_as_alone([0, 2])
+    alone = pooled[2].detach()
+    assert type(alone) is VarlenLayer and alone.nbytes() == references[2][0].nbytes()
+    _, keys, values, idx, _ = references[2]
+    torch.testing.assert_close(attend(alone, q[2:3], 0.35).double(),
+                               dense_recompute(q[2:3], keys, values, idx, new[2], 0.35), rtol=1e-5, atol=1e-6)
+    assert pool.flat_keys.shape[0] == sum(len(i) for i in references[0][3]) and pool.owners[1:] == [None, None]
+    assert_attends_as_alone([0])
 
 
 # --- through the model --------------------------------------------------------------------------------------------
