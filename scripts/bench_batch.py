@@ -13,10 +13,12 @@ which moves much less with other processes' load than wall time does on a shared
 The last column is the most batching can give on this machine: plain transformers' own forward of one new token per
 row over a dense `DynamicCache` of `budget` tokens, at batch B against batch 1 (B x its batch-1 step time over its
 batch-B step time; median of 8 steps). On a CPU the model's matmuls at batch B cost more than at batch 1, so no
-cache layout, kvbench's or any other, decodes faster than this ratio.
+cache layout, kvbench's or any other, decodes faster than this ratio. `--count-ops` adds one untimed pass per batch
+size that counts the aten operations dispatched per decoded token: per-sample work that a GPU pays in kernel launches,
+measured on any machine.
 
     python scripts/bench_batch.py [--batches 1 8 32] [--n 32] [--methods snapkv adakv h2o tailorkv] [--min-len 512]
-                                  [--max-len 1536] [--new-tokens 32]
+                                  [--max-len 1536] [--new-tokens 32] [--count-ops]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import argparse
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
@@ -71,6 +74,7 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 threads on 2 shared cores thrash)")
+    ap.add_argument("--count-ops", action="store_true", help="also count aten operations per decoded token")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -85,13 +89,17 @@ def main() -> None:
     plain = {b: min(forward_seconds(model, b, args.budget) for _ in range(2)) for b in args.batches}  # (no capture)
     best, best_cpu, same, reference, memo = {}, {}, {}, None, {}
     order = [b for rep in range(args.reps) for b in (args.batches if rep % 2 == 0 else args.batches[::-1])]
+    ops = {}
     with AttentionCapture(model) as capture:
-        for batch in order:
+        def decode(batch: int) -> tuple[PrefilledOnce, dict]:
             requests = [Request(x, args.budget, args.new_tokens, tag=i,
                                 decoding=Decoding(methods[i % len(methods)])) for i, x in enumerate(ids)]
             decoder = PrefilledOnce(model, tok, methods[0], capture, batch, eos_ids=set(), memo=memo)
+            return decoder, {r.tag: g for r, g in decoder.run(requests)}
+
+        for batch in order:
             t0, c0 = time.perf_counter(), time.process_time()
-            done = {r.tag: g for r, g in decoder.run(requests)}
+            decoder, done = decode(batch)
             seconds = time.perf_counter() - t0 - decoder.join_s
             cpu = time.process_time() - c0 - decoder.join_cpu_s
             steps = sum(len(g.token_ids) - 1 for g in done.values())  # decode forwards (token 1 is prefill's)
@@ -101,6 +109,10 @@ def main() -> None:
             if batch not in best or steps / seconds > best[batch][3]:
                 best[batch] = (batch, steps, seconds, steps / seconds)
             best_cpu[batch] = min(best_cpu.get(batch, float("inf")), cpu)
+        for batch in args.batches if args.count_ops else []:  # one more pass each, untimed
+            with OpCounter() as counter:
+                decode(batch)
+            ops[batch] = counter.count / best[batch][1]
     rows = [(*best[b], best_cpu[b], same[b]) for b in args.batches]
     base, base_cpu = rows[0][3], rows[0][1] / rows[0][4]
     print("| batch | decode tokens | decode s | decode tok/s | vs batch 1 | CPU s | tok per CPU s | vs batch 1 (CPU) "
@@ -111,6 +123,22 @@ def main() -> None:
         ceiling = batch * plain[first] / (first * plain[batch])
         print(f"| {batch} | {steps} | {seconds:.2f} | {tok_s:.1f} | {tok_s / base:.2f}x | {cpu:.2f} | "
               f"{steps / cpu:.1f} | {steps / cpu / base_cpu:.2f}x | {same} | {ceiling:.2f}x |")
+    if ops:
+        print("\naten operations dispatched per decoded token (each launches at least one kernel on a GPU; the "
+              "hand-over of the prepared copies included): "
+              + ", ".join(f"batch {b}: {n:,.0f}" for b, n in ops.items()))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active: a device-independent measure of per-sample work."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 if __name__ == "__main__":

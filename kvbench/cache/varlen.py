@@ -20,9 +20,8 @@ per-sample copy, cat or kernel.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 import torch.nn.functional as F
+from torch import Tensor
 
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows
@@ -132,8 +131,7 @@ class VarlenRows:
     def release(self, row: int) -> None:
         """Free the row and drop its entries from the pool (later samples' entries move up)."""
         start, size = self.segments[row]
-        keep = [self.flat_keys[:start], self.flat_keys[start + size:]]
-        self.flat_keys = torch.cat(keep)
+        self.flat_keys = torch.cat([self.flat_keys[:start], self.flat_keys[start + size:]])
         self.flat_values = torch.cat([self.flat_values[:start], self.flat_values[start + size:]])
         self.segments = [None if s is None or r == row else (s[0] - size if s[0] > start else s[0], s[1])
                          for r, s in enumerate(self.segments)]
