@@ -40,11 +40,12 @@ test-integration: setup  ## integration tier (embedded SmolLM2)
 test-gpu: setup  ## GPU tier (skipped without CUDA)
 	$(PYTHON) -m pytest -q tests/gpu
 
-gpu-check: setup  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill
-	$(PYTHON) -m pytest -q tests/gpu
-	$(PYTHON) scripts/bench_gpu.py
-	$(PYTHON) scripts/bench_sdpa_shapes.py
-	$(PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8
+GPU_PYTHON ?= $(PYTHON)
+gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill (GPU_PYTHON=python3: a Python with the deps already, no setup)
+	$(GPU_PYTHON) -m pytest -q tests/gpu
+	$(GPU_PYTHON) scripts/bench_gpu.py
+	$(GPU_PYTHON) scripts/bench_sdpa_shapes.py
+	$(GPU_PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8
 
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 (grid launcher: one prefill per sample), then the report
 	$(PYTHON) -m kvbench.run -m hydra/launcher=grid method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
