@@ -188,8 +188,11 @@ class PooledVarlenLayer(RowLayer):
         return self.rows.pool
 
     def nbytes(self) -> int:
-        keys, values = self.pool.entries(self.row)
-        return super().nbytes() + keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        """Its decoded tokens' bytes in the rows plus its entries' in the pool (counted, not sliced: every step asks)."""
+        pool, size = self.pool, self.pool.segments[self.row][1]
+        per_entry = pool.flat_keys.shape[-1] * pool.flat_keys.element_size()
+        per_entry += pool.flat_values.shape[-1] * pool.flat_values.element_size()
+        return super().nbytes() + size * per_entry
 
     def entries_per_head(self) -> list[int]:
         return (self.head_lens + self.rows.lengths[self.row]).tolist()
