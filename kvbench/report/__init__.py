@@ -37,7 +37,7 @@ def __getattr__(name: str):
 def failures_note(run_dir: Path) -> list[str]:
     """summary.md lines for failed samples (excluded from the table's means; a rerun retries them)."""
     from kvbench.report.runs import read_predictions
-    from kvbench.runs.store import is_failure, latest_per_id
+    from kvbench.report.records import is_failure, latest_per_id
 
     failed = [r for r in latest_per_id(read_predictions(run_dir / "predictions.jsonl")) if is_failure(r)]
     if not failed:

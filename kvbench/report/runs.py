@@ -13,7 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from kvbench.runs.store import is_failure, latest_per_id
+from kvbench.report.records import is_failure, latest_per_id, scan
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +43,19 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def read_predictions(path: str | Path) -> list[dict]:
-    """Parse a predictions.jsonl; a torn last line (a crash mid-write) and valid JSON without an `id` (a hand edit)
-    are skipped with a warning.
-
-    A bad line anywhere else means two writers or an append after a torn tail: that is corruption, so it raises
-    with the line number instead of silently dropping samples.
-    """
+    """The records of a predictions.jsonl (kvbench.report.records judges each line). A torn last line (a crash
+    mid-write) is skipped with a warning; any other invalid line raises one line naming it: the report never drops
+    records silently, and rerunning the run's command sets such lines aside (docs/records.md)."""
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
     records = []
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines):
-                logger.warning("report: %s: skipping a torn last line (%d chars): %s", path, len(line), e)
-                break
-            raise ValueError(f"report: {path}:{i} is not valid JSON ({e}); only a torn last line is tolerated. "
-                             f"Remove or repair that line.") from None
-        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-            logger.warning("report: %s:%d: skipping valid JSON that is not a record with an 'id'", path, i)
-            continue
-        records.append(record)
+    for line in scan(path.read_bytes()):
+        if line.torn:
+            logger.warning("report: %s:%d: skipping a torn last line (%s)", path, line.number, line.problem)
+        elif line.problem:
+            raise ValueError(f"report: {path}:{line.number} is not a valid record ({line.problem}); rerun the run's "
+                             "command to set it aside (it keeps every valid record), or repair that line")
+        else:
+            records.append(line.record)
     return records
 
 

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 logger = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+NOTHING_SUCCEEDED: list[str] = []  # runs of this process in which every sample failed: the command exits 1
 
 
 class Stopped(KeyboardInterrupt):
@@ -66,6 +67,18 @@ def free_accelerator_memory() -> None:
 def failure_record(sample, exc: BaseException, **context) -> dict:
     return {"id": sample.id, "failed": True, "error_type": type(exc).__name__, "error": one_line(exc),
             "where": where(exc), **context, "meta": sample.meta}
+
+
+def note_if_nothing_succeeded(run_dir: Path, records: list[dict], summary: dict) -> None:
+    """A run whose samples all failed (a method's bug, a model that cannot run) is not a result: log the first
+    failure's cause and remember it, so the command ends with exit code 1 and that line."""
+    if summary["n"] > 0 or not summary["n_failed"]:
+        return
+    first = next(r for r in records if r["id"] in summary["failed_ids"] and r.get("failed") is True)
+    line = (f"no sample of {run_dir} succeeded ({summary['n_failed']} failed); the first: {first['error_type']}: "
+            f"{first['error']} at {first.get('where')}")
+    logger.error("%s", line)
+    NOTHING_SUCCEEDED.append(line)
 
 
 def attempt(sample, make_record: Callable[[], dict], context: dict | None = None,

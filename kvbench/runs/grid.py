@@ -38,7 +38,7 @@ from kvbench.runs.records import generated_record, git_sha, manifest, write_scor
 from kvbench.runs.run import prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
-from kvbench.runs.failures import failure_record, stop_on_signals
+from kvbench.runs.failures import failure_record, note_if_nothing_succeeded, stop_on_signals
 from kvbench.engine.generation import Prefilled, Sampling, prefill
 from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
@@ -256,9 +256,9 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
 def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int) -> None:
     cfg, run_dir = config.cfg, config.job.run_dir
     config.store = RunStore(run_dir)
-    prepared = config.method.prepare(model, tokenizer)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     old = config.store.read_json("manifest.json")
+    prepared = config.method.prepare(model, tokenizer)
+    config.store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
                            n_samples)
     info["launcher"] = "grid"
@@ -279,12 +279,16 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
 
 def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:
     cfg, run_dir, store = config.cfg, config.job.run_dir, config.store
-    store.close()
-    summary = write_scores(run_dir, store.records, samples, config.dataset, config.job.choices["dataset"],
-                                  config.name, cfg, config.spec)
-    config.info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=wall_s,
-                       grid_configs=n_configs)  # wall_s: the whole group's, shared by its configurations
-    store.write_json("manifest.json", config.info)
+    try:  # scores always come from the records on disk, written under the run's lock
+        records = store.records_on_disk()
+        summary = write_scores(run_dir, records, samples, config.dataset, config.job.choices["dataset"],
+                               config.name, cfg, config.spec)
+        config.info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=wall_s,
+                           grid_configs=n_configs)  # wall_s: the whole group's, shared by its configurations
+        store.write_json("manifest.json", config.info)
+    finally:
+        store.close()
+    note_if_nothing_succeeded(run_dir, records, summary)
     if cfg.report:
         try:
             from kvbench.report import write_run_report

@@ -9,6 +9,7 @@ finish calls this itself, and `python -m kvbench.report` calls it for any run wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import logging
@@ -16,10 +17,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 from kvbench.runs.cost import totals
 from kvbench.runs.shard import SHARD_FILE, Shard, assign
-from kvbench.runs.store import PREDICTIONS, write_json_atomic, write_text_atomic
+from kvbench.runs.store import (PREDICTIONS, RunDirBusy, RunDirError, hold, lock_name, read_json, write_json_atomic,
+                                 write_text_atomic)
 
 logger = logging.getLogger(__name__)
 SHARD_ONLY = ("shard", "sample_ids", "n_shard_samples", "dataset_skipped", "cost")
@@ -59,7 +62,7 @@ def read_shards(run_dir: Path, count: int) -> list[ShardState]:
         shard = Shard(i, count)
         path, mpath = run_dir / shard.predictions_name, run_dir / shard.manifest_name
         records = latest_per_id(read_predictions(path)) if path.is_file() else []  # a retry replaces its failure
-        manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
+        manifest = read_json(mpath)
         states.append(ShardState(shard, records, manifest))
     return states
 
@@ -114,6 +117,21 @@ def merged_manifest(states: list[ShardState], n_samples: int) -> dict:
             "shards": shards, "cost": cost}
 
 
+@contextlib.contextmanager
+def holding_run_dir(run_dir: Path) -> Iterator[None]:
+    """The run directory's own lock, held while merging: an unsharded run writing into the same directory would
+    otherwise append to the predictions.jsonl that merge replaces, and overwrite the merged scores and manifest."""
+    try:
+        lock = hold(run_dir / lock_name(), str(run_dir))
+    except RunDirBusy as e:
+        raise MergeError(f"merge: {run_dir} is in use ({e.holder}); merge when that run has finished: "
+                         f"python -m kvbench.merge {run_dir}") from None
+    try:
+        yield
+    finally:
+        lock.close()
+
+
 def merge(run_dir: str | Path) -> dict:
     """Merge the run's shards (raises MergeError in one line if it cannot); returns scores.json's content."""
     from omegaconf import OmegaConf
@@ -125,7 +143,7 @@ def merge(run_dir: str | Path) -> dict:
     count = shard_count(run_dir)
     if count is None:
         raise MergeError(f"merge: {run_dir} has no predictions.shard-<i>-of-<n>.jsonl files (not a sharded run)")
-    with open(run_dir / ".lock.merge", "a") as lock:
+    with open(run_dir / ".lock.merge", "a") as lock, holding_run_dir(run_dir):
         fcntl.flock(lock, fcntl.LOCK_EX)  # two shards finishing together merge one after the other
         states = read_shards(run_dir, count)
         check_complete(run_dir, states)
@@ -187,7 +205,7 @@ def merge_stale(paths) -> None:
             if stale(run_dir):
                 try:
                     merge(run_dir)
-                except MergeError as e:
+                except (MergeError, RunDirError) as e:
                     logger.warning("%s", e)
 
 
@@ -205,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for run_dir in run_dirs:
             try:
                 summary = merge(run_dir)
-            except (MergeError, ValueError, FileNotFoundError) as e:
+            except (MergeError, RunDirError, ValueError, FileNotFoundError) as e:
                 print(f"kvbench: {str(e).splitlines()[0]}", file=sys.stderr)
                 failed += 1
                 continue

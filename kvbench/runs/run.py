@@ -7,11 +7,14 @@ The config side (setup, run-dir names) is kvbench.runs.config; what a run writes
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -206,21 +209,33 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
 def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
     """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated,
     `choices` the group options picked (default: Hydra's for the running job)."""
-    from tqdm import tqdm
-
-    from kvbench.runs.cost import CostMeter, job_log_links
-    from kvbench.runs.failures import stop_on_signals
-    from kvbench.engine.generation import Sampling
-    from kvbench.models import AttentionCapture, load
     from kvbench.runs.shard import Shard
-    from kvbench.runs.store import RunStore, sha256_text
+    from kvbench.runs.store import RunStore
 
     method, dataset, spec = job or setup(cfg)
     choices = choices or _choices()
-    method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     shard = Shard.parse(cfg.get("shard"))
+    store = RunStore(run_dir, shard)  # the lock, taken before weights load
+    try:
+        return run_locked(cfg, run_dir, store, method, dataset, spec, choices, shard)
+    finally:
+        store.close()
+
+
+def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, choices, shard) -> dict | None:
+    """`run` while it holds the run directory: every write, scores.json and the manifest's last one included,
+    happens under its lock, so a merge or a second run cannot interleave with it."""
+    from tqdm import tqdm
+
+    from kvbench.runs.cost import CostMeter, job_log_links
+    from kvbench.runs.failures import note_if_nothing_succeeded, stop_on_signals
+    from kvbench.engine.generation import Sampling
+    from kvbench.models import AttentionCapture, load
+    from kvbench.runs.store import sha256_text
+
+    method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     manifest_name = shard.manifest_name if shard else "manifest.json"
-    store = RunStore(run_dir, shard)
+    old = store.read_json(manifest_name)  # a damaged manifest stops here, before weights load
     job_log_links(run_dir, shard)  # SLURM/submitit: the job's stdout/stderr linked under the run dir
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
@@ -231,7 +246,6 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
         samples = samples[: cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
     store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    old = store.read_json(manifest_name)
     info = manifest(cfg, method_name, choices["dataset"], dataset, spec, data_sha, len(samples))
     if shard is not None:  # merge needs the whole run's id order, and what the dataset skipped while building
         info.update(shard=f"{shard.index}/{shard.count}", sample_ids=[s.id for s in samples],
@@ -249,6 +263,8 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,
                            "new tokenizer or data version?")
         info["started_utc"] = old.get("started_utc", info["started_utc"])
+        if shard is None and "shards" in old:  # a merged run resumed unsharded keeps what its shards cost
+            info["shards"] = old["shards"]
     meter = CostMeter.resume(model, old, t0=t_start)  # the session's time includes loading the model
     store.write_json(manifest_name, {**info, **meter.fields()})
 
@@ -282,16 +298,17 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
         logger.warning("stopped with %d of %d samples in %s; rerun the same command to resume", len(store.done_ids()),
                        len(samples), run_dir)
         raise
-    finally:
-        store.close()
     info.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 wall_s=round(time.perf_counter() - t_start, 2))
     store.write_json(manifest_name, {**info, **meter.fields()})
     if shard is not None:  # scores.json covers the whole run: the last shard to finish merges them all
         from kvbench.runs.merge import merge_when_complete
 
+        store.close()  # (the shard's own lock; merge takes the run directory's)
         return merge_when_complete(run_dir)
-    summary = write_scores(run_dir, store.records, samples, dataset, choices["dataset"], method_name, cfg, spec)
+    records = store.records_on_disk()  # scores always come from the records on disk
+    summary = write_scores(run_dir, records, samples, dataset, choices["dataset"], method_name, cfg, spec)
+    note_if_nothing_succeeded(run_dir, records, summary)
     if cfg.report:
         try:
             from kvbench.report import write_run_report
@@ -332,11 +349,11 @@ def main(cfg: DictConfig) -> None:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.exit(f"kvbench: {message}")
     from kvbench.runs.failures import Stopped
-    from kvbench.runs.store import RunDirBusy
+    from kvbench.runs.store import RunDirError
 
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
-    except RunDirBusy as e:
+    except RunDirError as e:  # busy, a damaged manifest, a link out of the run dir, a full disk
         sys.exit(f"kvbench: {e}")
     except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
         print(f"kvbench: {str(e) or 'interrupted'}; every finished sample is kept, rerun the same command to resume",
@@ -355,11 +372,55 @@ def check_command_line(argv: list[str]) -> list[str]:
     return argv
 
 
-def cli() -> None:
-    """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory."""
-    sys.argv[1:] = check_command_line(sys.argv[1:])
-    main()
+@contextlib.contextmanager
+def hydra_errors_raised() -> Iterator[bool]:
+    """Hydra prints an error raised in its own code (saving .hydra/ on a full disk) as a traceback and exits; with
+    HYDRA_FULL_ERROR set it raises it instead, so `cli` can say it in one line. Yields whether the user set it."""
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield before is not None
+    finally:
+        if before is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
 
+
+def end_with(error: Exception) -> None:
+    """Exit as Hydra would on an error of the job (the traceback below Hydra's own frames), except a full disk under
+    Hydra's own writes (.hydra/, run.log): one line naming the run directory (Hydra's `run_job` frame holds it)."""
+    import traceback
+
+    from kvbench.runs.store import disk_full, is_disk_full
+
+    job = error.__traceback__
+    while job is not None and job.tb_frame.f_code.co_name != "run_job":
+        job = job.tb_next
+    if isinstance(error, OSError) and is_disk_full(error):
+        where = error.filename or (job.tb_frame.f_locals.get("output_dir") if job is not None else None)
+        sys.exit(f"kvbench: {disk_full(error, where)}")
+    traceback.print_exception(type(error), error, job.tb_next if job is not None else error.__traceback__)
+    sys.exit("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.")
+
+
+def cli() -> None:
+    """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory. Ends
+    with exit code 1 and the first failure's cause when a run finished with no sample that succeeded."""
+    from kvbench.runs.failures import NOTHING_SUCCEEDED
+
+    sys.argv[1:] = check_command_line(sys.argv[1:])
+    with hydra_errors_raised() as user_asked_full_errors:
+        try:
+            main()
+        except Exception as e:  # noqa: BLE001 - reported as Hydra would, a full disk in one line
+            from kvbench.runs.store import is_disk_full
+
+            if user_asked_full_errors and not (isinstance(e, OSError) and is_disk_full(e)):
+                raise
+            end_with(e)
+    if NOTHING_SUCCEEDED:
+        sys.exit("\n".join(f"kvbench: {line}" for line in NOTHING_SUCCEEDED))
 
 if __name__ == "__main__":
     cli()

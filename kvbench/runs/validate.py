@@ -207,6 +207,7 @@ def check_run_dir(cfg: DictConfig, overrides: list[str], multirun: bool) -> None
         for path in [run_dir, *(run_dir / name for name in RUN_FILES)]:
             if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
                 raise BadInput(f"{path} is read-only; make it writable (chmod u+w) or set results_dir elsewhere")
+        check_run_dir_state(run_dir, cfg.get("shard"))
         return
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
@@ -216,6 +217,30 @@ def check_run_dir(cfg: DictConfig, overrides: list[str], multirun: bool) -> None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise BadInput(f"results_dir={cfg.results_dir} cannot be written ({existing} is read-only); set results_dir "
                        "to a writable folder")
+
+
+def check_run_dir_state(run_dir: Path, shard_text: str | None) -> None:
+    """What an existing run directory says before Hydra rewrites its .hydra/ and weights load: no link out of it,
+    nobody running in it (the lock is only looked at; the run takes it), a readable manifest, and shards of the same
+    split as this one's."""
+    from kvbench.runs.merge import MergeError, shard_count
+    from kvbench.runs.shard import Shard
+    from kvbench.runs.store import RunDirError, check_no_escape, is_held, lock_name, read_json
+
+    shard = Shard.parse(shard_text)
+    try:
+        check_no_escape(run_dir)
+        holder = is_held(run_dir / lock_name(shard))
+        if holder is not None:
+            what = f"{run_dir} ({shard.tag})" if shard is not None else str(run_dir)
+            raise BadInput(f"{what} is in use by {holder}; wait for it to finish or stop it, then rerun")
+        read_json(run_dir / (shard.manifest_name if shard is not None else "manifest.json"))
+        count = shard_count(run_dir)
+    except (RunDirError, MergeError) as e:
+        raise BadInput(str(e).removeprefix("store: ")) from None
+    if shard is not None and count is not None and count != shard.count:
+        raise BadInput(f"shard={shard.index}/{shard.count}: {run_dir} already holds shards of {count} "
+                       f"(predictions.shard-*-of-{count}.jsonl); use shard=i/{count}, or move those files away")
 
 
 # --- entry points ---------------------------------------------------------------------------------------------

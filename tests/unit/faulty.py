@@ -70,3 +70,11 @@ class StepFailingH2O(H2O):
         if not prefill and state.prompt_len == self.fail_prompt_len and state.step == 3:
             raise RuntimeError("a decode step failed (test)")
         return super().evict(state, layer_idx, scores, prefill)
+
+
+@dataclass
+class BrokenSnapKV(SnapKV):
+    """A method with a bug that fails every sample (an index out of range in its scoring)."""
+
+    def scores(self, view):
+        raise IndexError("index 99 is out of bounds for dimension 2 with size 64")

@@ -53,9 +53,11 @@ def test_failed_samples_are_recorded_counted_and_retried(tmp_path, caplog):
         f.write('{"note": "a line edited by hand, valid JSON without an id"}\n')
     caplog.clear()
     assert run_here(*faulty_args(tmp_path), results=results) == run_dir
-    assert "valid JSON but not a record with an 'id'" in caplog.text
+    assert "set aside 1 invalid line(s) (line 4: no string 'id')" in caplog.text  # moved out, not deleted
+    (aside,) = [json.loads(x) for x in (run_dir / "predictions.quarantine.jsonl").read_text().splitlines()]
+    assert aside["line"] == 4 and json.loads(aside["text"]) == {"note": "a line edited by hand, valid JSON without an id"}
     lines = records(run_dir)
-    assert [r.get("id") for r in lines[4:]] == ["niah-L300-d0", "niah-L300-d50"]
+    assert [r.get("id") for r in lines[3:]] == ["niah-L300-d0", "niah-L300-d50"]
     assert not any(r.get("failed") for r in lines[4:])
     scores = json.loads((run_dir / "scores.json").read_text())
     assert scores["n"] == 3 and scores["n_failed"] == 0 and scores["failures_counted_as"] == "excluded"
