@@ -7,6 +7,7 @@ difference to the full cache (or any method) with its 95 % interval and marks th
 `--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
 headline table when none has), rebuilt next to the published numbers (kvbench.report.paper); `--table t13` picks
 one; `--html report.html` also writes one self-contained page with every table and figure written.
+Bad or damaged input ends with one line `kvbench: ...`, exit code 1.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
 from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper_names, table_ids, write_table_files
 from kvbench.report.paper import to_markdown as paper_markdown
-from kvbench.report.runs import load_runs
+from kvbench.report.runs import ManifestError, load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
 from kvbench.report.stats import RESAMPLES, SEED
 
@@ -55,6 +56,10 @@ def benchmark_reports(df, out: Path, **options) -> list[Path]:
     return written
 
 
+class InputError(ValueError):
+    """The paths hold nothing to report on."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run directories, or folders searched recursively for them")
@@ -82,18 +87,38 @@ def main(argv: list[str] | None = None) -> int:
         valid = f"{args.paper} has {', '.join(table_ids(args.paper))}" if args.paper else "it needs --paper"
         parser.exit(2, f"kvbench: unknown table {args.table!r}; {valid}\n")
 
-    merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
+    try:  # bad or damaged input (ValueError), or a folder it cannot read or write: one line, no traceback
+        df = read_input(args)
+        return paper_main(df, args) if args.paper is not None else report_main(df, args, parser)
+    except (InputError, ManifestError, OSError) as e:
+        print(f"kvbench: {' '.join(str(e).splitlines()).removeprefix('kvbench: ')}", file=sys.stderr)
+        return 1
+
+
+def read_input(args):
+    """The records of every run under args.paths. Unreadable input raises an InputError, except that `--paper` gets
+    None when the paths hold no runs (its cells then say why); a damaged manifest.json always raises
+    (runs.ManifestError)."""
+    try:
+        merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
+    except ValueError as e:  # e.g. a shard's manifest that is not JSON
+        raise InputError(f"report: merging the sharded runs under {' '.join(args.paths)} failed: {e}") from None
     try:
         df = load_runs(args.paths)
+    except ManifestError:
+        raise
     except (FileNotFoundError, ValueError) as e:
         if args.paper is None:
-            parser.exit(2, f"{e}\n")
+            raise InputError(str(e)) from None
         logging.getLogger("kvbench.report").warning("%s; every cell will say why it is missing", e)
-        df = None
-    if args.paper is not None:
-        return paper_main(df, args)
-    if df.empty:
-        parser.exit(1, "report: the run directories hold no complete prediction records yet\n")
+        return None
+    if df.empty and args.paper is None:
+        raise InputError("report: the run directories hold no complete prediction records yet")
+    return df
+
+
+def report_main(df, args, parser) -> int:
+    """The summary table, the NIAH panels, each benchmark's layouts, the cost lines and the `--html` page."""
     compare = None
     if args.compare:
         try:

@@ -5,11 +5,11 @@ own resumes. GPU-hours are wall time x GPUs held, so a CPU run shows 0 GPU-hours
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
 from kvbench.report.escape import md_cell
+from kvbench.report.runs import MANIFEST, read_manifest
 
 
 def cost_lines(run_dirs: Iterable[str | Path]) -> list[str]:
@@ -17,8 +17,7 @@ def cost_lines(run_dirs: Iterable[str | Path]) -> list[str]:
     The manifest's names are escaped as Markdown cells (kvbench.report.escape): the lines go into cost.md."""
     lines = []
     for run_dir in sorted({Path(d) for d in run_dirs}):
-        path = run_dir / "manifest.json"
-        manifest = json.loads(path.read_text()) if path.is_file() else {}
+        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).is_file() else {}
         cost = manifest.get("cost")
         if not cost:
             continue

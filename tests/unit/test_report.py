@@ -14,7 +14,9 @@ from matplotlib.image import imread
 
 from kvbench.report import (load_runs, needle_heatmap, needle_matrix, needle_panels, summary_table, to_latex,
                             to_markdown, write_run_report, write_tables)
+from kvbench.report.__main__ import main as report_main
 from kvbench.report.heatmap import CMAP
+from kvbench.report.runs import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS, DEPTHS = [1000, 2000, 3000], [0.0, 50.0, 100.0]
@@ -209,4 +211,35 @@ def test_cli_writes_tables_and_panels(tmp_path: Path):
 
 def test_cli_reports_missing_runs(tmp_path: Path):
     proc = _cli(str(tmp_path))
-    assert proc.returncode == 2 and "no run directory" in proc.stderr and str(tmp_path) in proc.stderr
+    assert proc.returncode == 1 and proc.stderr == (f"kvbench: report: no run directory (a folder with "
+                                                    f"predictions.jsonl) found under {tmp_path}\n")
+
+
+# --- damaged manifests ------------------------------------------------------------------------------------------
+
+FIX = ("restore it, or delete it and rerun the run's command (it resumes from predictions.jsonl and writes a new "
+       "manifest; the cost of earlier sessions is lost)")
+
+
+def test_damaged_manifest_is_one_line_naming_the_file(tmp_path: Path):
+    run = make_run(tmp_path, "snapkv", 64, [record(0, 1.0)])
+    (run / "manifest.json").write_text('{\n "method": "snapkv",\n "budget": ')       # truncated mid-write
+    with pytest.raises(ValueError) as e:
+        read_manifest(run)
+    # the parser stops at line 3, column 12: after ` "budget": ` (11 characters) a value was expected
+    where = "line 3 column 12: Expecting value"
+    assert str(e.value) == f"report: {run / 'manifest.json'} is not valid JSON ({where}); {FIX}"
+    (run / "manifest.json").write_text('["snapkv", 64]')                            # JSON, but not a manifest
+    with pytest.raises(ValueError, match=r"holds a JSON list, not an object; restore it"):
+        read_manifest(run)
+
+
+def test_cli_damaged_manifest_exits_1_with_one_line(tmp_path: Path, capsys):
+    run = make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)])
+    (run / "manifest.json").write_text('{"method": "snapkv",')
+    expected = f"kvbench: report: {run / 'manifest.json'} is not valid JSON (line 1 column 21: Expecting property " \
+               f"name enclosed in double quotes); {FIX}\n"
+    for extra in ([], ["--paper", "pyramidkv"]):   # --paper too: a damaged run is not a run that was never made
+        assert report_main([str(tmp_path / "results"), "--out", str(tmp_path / "out"), *extra]) == 1
+        assert capsys.readouterr().err == expected
+    assert not (tmp_path / "out").exists()
