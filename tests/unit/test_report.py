@@ -192,9 +192,9 @@ def test_write_run_report(tmp_path: Path):
 
 # --- CLI -------------------------------------------------------------------------------------------------------
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "kvbench.report", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvbench.report", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -213,6 +213,32 @@ def test_cli_reports_missing_runs(tmp_path: Path):
     proc = _cli(str(tmp_path))
     assert proc.returncode == 1 and proc.stderr == (f"kvbench: report: no run directory (a folder with "
                                                     f"predictions.jsonl) found under {tmp_path}\n")
+
+
+def test_cli_writes_beside_the_runs_by_default(tmp_path: Path):
+    """Without --out, from another directory: the files go to <the folder given>/report, none to the current
+    directory, and the last line says so."""
+    make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _cli("../results", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "results" / "report").iterdir()) == ["table.csv", "table.md", "table.tex"]
+    assert list(elsewhere.iterdir()) == []
+    assert proc.stderr.splitlines()[-1] == f"report: wrote 3 files to {tmp_path / 'results' / 'report'}"
+
+
+def test_default_out_is_the_common_folder_of_the_paths(tmp_path: Path, monkeypatch, capsys):
+    a = make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    b = make_run(tmp_path / "results", "full", None, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    monkeypatch.chdir(tmp_path / "results")
+    assert report_main([str(a), os.path.relpath(b)]) == 0    # .../qa/smollm2-135m/{snapkv,full}/...: their parent
+    out = tmp_path / "results" / "qa" / "smollm2-135m" / "report"
+    assert (out / "table.md").is_file()
+    assert capsys.readouterr().err.splitlines()[-1] == f"report: wrote 3 files to {out}"
+    assert report_main([str(a), "/"]) == 1                   # nothing in common but the root: ask for --out
+    assert capsys.readouterr().err == f"kvbench: report: {a} / share no folder below /; pass --out to say where " \
+                                      "the report goes\n"
 
 
 # --- damaged manifests ------------------------------------------------------------------------------------------
