@@ -35,7 +35,9 @@ def __getattr__(name: str):
 
 
 def failures_note(run_dir: Path) -> list[str]:
-    """summary.md lines for failed samples (excluded from the table's means; a rerun retries them)."""
+    """summary.md lines for failed samples (excluded from the table's means; a rerun retries them); the error text
+    is escaped (kvbench.report.escape), so a `|` or a line break in it stays inside its cell."""
+    from kvbench.report.escape import md_row
     from kvbench.report.runs import read_predictions
     from kvbench.report.records import is_failure, latest_per_id
 
@@ -44,7 +46,7 @@ def failures_note(run_dir: Path) -> list[str]:
         return ["", "n_failed: 0"]
     return ["", f"n_failed: {len(failed)} (excluded from every mean; rerun the same command to retry them)", "",
             "| id | error | where |", "|:---|:---|:---|",
-            *(f"| {r['id']} | {r['error_type']}: {r['error']} | {r['where']} |" for r in failed)]
+            *(md_row([r["id"], f"{r['error_type']}: {r['error']}", r["where"]]) for r in failed)]
 
 
 def write_run_report(run_dir: str | Path) -> None:
@@ -52,6 +54,7 @@ def write_run_report(run_dir: str | Path) -> None:
 
     Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
     """
+    from kvbench.report.escape import md_row, md_text
     from kvbench.report.heatmap import has_needle_grid, needle_heatmap
     from kvbench.report.runs import load_runs
     from kvbench.report.stats import mean_se
@@ -60,7 +63,7 @@ def write_run_report(run_dir: str | Path) -> None:
 
     run_dir = Path(run_dir)
     df = load_runs([run_dir])
-    lines = [f"# {run_dir.name}", "", f"Run directory: `{run_dir}`", ""]
+    lines = [f"# {md_text(run_dir.name)}", "", f"Run directory: `{run_dir}`", ""]
     if df.empty:
         lines.append("No complete prediction records yet.")
     else:
@@ -71,7 +74,7 @@ def write_run_report(run_dir: str | Path) -> None:
         for c in metric_cols:
             est = mean_se(df[c].astype(float))
             mean, se = ("–" if v is None else f"{v:.4f}" for v in (est.mean, est.se))
-            lines.append(f"| {c.removeprefix('scores.')} | {mean} | {se} | {est.n} |")
+            lines.append(md_row([c.removeprefix("scores."), mean, se, est.n]))
         if has_needle_grid(df):
             needle_heatmap(df, run_dir / "heatmap.png")
             lines += ["", "![needle heatmap](heatmap.png)"]

@@ -7,6 +7,8 @@ difference to the full cache (or any method) with its 95 % interval and marks th
 `--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
 headline table when none has), rebuilt next to the published numbers (kvbench.report.paper); `--table t13` picks
 one; `--html report.html` also writes one self-contained page with every table and figure written.
+Files go to `--out`, by default `report/` in the deepest folder holding every PATH (`results` -> results/report), and
+the last line printed says how many went where. Bad or damaged input ends with one line `kvbench: ...`, exit code 1.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import argparse
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -25,7 +28,7 @@ from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
 from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper_names, table_ids, write_table_files
 from kvbench.report.paper import to_markdown as paper_markdown
-from kvbench.report.runs import load_runs
+from kvbench.report.runs import ManifestError, load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
 from kvbench.report.stats import RESAMPLES, SEED
 
@@ -55,10 +58,37 @@ def benchmark_reports(df, out: Path, **options) -> list[Path]:
     return written
 
 
+class InputError(ValueError):
+    """The paths hold nothing to report on, or no folder to write the report to."""
+
+
+def default_out(paths: list[str]) -> Path:
+    """`report/` in the deepest folder holding every path (a folder holds itself): `results` -> results/report,
+    `results/niah/a results/niah/b` -> results/niah/report; so a report lands beside its runs, whatever the current
+    directory, and `python -m kvbench.report results` writes where `--out results/report` always did."""
+    common = Path(os.path.commonpath([os.path.abspath(p) for p in paths]))
+    if common == Path(common.anchor):
+        raise InputError(f"report: {' '.join(paths)} share no folder below {common}; pass --out to say where the "
+                         "report goes")
+    return common / "report"
+
+
+def wrote_line(written: list[Path], out: str | Path) -> str:
+    """The last line a report prints: how many files it wrote into which folder (absolute), and any it wrote
+    elsewhere (an `--html` page outside it)."""
+    out = Path(os.path.abspath(out))
+    files = [Path(os.path.abspath(p)) for p in dict.fromkeys(written)]
+    inside = [p for p in files if p.is_relative_to(out)]
+    elsewhere = [str(p) for p in files if not p.is_relative_to(out)]
+    return f"report: wrote {len(inside)} files to {out}" + (f" and {', '.join(elsewhere)}" if elsewhere else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run directories, or folders searched recursively for them")
-    parser.add_argument("--out", default="results/report", help="output folder (default: results/report)")
+    parser.add_argument("--out", help="output folder (default: report/ in the deepest folder holding every PATH: "
+                                      "results -> results/report, results/niah/a results/niah/b -> "
+                                      "results/niah/report)")
     parser.add_argument("--pdf", action="store_true", help="also write the figures as PDF")
     parser.add_argument("--stderr", action="store_true", help='show scores as "mean ± standard error"')
     parser.add_argument("--compare", metavar="METHOD", help="paired bootstrap of each cell against this method "
@@ -82,18 +112,40 @@ def main(argv: list[str] | None = None) -> int:
         valid = f"{args.paper} has {', '.join(table_ids(args.paper))}" if args.paper else "it needs --paper"
         parser.exit(2, f"kvbench: unknown table {args.table!r}; {valid}\n")
 
-    merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
+    try:  # bad or damaged input (ValueError), or a folder it cannot read or write: one line, no traceback
+        df = read_input(args)
+        return paper_main(df, args) if args.paper is not None else report_main(df, args, parser)
+    except (InputError, ManifestError, OSError) as e:
+        print(f"kvbench: {' '.join(str(e).splitlines()).removeprefix('kvbench: ')}", file=sys.stderr)
+        return 1
+
+
+def read_input(args):
+    """The records of every run under args.paths, with args.out set (default_out). Unreadable input raises an
+    InputError, except that `--paper` gets None when the paths hold no runs (its cells then say why); a damaged
+    manifest.json always raises (runs.ManifestError)."""
+    if args.out is None:
+        args.out = str(default_out(args.paths))
+    try:
+        merge_stale(args.paths)  # sharded runs whose shards changed since their last merge
+    except ValueError as e:  # e.g. a shard's manifest that is not JSON
+        raise InputError(f"report: merging the sharded runs under {' '.join(args.paths)} failed: {e}") from None
     try:
         df = load_runs(args.paths)
+    except ManifestError:
+        raise
     except (FileNotFoundError, ValueError) as e:
         if args.paper is None:
-            parser.exit(2, f"{e}\n")
+            raise InputError(str(e)) from None
         logging.getLogger("kvbench.report").warning("%s; every cell will say why it is missing", e)
-        df = None
-    if args.paper is not None:
-        return paper_main(df, args)
-    if df.empty:
-        parser.exit(1, "report: the run directories hold no complete prediction records yet\n")
+        return None
+    if df.empty and args.paper is None:
+        raise InputError("report: the run directories hold no complete prediction records yet")
+    return df
+
+
+def report_main(df, args, parser) -> int:
+    """The summary table, the NIAH panels, each benchmark's layouts, the cost lines and the `--html` page."""
     compare = None
     if args.compare:
         try:
@@ -129,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "cost.md").write_text("\n".join(costs) + "\n", encoding="utf-8")
         written.append(Path(args.out) / "cost.md")
         print("\n".join(costs))
-    print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    sys.stdout.flush()
+    print(wrote_line(written, args.out), file=sys.stderr)
     return 0
 
 
@@ -153,7 +206,8 @@ def paper_main(df, args) -> int:
     if args.html:
         title = f"kvbench: {args.paper} " + ", ".join(tables[t].spec["table"].split(":")[0] for t in shown)
         written.append(write_html(args.html, written, title=title))
-    print("wrote: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    sys.stdout.flush()
+    print(wrote_line(written, args.out), file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
+
+from kvbench.report.escape import md_split_row, md_unescape
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;
 margin-top:28px;border-bottom:1px solid #ccc}table{border-collapse:collapse;font-size:12px;margin:8px 0}
@@ -39,17 +42,27 @@ window.addEventListener('load',function(){var imgs=document.images,ok=0;
 """
 
 
+BOLD = re.compile(r"^\*\*(.*)\*\*(\S?)$")  # a best score in bold, then its mark, if any
+
+
+def cell_html(cell: str) -> str:
+    """One escaped Markdown cell (kvbench.report.escape) as HTML text: the bold kvbench puts on a best score
+    (`**12.30**`, a mark after it) dropped, the text unescaped, then escaped for HTML."""
+    return html.escape(md_unescape(BOLD.sub(r"\1\2", cell)))
+
+
 def markdown_blocks(text: str) -> list[str]:
-    """Markdown (pipe tables and plain lines, as kvbench's reports write it) -> HTML fragments."""
+    """Markdown (pipe tables and plain lines, as kvbench's reports write it) -> HTML fragments. Rows are split at
+    unescaped pipes only, so every row keeps its header's number of cells."""
     out, table = [], []
 
     def flush():
         if table:
-            rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+            rows = [md_split_row(line) for line in table]
             head, body = rows[0], [r for r in rows[2:]]
-            out.append('<table class="sortable"><thead><tr>' + "".join(f"<th>{html.escape(c)}</th>" for c in head)
+            out.append('<table class="sortable"><thead><tr>' + "".join(f"<th>{cell_html(c)}</th>" for c in head)
                        + "</tr></thead><tbody>" + "".join(
-                           "<tr>" + "".join(f"<td>{html.escape(c.strip('*'))}</td>" for c in r) + "</tr>"
+                           "<tr>" + "".join(f"<td>{cell_html(c)}</td>" for c in r) + "</tr>"
                            for r in body) + "</tbody></table>")
             table.clear()
 
@@ -59,7 +72,7 @@ def markdown_blocks(text: str) -> list[str]:
             continue
         flush()
         if line.strip():
-            out.append(f'<p class="note">{html.escape(line.strip().strip("*#").strip())}</p>')
+            out.append(f'<p class="note">{html.escape(md_unescape(line.strip().strip("*#").strip()))}</p>')
     flush()
     return out
 

@@ -24,8 +24,9 @@ from matplotlib.figure import Figure
 from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
 from kvbench.report.compare import MARK, Compare, reference_key, select
+from kvbench.report.escape import md_cell, md_row, md_text, tex_escape
 from kvbench.report.labels import method_label
-from kvbench.report.tables import sort_runs, tex_escape
+from kvbench.report.tables import sort_runs
 from kvbench.report.stats import combine_se
 
 logger = logging.getLogger(__name__)
@@ -146,16 +147,18 @@ def _best(frame: pd.DataFrame, cols: list[str]) -> set[tuple[int, str]]:
     return best
 
 
-def _cells(frame: pd.DataFrame, bold: str, stderr: bool = False) -> tuple[list[str], list[list[str]]]:
+def _cells(frame: pd.DataFrame, bold: str, esc, stderr: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Headers and cells, each escaped by `esc` (kvbench.report.escape) before `bold` wraps the best scores."""
     cols = [*frame.attrs["tasks"], "Avg."]
     best = _best(frame, cols)
     marks = frame.attrs.get("marks", {})
-    headers = ["KV Size", "Method", *[TASKS[t].label for t in frame.attrs["tasks"]], "Avg."]
+    headers = list(map(esc, ["KV Size", "Method", *[TASKS[t].label for t in frame.attrs["tasks"]], "Avg."]))
     body = []
     for i, row in frame.iterrows():
-        cells = [kv_size(row), method_label(row["method"])]
-        cells += [(bold.format(_cell(frame, i, c, stderr)) if (i, c) in best else _cell(frame, i, c, stderr))
-                  + (MARK if (i, c) in marks else "") for c in cols]
+        cells = [esc(kv_size(row)), esc(method_label(row["method"]))]
+        for c in cols:
+            text = esc(_cell(frame, i, c, stderr))
+            cells.append((bold.format(text) if (i, c) in best else text) + (esc(MARK) if (i, c) in marks else ""))
         body.append(cells)
     return headers, body
 
@@ -174,14 +177,14 @@ def _groups(stems: list[str]) -> list[tuple[str, int]]:
 
 def to_markdown(frame: pd.DataFrame, stderr: bool = False) -> str:
     """`stderr` shows "mean ± se"; a compared frame (`add_differences`) marks its cells and ends with the legend."""
-    headers, body = _cells(frame, "**{}**", stderr)
+    headers, body = _cells(frame, "**{}**", md_cell, stderr)
     labels = {c: [TASKS[base_task(t)].label for t in frame.attrs["tasks"] if TASKS[base_task(t)].category == c]
               for c, _ in _groups(frame.attrs["tasks"])}
     groups = " · ".join(f"{c}: {', '.join(names)}" for c, names in labels.items())
     lines = [f"Columns by category: {groups}.", "",
              "| " + " | ".join(headers) + " |", "|:---|:---|" + "---:|" * (len(headers) - 2)]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    notes = frame.attrs.get("notes", [])
+    lines += ["| " + " | ".join(r) + " |" for r in body]  # cells escaped by _cells
+    notes = [md_text(n) for n in frame.attrs.get("notes", [])]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -194,9 +197,8 @@ def category_markdown(frame: pd.DataFrame) -> str:
             continue
         out += [f"LongBench aggregation ({'English' if lang == 'en' else 'Chinese'}; code counts for both): "
                 "category = mean of its tasks, Avg = mean of the categories.", "",
-                "| KV Size | Method | " + " | ".join(c.split(":", 1)[1] for c in cols) + " |",
-                "|:---|:---|" + "---:|" * len(cols)]
-        out += ["| " + " | ".join([kv_size(r), method_label(r["method"]), *[_fmt(r[c]) for c in cols]]) + " |"
+                md_row(["KV Size", "Method", *(c.split(":", 1)[1] for c in cols)]), "|:---|:---|" + "---:|" * len(cols)]
+        out += [md_row([kv_size(r), method_label(r["method"]), *[_fmt(r[c]) for c in cols]])
                 for _, r in frame.iterrows()]
         out.append("")
     return "\n".join(out)
@@ -205,7 +207,7 @@ def category_markdown(frame: pd.DataFrame) -> str:
 def to_latex(frame: pd.DataFrame, caption: str = "", stderr: bool = False) -> str:
     """booktabs, a category row spanning its columns above the task labels (needs \\usepackage{booktabs});
     `stderr` and a compared frame's marks and legend as in `to_markdown`."""
-    headers, body = _cells(frame, r"\textbf{{{}}}", stderr)
+    headers, body = _cells(frame, r"\textbf{{{}}}", tex_escape, stderr)
     groups = _groups(frame.attrs["tasks"])
     spans, rules, col = [], [], 3
     for cat, n in groups:
@@ -214,26 +216,20 @@ def to_latex(frame: pd.DataFrame, caption: str = "", stderr: bool = False) -> st
         col += n
     lines = [r"\begin{tabular}{ll" + "r" * (len(headers) - 2) + "}", r"\toprule",
              " & ".join(["", "", *spans, ""]) + r" \\", " ".join(rules),
-             " & ".join(tex_escape(h) for h in headers) + r" \\", r"\midrule"]
+             " & ".join(headers) + r" \\", r"\midrule"]
     previous = None
     for cells in body:
         if previous is not None and cells[0] != previous:
             lines.append(r"\midrule")
         previous = cells[0]
-        lines.append(" & ".join(_tex_cell(c) for c in cells) + r" \\")
+        lines.append(" & ".join(cells) + r" \\")  # escaped by _cells
     lines.append(r"\bottomrule")
-    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {_tex_cell(n)}}} \\"
+    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex_escape(n)}}} \\"
               for n in frame.attrs.get("notes", [])]
     lines.append(r"\end{tabular}")
     if caption:
-        lines.insert(0, f"% {caption}")
+        lines.insert(0, f"% {tex_escape(caption)}")
     return "\n".join(lines) + "\n"
-
-
-def _tex_cell(text: str) -> str:
-    """Escape a cell, keeping a \\textbf wrapper; ± and the significance mark become math."""
-    body = text if text.startswith(r"\textbf") else tex_escape(text)
-    return body.replace("±", r"$\pm$").replace(MARK, r"$^\dagger$")
 
 
 def e_frame(rows: list[dict]) -> pd.DataFrame:
@@ -300,7 +296,7 @@ def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False,
             if compare is not None:
                 compare.unpaired.clear()    # each block's legend lists its own unpaired samples
                 frame = add_differences(frame, df[(df["model"] == model) & (df["dataset"] == dataset)], compare)
-            md += [f"## {title}", "", to_markdown(frame, stderr), category_markdown(frame)]
+            md += [f"## {md_text(title)}", "", to_markdown(frame, stderr), category_markdown(frame)]
             tex.append(to_latex(frame, caption=title, stderr=stderr))
             csv.append(frame)
             fig = budget_figure(frame, title)
@@ -312,9 +308,9 @@ def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False,
         if len(e):
             stem = "longbench_e_table" if n_e == 1 else f"longbench_e_table_{_slug(model)}_{_slug(dataset)}"
             cols = list(E_BUCKETS)
-            md_e = [f"## {title} · LongBench-E (mean over tasks per length bucket)", "",
-                    "| KV Size | Method | " + " | ".join(cols) + " |", "|:---|:---|" + "---:|" * len(cols)]
-            md_e += ["| " + " | ".join([kv_size(r), method_label(r["method"]), *[_fmt(r[c]) for c in cols]]) + " |"
+            md_e = [f"## {md_text(title)} · LongBench-E (mean over tasks per length bucket)", "",
+                    md_row(["KV Size", "Method", *cols]), "|:---|:---|" + "---:|" * len(cols)]
+            md_e += [md_row([kv_size(r), method_label(r["method"]), *[_fmt(r[c]) for c in cols]])
                      for _, r in e.iterrows()]
             (out / f"{stem}.md").write_text("\n".join(md_e) + "\n", encoding="utf-8")
             e.to_csv(out / f"{stem}.csv", index=False)

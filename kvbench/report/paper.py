@@ -54,7 +54,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from kvbench.report.heatmap import has_needle_grid, needle_grid
-from kvbench.report.tables import tex_escape
+from kvbench.report.escape import md_row, md_text, tex_escape
 
 logger = logging.getLogger(__name__)
 
@@ -383,14 +383,14 @@ def header(table: PaperTable) -> list[str]:
 
 def to_markdown(table: PaperTable) -> str:
     cols = table.columns
-    lines = [f"**{line}**" if i == 0 else line for i, line in enumerate(header(table))] + [""]
-    lines.append("| | Method | " + " | ".join(c["label"] for c in cols) + " |")
+    lines = [f"**{md_text(line)}**" if i == 0 else md_text(line) for i, line in enumerate(header(table))] + [""]
+    lines.append(md_row(["", "Method", *(c["label"] for c in cols)]))
     lines.append("|:---|:---|" + "|".join("---:" for _ in cols) + "|")
     for row in table.rows:
-        cells = " | ".join(cell_text(row["cells"][c["key"]], c.get("digits", 2)) for c in cols)
-        lines.append(f"| {row['group']} | {row['label']} | {cells} |")
+        cells = [cell_text(row["cells"][c["key"]], c.get("digits", 2)) for c in cols]
+        lines.append(md_row([row["group"], row["label"], *cells]))
     if table.spec.get("notes"):  # where the paper's own numbers disagree; which reading of the paper ran
-        lines += [""] + [f"Note: {note}" for note in table.spec["notes"]]
+        lines += [""] + [f"Note: {md_text(note)}" for note in table.spec["notes"]]
     return "\n".join(lines) + "\n"
 
 

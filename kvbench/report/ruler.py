@@ -23,8 +23,9 @@ from matplotlib.figure import Figure
 from kvbench.data.ruler.templates import ALL_TASKS, task_metric
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.report.compare import MARK, Compare, reference_key, select
+from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
-from kvbench.report.tables import sort_runs, tex_escape
+from kvbench.report.tables import sort_runs
 from kvbench.report.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
@@ -156,20 +157,19 @@ def cells(wide: pd.DataFrame, missing: str, stderr: bool = False) -> tuple[list[
 
 def to_markdown(wide: pd.DataFrame, stderr: bool = False) -> str:
     headers, rows, right = cells(wide, "–", stderr)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
-    notes = wide.attrs.get("notes", [])
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows] + ([""] + notes if notes else [])) + "\n"
+    lines = [md_row(headers), "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
+    notes = [md_text(n) for n in wide.attrs.get("notes", [])]
+    return "\n".join(lines + [md_row(r) for r in rows] + ([""] + notes if notes else [])) + "\n"
 
 
 def to_latex(wide: pd.DataFrame, stderr: bool = False) -> str:
     """A booktabs tabular (\\usepackage{booktabs}); task names as RULER spells them."""
     headers, rows, right = cells(wide, "--", stderr)
-    tex = lambda c: tex_escape(c).replace("±", r"$\pm$").replace(MARK, r"$^\dagger$")  # noqa: E731
     lines = [r"\begin{tabular}{" + "".join("r" if r else "l" for r in right) + "}", r"\toprule",
              " & ".join(map(tex_escape, headers)) + r" \\", r"\midrule"]
-    lines += [" & ".join(map(tex, r)) + r" \\" for r in rows]
+    lines += [" & ".join(map(tex_escape, r)) + r" \\" for r in rows]
     lines.append(r"\bottomrule")
-    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex(n)}}} \\"
+    lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex_escape(n)}}} \\"
               for n in wide.attrs.get("notes", [])]
     return "\n".join(lines + [r"\end{tabular}"]) + "\n"
 
@@ -281,7 +281,7 @@ def write_reports(df: pd.DataFrame, out: str | Path, stderr: bool = False,
     table = with_uncertainty(wide, scores, df, compare)
     note = notes(scores, skipped_tasks(df))
     paths = [out / "ruler_table.md", out / "ruler_table.tex", out / "ruler_table.csv", out / "ruler_summary.csv"]
-    paths[0].write_text(to_markdown(table, stderr) + "\n" + "\n".join(note) + "\n", encoding="utf-8")
+    paths[0].write_text(to_markdown(table, stderr) + "\n" + "\n".join(map(md_text, note)) + "\n", encoding="utf-8")
     paths[1].write_text(to_latex(table, stderr) + "".join(f"% {tex_escape(n)}\n" for n in note), encoding="utf-8")
     table.to_csv(paths[2], index=False)
     scores.to_csv(paths[3], index=False)

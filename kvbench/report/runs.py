@@ -59,12 +59,29 @@ def read_predictions(path: str | Path) -> list[dict]:
     return records
 
 
+class ManifestError(ValueError):
+    """A manifest.json that is there but cannot be read (not JSON, not an object): unlike a folder without runs, a
+    damaged run, so even `--paper` (which shows a table whatever runs exist) stops on it."""
+
+
 def read_manifest(run_dir: str | Path) -> dict:
-    """The run's manifest.json; a run directory without one is not a kvbench run, so this raises."""
+    """The run's manifest.json; a run directory without one is not a kvbench run, so this raises, and a damaged one
+    (truncated, hand-edited) raises a one-line ManifestError naming the file, where and how to repair it."""
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"report: {run_dir} has {PREDICTIONS} but no {MANIFEST}; not a kvbench run directory")
-    return json.loads(path.read_text(encoding="utf-8"))
+    fix = (f"restore it, or delete it and rerun the run's command (it resumes from {PREDICTIONS} and writes a new "
+           "manifest; the cost of earlier sessions is lost)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"report: {path} is not UTF-8 text (byte {e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"report: {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); "
+                            f"{fix}") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"report: {path} holds a JSON {type(manifest).__name__}, not an object; {fix}")
+    return manifest
 
 
 def load_run(run_dir: str | Path) -> pd.DataFrame:

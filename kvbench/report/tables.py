@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report.compare import MARK, fmt_interval, reference_key
+from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
 
 METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in the papers
@@ -179,31 +180,19 @@ def to_markdown(table: pd.DataFrame, stderr: bool = False) -> str:
     """A GitHub-flavoured Markdown table, numbers right-aligned; `stderr` shows "mean ± se"; a compared table's
     note (mark, resamples, seed, unpaired samples) follows it."""
     headers, rows, numeric = _cells(table, stderr=stderr)
-    esc = lambda s: s.replace("|", r"\|")  # noqa: E731
-    lines = ["| " + " | ".join(map(esc, headers)) + " |",
-             "|" + "|".join("---:" if num else ":---" for num in numeric) + "|"]
-    lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
-    notes = table.attrs.get("notes", [])
+    lines = [md_row(headers), "|" + "|".join("---:" if num else ":---" for num in numeric) + "|"]
+    lines += [md_row(r) for r in rows]
+    notes = [md_text(n) for n in table.attrs.get("notes", [])]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
-
-
-_TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-
-
-def tex_escape(text: str) -> str:
-    """Escape LaTeX's special characters (method and dataset names often contain `_`)."""
-    return "".join(_TEX_ESCAPES.get(ch, ch) for ch in text)
 
 
 def to_latex(table: pd.DataFrame, stderr: bool = False) -> str:
     """A booktabs `tabular` (needs \\usepackage{booktabs}), ready to \\input into a paper; `stderr` and a compared
     table's note as in `to_markdown` (the note as a last row spanning the table)."""
     headers, rows, numeric = _cells(table, missing="--", stderr=stderr)
-    tex = lambda c: tex_escape(c).replace("±", r"$\pm$").replace("Δ", r"$\Delta$")  # noqa: E731
     lines = [r"\begin{tabular}{" + "".join("r" if num else "l" for num in numeric) + "}", r"\toprule",
-             " & ".join(map(tex, headers)) + r" \\", r"\midrule"]
-    lines += [" & ".join(tex(c) for c in r) + r" \\" for r in rows]
+             " & ".join(map(tex_escape, headers)) + r" \\", r"\midrule"]
+    lines += [" & ".join(map(tex_escape, r)) + r" \\" for r in rows]
     lines.append(r"\bottomrule")
     lines += [rf"\multicolumn{{{len(headers)}}}{{l}}{{\footnotesize {tex_escape(n)}}} \\"
               for n in table.attrs.get("notes", [])]

@@ -14,7 +14,9 @@ from matplotlib.image import imread
 
 from kvbench.report import (load_runs, needle_heatmap, needle_matrix, needle_panels, summary_table, to_latex,
                             to_markdown, write_run_report, write_tables)
+from kvbench.report.__main__ import main as report_main
 from kvbench.report.heatmap import CMAP
+from kvbench.report.runs import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS, DEPTHS = [1000, 2000, 3000], [0.0, 50.0, 100.0]
@@ -190,9 +192,9 @@ def test_write_run_report(tmp_path: Path):
 
 # --- CLI -------------------------------------------------------------------------------------------------------
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "kvbench.report", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvbench.report", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -209,4 +211,61 @@ def test_cli_writes_tables_and_panels(tmp_path: Path):
 
 def test_cli_reports_missing_runs(tmp_path: Path):
     proc = _cli(str(tmp_path))
-    assert proc.returncode == 2 and "no run directory" in proc.stderr and str(tmp_path) in proc.stderr
+    assert proc.returncode == 1 and proc.stderr == (f"kvbench: report: no run directory (a folder with "
+                                                    f"predictions.jsonl) found under {tmp_path}\n")
+
+
+def test_cli_writes_beside_the_runs_by_default(tmp_path: Path):
+    """Without --out, from another directory: the files go to <the folder given>/report, none to the current
+    directory, and the last line says so."""
+    make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _cli("../results", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "results" / "report").iterdir()) == ["table.csv", "table.md", "table.tex"]
+    assert list(elsewhere.iterdir()) == []
+    assert proc.stderr.splitlines()[-1] == f"report: wrote 3 files to {tmp_path / 'results' / 'report'}"
+
+
+def test_default_out_is_the_common_folder_of_the_paths(tmp_path: Path, monkeypatch, capsys):
+    a = make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    b = make_run(tmp_path / "results", "full", None, [record(0, 1.0)], dataset="qa", primary="qa_f1")
+    monkeypatch.chdir(tmp_path / "results")
+    assert report_main([str(a), os.path.relpath(b)]) == 0    # .../qa/smollm2-135m/{snapkv,full}/...: their parent
+    out = tmp_path / "results" / "qa" / "smollm2-135m" / "report"
+    assert (out / "table.md").is_file()
+    assert capsys.readouterr().err.splitlines()[-1] == f"report: wrote 3 files to {out}"
+    assert report_main([str(a), "/"]) == 1                   # nothing in common but the root: ask for --out
+    assert capsys.readouterr().err == f"kvbench: report: {a} / share no folder below /; pass --out to say where " \
+                                      "the report goes\n"
+
+
+# --- damaged manifests ------------------------------------------------------------------------------------------
+
+FIX = ("restore it, or delete it and rerun the run's command (it resumes from predictions.jsonl and writes a new "
+       "manifest; the cost of earlier sessions is lost)")
+
+
+def test_damaged_manifest_is_one_line_naming_the_file(tmp_path: Path):
+    run = make_run(tmp_path, "snapkv", 64, [record(0, 1.0)])
+    (run / "manifest.json").write_text('{\n "method": "snapkv",\n "budget": ')       # truncated mid-write
+    with pytest.raises(ValueError) as e:
+        read_manifest(run)
+    # the parser stops at line 3, column 12: after ` "budget": ` (11 characters) a value was expected
+    where = "line 3 column 12: Expecting value"
+    assert str(e.value) == f"report: {run / 'manifest.json'} is not valid JSON ({where}); {FIX}"
+    (run / "manifest.json").write_text('["snapkv", 64]')                            # JSON, but not a manifest
+    with pytest.raises(ValueError, match=r"holds a JSON list, not an object; restore it"):
+        read_manifest(run)
+
+
+def test_cli_damaged_manifest_exits_1_with_one_line(tmp_path: Path, capsys):
+    run = make_run(tmp_path / "results", "snapkv", 64, [record(0, 1.0)])
+    (run / "manifest.json").write_text('{"method": "snapkv",')
+    expected = f"kvbench: report: {run / 'manifest.json'} is not valid JSON (line 1 column 21: Expecting property " \
+               f"name enclosed in double quotes); {FIX}\n"
+    for extra in ([], ["--paper", "pyramidkv"]):   # --paper too: a damaged run is not a run that was never made
+        assert report_main([str(tmp_path / "results"), "--out", str(tmp_path / "out"), *extra]) == 1
+        assert capsys.readouterr().err == expected
+    assert not (tmp_path / "out").exists()
