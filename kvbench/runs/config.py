@@ -60,6 +60,24 @@ OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in 
     "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
 
 
+def yaml_message(e: Exception) -> str:
+    """A YAML parser's error as one line naming the file, line and column: `configs/method/mine.yaml:3:9: not valid
+    YAML: mapping values are not allowed here`."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else "a config file"
+    return f"{where}: not valid YAML: {problem}"
+
+
+def load_yaml(path: Path) -> DictConfig:
+    """`OmegaConf.load`, a syntax error turned into a one-line ValueError naming the file and line."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_message(e)) from None
+
+
 def group_choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 

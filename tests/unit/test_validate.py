@@ -185,6 +185,48 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
                 p.chmod(0o755)
 
 
+# --- broken YAML ----------------------------------------------------------------------------------------------
+BROKEN = "_target_: kvbench.methods.snapkv.SnapKV\nwindow: 32\n  kernel: 7\npooling: max\n"  # line 3: indented
+
+
+def test_a_broken_yaml_config_is_one_line_naming_its_file_and_line(tmp_path):
+    """A user's own option (configs/method/mine.yaml) or a hand-edited configs/config.yaml with a syntax error: one
+    line naming the file, line and column the parser stopped at, for a run and for a sweep; nothing written."""
+    configs, results = tmp_path / "configs", tmp_path / "results"
+    shutil.copytree(ROOT / "configs", configs)
+    (configs / "method" / "mine.yaml").write_text(BROKEN)
+    for argv in (["method=mine"], ["-m", "method=mine", "budget=64,128"]):
+        with pytest.raises(BadInput) as error:
+            validate(["model=tiny_llama", *argv, f"results_dir={results}"], config_dir=configs)
+        assert str(error.value) == (f"{configs}/method/mine.yaml:3:9: not valid YAML: mapping values are not "
+                                    "allowed here")  # the colon after `  kernel`
+    lines = (configs / "config.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("limit:"))
+    lines[at] = "\t" + lines[at]  # a tab where YAML wants spaces
+    (configs / "config.yaml").write_text("\n".join(lines) + "\n")
+    for argv in ([], ["-m", "budget=64,128"]):
+        with pytest.raises(BadInput) as error:
+            validate(["model=tiny_llama", *argv, f"results_dir={results}"], config_dir=configs)
+        assert str(error.value) == (f"{configs}/config.yaml:{at + 1}:1: not valid YAML: found character '\\t' that "
+                                    "cannot start any token")
+    assert not results.exists()
+
+
+def test_merge_reads_a_broken_config_yaml_as_one_line(tmp_path, capsys):
+    """merge reads the run directory's config.yaml: hand-edited into invalid YAML, it fails in one line too."""
+    from kvbench.runs.merge import main as merge_main
+    from tests.unit.test_cli import run_here
+
+    run_dir = run_here("model=tiny_llama", "method=streamingllm", "budget=32", "dataset.context_lengths=[300]",
+                       "dataset.depth_percents=[50]", "dataset.metrics=[pyramidkv_recall]", "shard=0/1",
+                       results=tmp_path)
+    (run_dir / "config.yaml").write_text(BROKEN)
+    capsys.readouterr()
+    assert merge_main([str(run_dir)]) == 1
+    assert capsys.readouterr().err == (f"kvbench: {run_dir}/config.yaml:3:9: not valid YAML: mapping values are "
+                                       "not allowed here\n")
+
+
 def test_ruler_length_tokenizer_revision_is_pinned_and_recorded(smollm2_dir, smollm2_tokenizer):
     from kvbench.data.ruler import Ruler
     from kvbench.data.ruler.length import tokenizer_fingerprint
