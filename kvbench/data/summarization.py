@@ -98,7 +98,7 @@ class Summarization(Dataset):
 
     def __post_init__(self) -> None:
         if self.name not in SOURCES:
-            raise ValueError("summarization: " + unknown_choice("dataset", self.name, list(SOURCES)))
+            raise ValueError(f"summarization: name={self.name!r} is not one of {', '.join(SOURCES)}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"{self.name}: " + unknown_choice("protocol", self.protocol, list(PROTOCOLS)))
         if self.protocol == "buzz_selfbleu" and self.name != "cnn_dailymail":

@@ -85,8 +85,8 @@ class KVzip(Method):
             raise ValueError(f"kvzip: prev_postfix_size={self.prev_postfix_size} and n_sink={self.n_sink} must "
                              "be >= 0")
         if self.prompt_ids is not None and (len(self.prompt_ids) != 3 or not all(self.prompt_ids[:2])):
-            raise ValueError("kvzip: prompt_ids must be [first prompt ids, next prompt ids, suffix ids] "
-                             "(the prompts non-empty), or null to tokenize them")
+            raise ValueError(f"kvzip: prompt_ids={self.prompt_ids!r} must be [first prompt ids, next prompt ids, "
+                             "suffix ids] (the prompts non-empty), or null to tokenize them")
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)

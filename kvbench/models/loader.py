@@ -51,9 +51,26 @@ class ModelSpec:
         if self.device_map is not None and self.device_map not in DEVICE_MAPS:
             raise ValueError(f"model: device_map={self.device_map!r} is not one of {', '.join(DEVICE_MAPS)} "
                              f"(or null: the whole model on model.device)")
+        if self.attn_implementation not in ("sdpa", "eager") and "/" not in self.attn_implementation:
+            from transformers import AttentionInterface  # ~2.5 s of imports: only for another choice (see __init__)
+
+            attention = ("eager", *AttentionInterface().valid_keys())
+            if self.attn_implementation not in attention:
+                raise ValueError(f"model: attn_implementation={self.attn_implementation!r} is not one of "
+                                 f"{', '.join(attention)} (or a Hub kernel, org/name)")
+        if self.device != "auto" and not is_device(self.device):
+            raise ValueError(f"model: device={self.device!r} is not auto or a torch device (cpu, cuda, cuda:1, mps)")
         if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES:
             raise ValueError(f"model: unknown random family in path={self.path!r}; "
                              f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES)}")
+
+
+def is_device(name: str) -> bool:
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True
 
 
 def resolve_device(device: str) -> str:

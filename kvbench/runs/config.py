@@ -60,6 +60,24 @@ OmegaConf.register_new_resolver(  # each shard of a run logs to its own file in 
     "kvbench_shard_suffix", lambda shard: f".shard-{str(shard).replace('/', '-of-')}" if shard else "", replace=True)
 
 
+def yaml_message(e: Exception) -> str:
+    """A YAML parser's error as one line naming the file, line and column: `configs/method/mine.yaml:3:9: not valid
+    YAML: mapping values are not allowed here`."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else "a config file"
+    return f"{where}: not valid YAML: {problem}"
+
+
+def load_yaml(path: Path) -> DictConfig:
+    """`OmegaConf.load`, a syntax error turned into a one-line ValueError naming the file and line."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_message(e)) from None
+
+
 def group_choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
@@ -85,6 +103,9 @@ def setup(cfg: DictConfig):
     from kvbench import methods  # noqa: F401  (registers the built-in methods)
     from kvbench.models.checks import check_source
     from kvbench.models.loader import ModelSpec, check_architecture
+    from kvbench.runs.schema import check
+
+    check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
 
     def build(node, what):
         try:
@@ -99,15 +120,9 @@ def setup(cfg: DictConfig):
         dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
-    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
-        raise ValueError(f"limit={cfg.limit!r} must be a positive number of samples, or null for all")
-    if not isinstance(cfg.batch_size, int) or isinstance(cfg.batch_size, bool) or cfg.batch_size < 1:
-        raise ValueError(f"batch_size={cfg.batch_size!r} must be a positive integer (samples decoded together)")
     if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
         raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
                          "runs at batch_size=1")
-    if cfg.positions not in ("original", "shift"):
-        raise ValueError(f"positions={cfg.positions!r} is not one of original, shift")
     from kvbench.engine.generation import Sampling
 
     Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here
@@ -122,14 +137,9 @@ def setup(cfg: DictConfig):
     check_query(cfg, method)
     if getattr(dataset, "turns", 1) > 1:  # a conversation feeds every later turn on top of the compressed cache
         check_query(cfg, method, why=f"dataset.turns={dataset.turns}")
-    if cfg.get("compress_after", "layer") not in ("layer", "prefill"):
-        raise ValueError(f"compress_after={cfg.compress_after!r} is not one of layer, prefill")
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
         cfg.budget = cfg.ratio = None
-    if cfg.ratio is not None:
-        if not 0 <= cfg.ratio < 1:
-            raise ValueError(f"ratio={cfg.ratio} must be in [0, 1) (fraction of prompt entries removed)")
-    else:
+    if cfg.ratio is None:
         method.check_budget(cfg.budget)
     from kvbench.runs.shard import Shard
 
@@ -138,12 +148,9 @@ def setup(cfg: DictConfig):
 
 
 def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
-    """`query=aware|agnostic`, and what feeding tokens on top of a compressed cache (agnostic's question, or `why`:
-    a conversation's later turns) does not run with."""
-    query = cfg.get("query", "aware")
-    if query not in QUERY_MODES:
-        raise ValueError(f"query={query!r} is not one of {', '.join(QUERY_MODES)}")
-    if query == "aware" and why is None:
+    """What feeding tokens on top of a compressed cache (`query=agnostic`'s question, or `why`: a conversation's
+    later turns) does not run with (`query`'s choices are kvbench/runs/schema.py's)."""
+    if cfg.get("query", "aware") == "aware" and why is None:
         return
     why = why or "query=agnostic"
     if not method.takes_chunks:  # a storage method whose layers append one token per step (none at present)

@@ -49,12 +49,13 @@ def build_method(name: str, overrides: dict):
     from omegaconf import OmegaConf
 
     from kvbench.registry import unknown_choice
+    from kvbench.runs.config import load_yaml
 
     path = CONFIG_DIR / "method" / f"{name}.yaml"
     if not path.is_file():
         choices = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
         raise ValueError("kvbench: " + unknown_choice("method", name, choices))
-    fields = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    fields = OmegaConf.to_container(load_yaml(path), resolve=True)
     module, cls = fields.pop("_target_").rsplit(".", 1)
     return getattr(importlib.import_module(module), cls)(**{**fields, **overrides})
 
@@ -63,11 +64,12 @@ def build_spec(name: str, path: str | None):
     from omegaconf import OmegaConf
 
     from kvbench.models.loader import ModelSpec
+    from kvbench.runs.config import load_yaml
 
     file = CONFIG_DIR / "model" / f"{name}.yaml"
     if not file.is_file():
         raise ValueError(f"kvbench: no model config '{name}' in configs/model/")
-    fields = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    fields = OmegaConf.to_container(load_yaml(file), resolve=True)
     if path is not None:
         fields["path"] = path
     return ModelSpec(**fields)

@@ -134,9 +134,7 @@ def holding_run_dir(run_dir: Path) -> Iterator[None]:
 
 def merge(run_dir: str | Path) -> dict:
     """Merge the run's shards (raises MergeError in one line if it cannot); returns scores.json's content."""
-    from omegaconf import OmegaConf
-
-    from kvbench.runs.config import setup
+    from kvbench.runs.config import load_yaml, setup
     from kvbench.runs.records import write_scores
 
     run_dir = Path(run_dir)
@@ -148,7 +146,7 @@ def merge(run_dir: str | Path) -> dict:
         states = read_shards(run_dir, count)
         check_complete(run_dir, states)
         ids, records = ordered_records(run_dir, states)
-        cfg = OmegaConf.load(run_dir / "config.yaml")
+        cfg = load_yaml(run_dir / "config.yaml")
         _, dataset, spec = setup(cfg)
         if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
             dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})

@@ -90,8 +90,11 @@ def expand(parsed: list, overrides: list[str], multirun: bool) -> list[list[str]
 # --- composing one job ----------------------------------------------------------------------------------------
 def compose_job(overrides: list[str], hydra: bool = True) -> DictConfig:
     """Hydra's composition of one job, its multi-line errors turned into one line."""
+    import yaml
     from hydra import compose
     from hydra.errors import HydraException, MissingConfigException
+
+    from kvbench.runs.config import yaml_message
 
     try:
         return compose("config", overrides=overrides, return_hydra_config=hydra)
@@ -99,6 +102,8 @@ def compose_job(overrides: list[str], hydra: bool = True) -> DictConfig:
         raise BadInput(missing_option_message(e)) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise BadInput(composition_message(e, overrides)) from None
+    except yaml.YAMLError as e:  # a config file with broken syntax (a hand-edited config.yaml, a user's own option)
+        raise BadInput(yaml_message(e)) from None
 
 
 def missing_option_message(e: Exception) -> str:
@@ -244,9 +249,9 @@ def check_run_dir_state(run_dir: Path, shard_text: str | None) -> None:
 
 
 # --- entry points ---------------------------------------------------------------------------------------------
-def validate(argv: list[str]) -> int:
+def validate(argv: list[str], config_dir: Path | None = None) -> int:
     """Raise BadInput (one line) on the first problem in any job of this command line; return the number of jobs
-    checked (0 when the command is not a run, e.g. --help)."""
+    checked (0 when the command is not a run, e.g. --help). `config_dir`: another configs/ folder (tests)."""
     from hydra import initialize_config_dir
 
     from kvbench.runs.config import CONFIG_DIR
@@ -256,7 +261,8 @@ def validate(argv: list[str]) -> int:
         return 0
     multirun, overrides = split
     parsed = parse(overrides)
-    with quiet(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
+    config_dir = str(config_dir or CONFIG_DIR)
+    with quiet(), initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="kvbench"):
         jobs = expand(parsed, overrides, multirun)
         checker = Checker(multirun)
         for job in jobs:

@@ -1,4 +1,5 @@
-"""Every option of every config group composes and instantiates (a typo'd field fails here, not in a sweep)."""
+"""Every option of every config group composes, instantiates and passes its rules (a typo'd field fails here, not in
+a sweep); each of its values has a rule (kvbench/runs/schema.py; the other config files: test_schema.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 from kvbench.models.loader import ModelSpec
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, group_choices
+from kvbench.runs.schema import check, unruled
 
 import kvbench.methods  # noqa: F401
 
@@ -20,6 +22,8 @@ def test_every_group_option_composes_and_instantiates(group):
     for option in group_choices(group):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("config", overrides=[f"{group}={option}"] + (["model.path=x/y"] if option == "hf" else []))
+        assert not unruled(cfg), f"{group}={option}: no rule for {unruled(cfg)} (kvbench/runs/schema.py RANGES)"
+        check(cfg)  # the shipped values pass their own rules
         node = cfg[group]
         if group == "model":
             ModelSpec(**OmegaConf.to_container(node, resolve=True))

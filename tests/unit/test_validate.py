@@ -76,6 +76,28 @@ def rows(t: str) -> list:
          "method=kvzip: mpt has ALiBi attention, which tokens fed on top of a cache"),
         (["model.path=random:gemma2", "dataset=niah_multiturn", "dataset.turns=2"], "turns-window",
          "dataset.turns=2: gemma2 has sliding-window layers, which tokens fed on top of a compressed cache"),
+        # issue #31: every value's type, range or choices (kvbench/runs/schema.py); each of these ran before
+        (["dataset.max_new_tokens=-3"], "max-new-tokens",
+         "niah: dataset.max_new_tokens=-3 must be a positive integer (new tokens per sample)"),
+        (["seed=abc"], "seed", "seed='abc' must be an integer >= 0"),
+        (["generation.do_sample=true", "generation.temperature=-1"], "temperature",
+         "generation.temperature=-1 must be > 0 (the sampling temperature)"),
+        (["generation.top_p=2"], "top-p", "generation.top_p=2 must be in (0, 1]"),
+        (["method=snapkv", "method.window=8.5"], "float-for-int",
+         "snapkv: method.window=8.5 must be a positive integer"),
+        (["dataset.context_lengths=[1000.5]"], "float-in-int-list",
+         "niah: dataset.context_lengths=[1000.5] must be a list, each item a positive integer"),
+        (["method=h2o", "method.gqa_reduce=median"], "literal",
+         "h2o: method.gqa_reduce='median' is not one of mean, sum, max"),
+        (["report=maybe"], "bool", "report='maybe' must be true or false"),
+        (["ratio=abc"], "ratio-type", "ratio='abc' must be a number in [0, 1), or null"),
+        (["model.max_prompt_tokens=0"], "prompt-tokens", "model.max_prompt_tokens=0 must be a positive integer"),
+        (["model.revision=1234"], "text", "model.revision=1234 must be a string, or null; quote it to pass text: "
+         "model.revision=\"'1234'\""),
+        (["model.device=gpu"], "device", "model: device='gpu' is not auto or a torch device"),
+        (["model.attn_implementation=fast"], "attention", "model: attn_implementation='fast' is not one of eager, "),
+        (["dataset=longbench", "dataset.primary_metric=f1"], "score-name",
+         "longbench: dataset.primary_metric='f1' is not one of longbench (the score this dataset reports)"),
     ]
 
 
@@ -119,10 +141,11 @@ def read_only(path: Path) -> None:
 
 
 def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
-    """Three bad commands at once (each process pays ~5 s of imports): a bad model path (any check's failure takes
-    this exit path: sys.exit with the line; the other checks' lines are test_each_bad_input's, in this process) and the
-    two read-only cases, which need a process: root drops its file-permission override (setpriv) so that read-only
-    folders are read-only to it as well."""
+    """Four bad commands at once (each process pays ~5 s of imports): a bad model path and a bad value (issue #31's
+    `dataset.max_new_tokens=-3`, which used to run and score 0; any check's failure takes this exit path: sys.exit
+    with the line; the other checks' lines are test_each_bad_input's, in this process) and the two read-only cases,
+    which need a process: root drops its file-permission override (setpriv) so that read-only folders are read-only
+    to it as well."""
     as_user = []
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
@@ -140,23 +163,68 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
         "path": (["model=hf", f"model.path={inputs}/no/such/dir"], tmp_path / "r3", "does not exist"),
         "ro-results": ([], ro_results, f"results_dir={ro_results} cannot be written"),
         "ro-run-dir": (["method=full", "budget=64", f"hydra.run.dir={run_dir}"], existing, "is read-only"),
+        "value": (["dataset.max_new_tokens=-3"], tmp_path / "r4",
+                  "kvbench: niah: dataset.max_new_tokens=-3 must be a positive integer (new tokens per sample)"),
     }
+    before = {name: (results.exists(), sorted(results.rglob("*"))) for name, (_, results, _) in commands.items()}
     procs = {name: subprocess.Popen(
         [*as_user, sys.executable, "-m", "kvbench.run", "model=tiny_llama", *args, f"results_dir={results}"],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, (args, results, _) in commands.items()}
-    before = {name: sorted(results.rglob("*")) for name, (_, results, _) in commands.items()}
     try:
         for name, proc in procs.items():
             stdout, stderr = proc.communicate(timeout=300)
             lines = stderr.strip().splitlines()
             assert proc.returncode == 1 and not stdout.strip(), (name, stdout, stderr)
             assert len(lines) == 1 and lines[0].startswith("kvbench: ") and commands[name][2] in lines[0], (name, stderr)
-            assert sorted(commands[name][1].rglob("*")) == before[name], name  # nothing created
+            results = commands[name][1]
+            assert (results.exists(), sorted(results.rglob("*"))) == before[name], name  # nothing created
     finally:
         for path in (ro_results, existing):
             for p in [path, *path.rglob("*")]:
                 p.chmod(0o755)
+
+
+# --- broken YAML ----------------------------------------------------------------------------------------------
+BROKEN = "_target_: kvbench.methods.snapkv.SnapKV\nwindow: 32\n  kernel: 7\npooling: max\n"  # line 3: indented
+
+
+def test_a_broken_yaml_config_is_one_line_naming_its_file_and_line(tmp_path):
+    """A user's own option (configs/method/mine.yaml) or a hand-edited configs/config.yaml with a syntax error: one
+    line naming the file, line and column the parser stopped at, for a run and for a sweep; nothing written."""
+    configs, results = tmp_path / "configs", tmp_path / "results"
+    shutil.copytree(ROOT / "configs", configs)
+    (configs / "method" / "mine.yaml").write_text(BROKEN)
+    for argv in (["method=mine"], ["-m", "method=mine", "budget=64,128"]):
+        with pytest.raises(BadInput) as error:
+            validate(["model=tiny_llama", *argv, f"results_dir={results}"], config_dir=configs)
+        assert str(error.value) == (f"{configs}/method/mine.yaml:3:9: not valid YAML: mapping values are not "
+                                    "allowed here")  # the colon after `  kernel`
+    lines = (configs / "config.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("limit:"))
+    lines[at] = "\t" + lines[at]  # a tab where YAML wants spaces
+    (configs / "config.yaml").write_text("\n".join(lines) + "\n")
+    for argv in ([], ["-m", "budget=64,128"]):
+        with pytest.raises(BadInput) as error:
+            validate(["model=tiny_llama", *argv, f"results_dir={results}"], config_dir=configs)
+        assert str(error.value) == (f"{configs}/config.yaml:{at + 1}:1: not valid YAML: found character '\\t' that "
+                                    "cannot start any token")
+    assert not results.exists()
+
+
+def test_merge_reads_a_broken_config_yaml_as_one_line(tmp_path, capsys):
+    """merge reads the run directory's config.yaml: hand-edited into invalid YAML, it fails in one line too."""
+    from kvbench.runs.merge import main as merge_main
+    from tests.unit.test_cli import run_here
+
+    run_dir = run_here("model=tiny_llama", "method=streamingllm", "budget=32", "dataset.context_lengths=[300]",
+                       "dataset.depth_percents=[50]", "dataset.metrics=[pyramidkv_recall]", "shard=0/1",
+                       results=tmp_path)
+    (run_dir / "config.yaml").write_text(BROKEN)
+    capsys.readouterr()
+    assert merge_main([str(run_dir)]) == 1
+    assert capsys.readouterr().err == (f"kvbench: {run_dir}/config.yaml:3:9: not valid YAML: mapping values are "
+                                       "not allowed here\n")
 
 
 def test_ruler_length_tokenizer_revision_is_pinned_and_recorded(smollm2_dir, smollm2_tokenizer):

@@ -1,0 +1,364 @@
+"""Every config value's rule (type, range or choices), checked in one line before weights load.
+
+One place, so that no field goes unchecked: a value's type (None allowed, list items, a `Literal`'s choices) comes
+from the annotation of the dataclass field it fills: the top-level keys are `Run`'s fields below, `generation.*`
+`Sampling`'s, `model.*` `ModelSpec`'s, `method.*` and `dataset.*` their `_target_` class's. Its range comes from
+`RANGES`, by field name (a name means the same in every class), or `Class.field` where it does not. `setup(cfg)`
+calls `check(cfg)` first, so the run, `validate`, the grid launcher and merge refuse the same values.
+tests/unit/test_schema.py fails for a numeric, text or untyped field of any config class without an entry here, and
+probes every rule with values it must refuse; a class's own `__post_init__` keeps what a range cannot say (odd
+kernels, a window below the budget, names from a registry: `OWN` here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from kvbench.engine.generation import Sampling
+from kvbench.models.loader import ModelSpec
+
+
+@dataclass
+class Run:
+    """configs/config.yaml's own keys, declared for their rules (never built; the `generation`, `model`, `method`
+    and `dataset` nodes have their own classes)."""
+
+    budget: int | None
+    ratio: float | None
+    seed: int
+    query: Literal["aware", "agnostic"]
+    positions: Literal["original", "shift"]
+    compress_after: Literal["layer", "prefill"]
+    limit: int | None
+    shard: Any
+    batch_size: int
+    retry_failed: bool
+    report: bool
+    results_dir: str
+    paper_settings: dict | None
+
+
+NODES = {"generation": Sampling, "model": ModelSpec}  # nodes built without `_target_`
+
+
+@dataclass(frozen=True)
+class Range:
+    """What a value may be beyond its type: bounds or choices; or who else judges it; or anything (free text)."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False  # low itself is out
+    open_high: bool = False
+    choices: tuple = ()
+    note: str = ""  # what the value means, for the message
+    says: str = ""  # the whole "must be ..." phrase, where the generated one would read badly
+    owner: str = ""  # who judges it instead, in one line (its class's __post_init__, check_budget, Shard.parse)
+    free: bool = False  # free text: a path, a name, a template; the type is the whole rule
+    default_only: bool = False  # names what the class itself writes (the score it reports): its default only
+
+    def allows(self, value) -> bool:
+        if self.choices:
+            return value in self.choices
+        if self.low is not None and not (value > self.low if self.open_low else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.open_high else value <= self.high)
+
+    def bounds(self) -> str:
+        """' >= 1', ' in (0, 1]', '' (unbounded)."""
+        if self.low is not None and self.high is not None:
+            return f" in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+        if self.low is not None:
+            return f" {'>' if self.open_low else '>='} {self.low:g}"
+        return f" {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else ""
+
+
+def at_least(low: float, note: str = "") -> Range:
+    return Range(low=low, note=note)
+
+
+def above(low: float, note: str = "") -> Range:
+    return Range(low=low, open_low=True, note=note)
+
+
+def within(low: float, high: float, note: str = "", open_low: bool = False, open_high: bool = False) -> Range:
+    return Range(low=low, high=high, open_low=open_low, open_high=open_high, note=note)
+
+
+def one_of(*choices, note: str = "") -> Range:
+    return Range(choices=choices, note=note)
+
+
+TEXT = Range(free=True)
+OWN = Range(owner="its class's __post_init__")
+UNBOUNDED = Range()  # every value of the type means something
+SCORE_NAME = Range(default_only=True, note="the score this dataset reports")
+
+RANGES: dict[str, Range] = {
+    # --- the top level (Run) and generation (Sampling)
+    "Run.budget": Range(owner="the method's check_budget"),  # it knows its floor (window, sinks)
+    "ratio": within(0, 1, "fraction of prompt entries removed", open_high=True),
+    "seed": at_least(0),
+    "limit": Range(low=1, says="a positive number of samples, or null for all"),
+    "shard": Range(owner="Shard.parse"),
+    "batch_size": at_least(1, "samples decoded together"),
+    "results_dir": TEXT,
+    "paper_settings": TEXT,  # the manifest's `paper` block: a description, read by no code
+    "temperature": above(0, "the sampling temperature"),
+    "top_k": at_least(0, "0: no top-k cut"),
+    "top_p": within(0, 1, "the nucleus' probability mass; 1: no cut", open_low=True),
+    "num_beams": at_least(1, "1: no beam search"),
+    "length_penalty": UNBOUNDED,
+    # --- model (ModelSpec)
+    "name": TEXT,
+    "path": TEXT,
+    "revision": TEXT,
+    "dtype": OWN,
+    "attn_implementation": OWN,
+    "device": OWN,
+    "device_map": OWN,
+    "max_prompt_tokens": at_least(1, "prompt tokens kept"),
+    "quant_friendly_layers": at_least(0, "layer indices"),
+    "gpus": at_least(0, "GPUs a cluster job asks for"),
+    "mem_gb": at_least(1, "GiB a cluster job asks for"),
+    # --- methods: entry counts, window sizes, shares of the budget
+    "window": at_least(1),
+    "kernel": at_least(1),
+    "beta": at_least(1),
+    "alpha": within(0, 1, "share of each head's budget it keeps"),
+    "n_sink": at_least(0, "first entries always kept"),
+    "stride": at_least(2),
+    "threshold": at_least(1),
+    "tw_ratio": above(0),
+    "epsilon": at_least(0),
+    "n_future_positions": at_least(1),
+    "recent": at_least(0, "last prompt positions always kept"),
+    "StreamingLLM.recent": at_least(1, "null: n_sink sinks and the most recent rest"),
+    "recent_ratio": within(0, 1, "share of the budget kept for recent entries", open_high=True),
+    "recent_size": at_least(0),
+    "tau_init": above(0),
+    "tau_end": above(0),
+    "budget_fraction": within(0, 1, open_low=True),
+    "padded_length": at_least(1),
+    "chunk_size": at_least(1),
+    "prev_postfix_size": at_least(0),
+    "prompt_ids": OWN,
+    "page_size": at_least(1),
+    "dense_layers": at_least(0),
+    "sink_size": at_least(0),
+    "partitions": at_least(1),
+    "PQCache.bits": within(1, 8, "codes are stored in one byte"),
+    "TailorKV.bits": one_of(1, 2, 4, 8),
+    "kmeans_iters": at_least(0),
+    "group_size": at_least(1),
+    "residual": at_least(1),
+    "start_size": at_least(0),
+    "channels": at_least(1),
+    "quant_layers": at_least(0, "layer indices"),
+    "channel_query": OWN,
+    # --- datasets
+    "version": TEXT,
+    "Ruler.version": OWN,
+    "Summarization.name": OWN,
+    "root": TEXT,
+    "split": TEXT,
+    "tasks": OWN,
+    "protocol": OWN,
+    "scorer": OWN,
+    "mode": OWN,
+    "turn_mode": OWN,
+    "code_sim_backend": OWN,
+    "model_template": OWN,
+    "metrics": OWN,
+    "primary_metric": SCORE_NAME,
+    "NeedleHaystack.primary_metric": OWN,  # one of its `metrics`
+    "kind": Range(default_only=True, note="how kvbench runs its samples"),
+    "chat_format": TEXT,
+    "needle": TEXT,
+    "retrieval_question": TEXT,
+    "expected_answer": TEXT,
+    "template": TEXT,
+    "stop": TEXT,
+    "haystack_dir": TEXT,
+    "qa_root": TEXT,
+    "essays_json": TEXT,
+    "length_tokenizer": TEXT,
+    "length_tokenizer_revision": TEXT,
+    "cache_dir": TEXT,
+    "max_new_tokens": at_least(1, "new tokens per sample"),
+    "limit_per_task": at_least(1),
+    "num_samples": at_least(1),
+    "truncate_tokens": at_least(1),
+    "max_seq_length": at_least(1),
+    "max_turns": at_least(1),
+    "turns": at_least(1),
+    "num_rows": at_least(1),
+    "rows_per_record": at_least(1),
+    "context": at_least(1, "prefilled tokens per window"),
+    "length": at_least(1, "prompt + new tokens"),
+    "lengths": at_least(1, "prompt + new tokens"),
+    "random_seed": at_least(0),
+    "context_lengths": at_least(1, "tokens"),
+    "depth_percents": within(0, 100),
+    "final_context_length_buffer": at_least(0),
+    "gold_positions": within(0, 9, "the source ships 0, 4, 9"),
+    "prompt_lengths": at_least(1, "tokens"),
+    "generation_lengths": at_least(1, "tokens"),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A field's annotation (type, None allowed, a list of such values) and its range."""
+
+    kind: type | None  # int, float, bool or str; None: no type (a mapping, a list's untyped items, Any)
+    null: bool
+    many: bool
+    range: Range
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` ("must be ...", "is not one of ..."), or None."""
+        if value is None:
+            return None if self.null else f"must be {self.phrase()}"
+        if self.many and not isinstance(value, (list, tuple)):
+            return f"must be {self.phrase()}"
+        for item in value if self.many else [value]:
+            if not fits(item, self.kind):
+                return self.choices_text() if self.range.choices else f"must be {self.phrase()}"
+            if not self.range.owner and not self.range.allows(item):
+                return self.choices_text() if self.range.choices else f"must be {self.phrase(typed=True)}"
+        return None
+
+    def choices_text(self) -> str:
+        note = f" ({self.range.note})" if self.range.note else ""
+        return "is not one of " + ", ".join(map(str, self.range.choices)) + (", null" if self.null else "") + note
+
+    def phrase(self, typed: bool = False) -> str:
+        """'a positive integer', 'an integer >= 0', 'in [0, 1)' (a number of the right type out of its range)."""
+        r = self.range
+        if r.says:
+            return r.says
+        if r.choices:
+            text = "one of " + ", ".join(map(str, r.choices))
+        elif self.kind is int:
+            positive = (r.low, r.high, r.open_low) == (1, None, False)
+            text = "a positive integer" if positive else "an integer" + r.bounds()
+        elif self.kind is float:
+            text = r.bounds().strip() if typed and r.bounds() else "a number" + r.bounds()
+        else:
+            text = {bool: "true or false", str: "a string"}.get(self.kind, "a value")
+        if self.many:
+            text = f"a list, each item {text}"
+        if self.null:
+            text += ", or null"
+        return text + (f" ({r.note})" if r.note else "")
+
+
+def fits(value, kind: type | None) -> bool:
+    """Of the type: an int is a number, a bool is neither an int nor a number."""
+    if kind is None:
+        return True
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+# --- rules from annotations -----------------------------------------------------------------------------------
+def parse_annotation(annotation) -> tuple[type | None, bool, bool, tuple]:
+    """(kind, null allowed, a list, Literal choices) of `int | None`, `list[int]`, `Literal["a", "b"]`, ..."""
+    null = False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        rest = [a for a in args if a is not type(None)]
+        null, annotation = len(rest) < len(args), (rest[0] if len(rest) == 1 else Any)
+    many = annotation in (list, tuple) or typing.get_origin(annotation) in (list, tuple)
+    if many:
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        annotation = args[0] if args else Any
+    if typing.get_origin(annotation) is Literal:
+        choices = typing.get_args(annotation)
+        return type(choices[0]), null, many, choices
+    if annotation in (int, float, bool, str):
+        return annotation, null, many, ()
+    return None, null or annotation is Any, many, ()
+
+
+def find_range(cls: type, name: str) -> Range | None:
+    for klass in cls.__mro__:
+        if f"{klass.__name__}.{name}" in RANGES:
+            return RANGES[f"{klass.__name__}.{name}"]
+    return RANGES.get(name)
+
+
+@functools.cache
+def rules_of(cls: type) -> dict[str, Rule | None]:
+    """Each init field of a config class -> its rule; None where a number, text or untyped value has no range."""
+    hints = typing.get_type_hints(cls)
+    rules: dict[str, Rule | None] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        kind, null, many, choices = parse_annotation(hints[f.name])
+        found = find_range(cls, f.name)
+        if choices:
+            found = dataclasses.replace(found or Range(), choices=choices)
+        elif found is not None and found.default_only:
+            found = dataclasses.replace(found, choices=(f.default,))
+        elif found is None and kind is not bool:
+            rules[f.name] = None
+            continue
+        rules[f.name] = Rule(kind, null, many, found or Range())
+    return rules
+
+
+# --- a composed config's values -------------------------------------------------------------------------------
+def node_class(node) -> type | None:
+    """The dataclass a method or dataset node's `_target_` names (None: instantiate will say what is wrong)."""
+    module, _, name = str(node.get("_target_", "")).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        return None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def leaves(cfg: DictConfig) -> Iterator[tuple[str, Any, Rule | None, str]]:
+    """(key, value, its rule or None, component) for every value of a composed config, Hydra's own node aside."""
+    for key in cfg:
+        if key == "hydra":
+            continue
+        node = cfg[key]
+        cls = None
+        if isinstance(node, DictConfig):
+            cls = NODES.get(key) or (node_class(node) if key in ("method", "dataset") else None)
+        if cls is None:
+            value = OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+            yield key, value, rules_of(Run).get(key), ""
+            continue
+        rules, who = rules_of(cls), getattr(cls, "registry_name", "")
+        for name, value in OmegaConf.to_container(node, resolve=True).items():
+            if name != "_target_":
+                yield f"{key}.{name}", value, rules.get(name), who
+
+
+def check(cfg: DictConfig) -> None:
+    """Raise ValueError, one line naming the key, its value and what it may be, at the first value that breaks its
+    rule. Keys without a rule (a user's `+key=...`) are left to the code that reads them."""
+    for key, value, rule, who in leaves(cfg):
+        problem = rule.problem(value) if rule is not None else None
+        if problem is not None:
+            hint = ""
+            if rule.kind is str and not rule.range.choices and isinstance(value, (int, float)):
+                hint = f"; quote it to pass text: {key}=\"'{value}'\""
+            raise ValueError(f"{who + ': ' if who else ''}{key}={value!r} {problem}{hint}")
+
+
+def unruled(cfg: DictConfig) -> list[str]:
+    """The keys of a composed config that have no rule (tests/unit/test_schema.py keeps this empty)."""
+    return [key for key, _, rule, _ in leaves(cfg) if rule is None]
