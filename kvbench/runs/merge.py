@@ -203,8 +203,8 @@ def merge_stale(paths) -> None:
             if stale(run_dir):
                 try:
                     merge(run_dir)
-                except (MergeError, RunDirError) as e:
-                    logger.warning("%s", e)
+                except (MergeError, RunDirError, ValueError) as e:  # (a config or record that fails its check)
+                    logger.warning("%s", str(e).splitlines()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
