@@ -6,15 +6,17 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvbench.report.records import record_problem, scan
 from kvbench.report.runs import read_predictions
-from kvbench.runs.merge import MergeError, merge
-from kvbench.runs.store import DamagedFile, RunStore, UnsafeRunDir
-from tests.unit.test_cli import ENV, ROOT, records, refusal, run_dirs, run_here
+from kvbench.runs.merge import MergeError, holding_run_dir, merge
+from kvbench.runs.merge import main as merge_main
+from kvbench.runs.store import DamagedFile, RunDirBusy, RunStore, UnsafeRunDir
+from tests.unit.test_cli import ENV, ROOT, records, run_dirs, run_here
 from tests.unit.test_store import rec
 
 NEEDLE = ["model=tiny_llama", "method=snapkv", "budget=64", "dataset.context_lengths=[300,400]",
@@ -103,27 +105,53 @@ def test_a_rerun_after_damage_keeps_every_valid_record_and_predicts_as_before(tm
 
 
 # --- merge beside a live run -----------------------------------------------------------------------------------
-def test_merge_refuses_while_a_run_writes_into_the_directory_and_a_resumed_run_keeps_the_shards(tmp_path):
+def test_merge_beside_a_live_run_refuses_and_the_run_scores_what_is_on_disk(tmp_path, capsys):
+    """As a user meets it: two shards of a 2-sample run merged; then the same configuration unsharded on all four
+    samples, a real process, held after its first new record; `python -m kvbench.merge` meanwhile refuses in one
+    line and replaces nothing; the run then finishes with scores from the records on disk and the shards' cost."""
+    release = tmp_path / "release"
+    held = [*NEEDLE, "dataset._target_=tests.unit.faulty.HeldNeedle", f"+dataset.release={release}"]
+    release.touch()  # the shards run straight through
     for i in range(2):
-        run_dir = run_here(*NEEDLE, f"shard={i}/2", results=tmp_path)  # the second one merges
+        run_dir = run_here(*held, "limit=2", f"shard={i}/2", results=tmp_path)  # the second one merges
     merged = (run_dir / "predictions.jsonl").read_bytes()
-    live = RunStore(run_dir)  # what an unsharded run in the same directory holds while it writes
+    assert len(records(run_dir)) == 2
+    release.unlink()
+    live = subprocess.Popen([sys.executable, "-m", "kvbench.run", *held, f"results_dir={tmp_path}"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while len((run_dir / "predictions.jsonl").read_bytes().splitlines()) < 3:  # its first new record
+            assert live.poll() is None, live.stderr.read()
+            time.sleep(0.1)
+        capsys.readouterr()
+        assert merge_main([str(run_dir)]) == 1
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"kvbench: merge: {run_dir} is in use (") and "pid " in line
+        assert (run_dir / "predictions.jsonl").read_bytes().startswith(merged)  # nothing replaced
+    finally:
+        release.touch()
+        assert live.wait(timeout=300) == 0, live.stderr.read()
+    on_disk = records(run_dir)
+    assert len(on_disk) == 4 and (run_dir / "predictions.jsonl").read_bytes().startswith(merged)
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["n"] == 4
+    assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(sum(r["score"] for r in on_disk) / 4)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert set(manifest["shards"]) == {"shard-0-of-2", "shard-1-of-2"}  # what the shards cost is kept
+
+
+def test_merge_takes_the_run_directory_lock(tmp_path):
+    for i in range(2):
+        run_dir = run_here(*NEEDLE, "limit=2", f"shard={i}/2", results=tmp_path)
+    live = RunStore(run_dir)  # what a run holds while it writes into the directory
     try:
         with pytest.raises(MergeError, match=r"is in use \(\S+ pid \d+\); merge when that run has finished"):
             merge(run_dir)
-        assert (run_dir / "predictions.jsonl").read_bytes() == merged
     finally:
         live.close()
-    # that unsharded run, resumed on the merged directory: its scores come from the records on disk, and the
-    # manifest keeps what the shards cost
-    assert run_here(*NEEDLE, results=tmp_path) == run_dir
-    assert (run_dir / "predictions.jsonl").read_bytes() == merged
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert set(manifest["shards"]) == {"shard-0-of-2", "shard-1-of-2"}
-    scores = json.loads((run_dir / "scores.json").read_text())
-    on_disk = records(run_dir)
-    assert scores["n"] == len(on_disk) == 4
-    assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(sum(r["score"] for r in on_disk) / 4)
+    with pytest.raises(RunDirBusy):  # and a run cannot start while a merge holds it
+        with holding_run_dir(run_dir):
+            RunStore(run_dir)
 
 
 # --- refused before weights load, in one line ------------------------------------------------------------------
