@@ -181,12 +181,26 @@ class KVCache(Cache):
     def __init__(self):
         super().__init__(layer_class_to_replicate=KVLayer)
         self.peak_nbytes = 0  # the most K/V bytes held at once so far (`note_peak`)
+        self.decode_steps = 0  # decode steps seen (`note_step`): their bytes' peak and sum, for the record
+        self.decode_peak_nbytes = 0
+        self.decode_sum_nbytes = 0
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if key_states.shape[-2] > 1 or layer_idx == len(self.layers) - 1:  # each prefill layer; each decode step
+        if key_states.shape[-2] > 1:  # each prefill layer
             self.note_peak()
+        elif layer_idx == len(self.layers) - 1:  # each decode step, once every layer holds its token
+            self.note_step()
         return out
+
+    def note_step(self) -> None:
+        """One decode step's bytes: the peak so far, and the peak and mean over decoding (what a long generation
+        under decode-time compression holds, `kv_bytes_peak` / `kv_bytes_mean` in the record)."""
+        held = self.nbytes()
+        self.peak_nbytes = max(self.peak_nbytes, held)
+        self.decode_steps += 1
+        self.decode_peak_nbytes = max(self.decode_peak_nbytes, held)
+        self.decode_sum_nbytes += held
 
     def note_peak(self, extra: int = 0) -> None:
         """Sample the bytes held (+ `extra` held transiently, e.g. a layer's old and new tensors during a gather)."""

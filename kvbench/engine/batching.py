@@ -122,6 +122,7 @@ class Slot:
     t: int = 0  # tokens chosen so far
     n_forward: int = 0
     stopped: bool = False  # a stop string appeared: `text` is already cut before it
+    stop_reason: str = "max_new_tokens"  # why it ended: eos, stop (a stop string or token), max_new_tokens
     decode_s: float = 0.0  # wall time of the batched forwards this sample took part in (not others' prefills)
 
 
@@ -148,7 +149,7 @@ class BatchedCache:
                    [value_states[i] for i, _ in members])
             for i, _ in members:  # (their attention reads the rows, not `updated`)
                 if layer_idx == len(self.slots[i].run.cache.layers) - 1:
-                    self.slots[i].run.cache.note_peak()
+                    self.slots[i].run.cache.note_step()
         return key_states, value_states  # placeholders: the attention below reads `updated`
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -305,8 +306,10 @@ class BatchedDecoder:
         request, logits = slot.request, slot.logits
         if slot.t >= request.max_new_tokens:
             return None
-        if request.beams is not None:
-            return request.beams.choose(logits, slot.t, slot.run)
+        if request.beams is not None:  # (its search ends before the length when every beam has finished)
+            token = request.beams.choose(logits, slot.t, slot.run)
+            slot.stop_reason = "eos" if token is None else slot.stop_reason
+            return token
         if request.on_logits is not None:
             request.on_logits(slot.t, logits)
         if request.forced is not None:  # the token rule of a teacher-forced stream; after its last, it ends
@@ -329,13 +332,14 @@ class BatchedDecoder:
             slot.tokens.append(value)
             return True
         if value in self.eos_ids or value in request.stop_token_ids:
+            slot.stop_reason = "eos" if value in self.eos_ids else "stop"
             return False
         slot.tokens.append(value)
         if request.stop and self.tokenizer is not None:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
             cut = min((slot.text.find(s) for s in request.stop if s in slot.text), default=-1)
             if cut >= 0:
-                slot.text, slot.stopped = slot.text[:cut], True
+                slot.text, slot.stopped, slot.stop_reason = slot.text[:cut], True, "stop"
                 return False
         return slot.t < request.max_new_tokens
 
@@ -344,7 +348,7 @@ class BatchedDecoder:
             slot.tokens = slot.request.beams.best()
         if not slot.stopped:
             slot.text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True) if self.tokenizer else ""
-        return slot.run.finish(slot.tokens, slot.text, slot.n_forward, slot.decode_s)
+        return slot.run.finish(slot.tokens, slot.text, slot.n_forward, slot.decode_s, slot.stop_reason)
 
     # --- one batched forward ----------------------------------------------------------------------------------
     def _position(self, slot: Slot) -> int:

@@ -64,6 +64,9 @@ class Generation:
     host_kv_bytes: int = 0  # offloaded to host memory (TailorKV's sparse layers)
     transfers: dict | None = None  # the byte ledger's summary, for offloading methods
     peak_kv_bytes: int = 0  # the most K/V bytes held at once, prefill and decoding included
+    kv_bytes_decode_peak: int = 0  # the most K/V bytes held after a decode step (the compressed cache's if none)
+    kv_bytes_decode_mean: float = 0.0  # their mean over the decode steps
+    stop_reason: str = "max_new_tokens"  # eos, stop (a stop string or token), max_new_tokens
 
     @property
     def kept_per_layer(self) -> list[float]:
@@ -247,15 +250,21 @@ class Prepared:
         return cls(cache, logits, prompt_len, cache.nbytes() if full_kv_bytes is None else full_kv_bytes,
                    cache.nbytes(), cache.entries_per_head(), [layer.nbytes() for layer in cache.layers], ledger, {})
 
-    def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float) -> Generation:
-        """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds)."""
+    def finish(self, tokens: list[int], text: str, n_steps: int, decode_s: float,
+               stop_reason: str = "max_new_tokens") -> Generation:
+        """The Generation record once decoding ended (`n_steps` decode forwards in `decode_s` seconds). `e2e_s`: the
+        sample's own model time, prefill to last token (compression can lengthen the output, and so this)."""
         timings = {**self.timings, "decode_s": decode_s,
                    "decode_tok_s": (n_steps / decode_s) if n_steps and decode_s > 0 else 0.0}
+        timings["e2e_s"] = sum(timings.get(k, 0.0) for k in ("prefill_s", "compress_s", "question_s", "decode_s"))
+        steps, cache = self.cache.decode_steps, self.cache
         return Generation(tokens, text, self.prompt_len, self.kv_bytes, self.full_kv_bytes, self.cache.nbytes(),
                           self.kept_per_head, timings, self.kv_bytes_per_layer,
                           [layer.nbytes() for layer in self.cache.layers], self.cache.host_nbytes(),
                           self.ledger.summary() if self.ledger is not None else None,
-                          self.cache.peak_nbytes + self.held_elsewhere)
+                          self.cache.peak_nbytes + self.held_elsewhere,
+                          cache.decode_peak_nbytes if steps else self.kv_bytes,
+                          cache.decode_sum_nbytes / steps if steps else float(self.kv_bytes), stop_reason)
 
 
 @dataclass

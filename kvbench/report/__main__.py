@@ -4,7 +4,8 @@ Reads every run directory under the given paths and writes table.md, table.tex, 
 present, needle_panels.png (one file per model and dataset when there are several), then prints the Markdown table.
 `--stderr` shows every score as "mean ± standard error"; `--compare full` adds each cell's paired-bootstrap
 difference to the full cache (or any method) with its 95 % interval and marks those that exclude 0.
-`--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
+`--lengths` adds lengths.md (accuracy, length and its inflation over the full cache, KV held while decoding, time;
+always written for the long-generation datasets). `--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
 headline table when none has), rebuilt next to the published numbers (kvbench.report.paper); `--table t13` picks
 one; `--html report.html` also writes one self-contained page with every table and figure written.
 Files go to `--out`, by default `report/` in the deepest folder holding every PATH (`results` -> results/report), and
@@ -17,24 +18,22 @@ import importlib
 import inspect
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 from kvbench.runs.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_reference
 from kvbench.report.cost import cost_lines
+from kvbench.report.escape import slug
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
+from kvbench.report.lengths import LONG_GENERATION
+from kvbench.report.lengths import write_reports as length_reports
 from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper_names, table_ids, write_table_files
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import ManifestError, load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
 from kvbench.report.stats import RESAMPLES, SEED
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
 
 
 # dataset families whose tables live in one shared module (cnn_dailymail -> "cnn", lost_in_the_middle -> "lost")
@@ -102,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="with --paper: the model whose runs fill the table (default: the paper's "
                                         "model if present, else the model with the most records)")
     parser.add_argument("--html", help="also write one self-contained HTML page with every table and figure")
+    parser.add_argument("--lengths", action="store_true", help="lengths.md for every run: accuracy, mean length, "
+                        f"inflation over the full cache, KV held while decoding, end-to-end time (always for "
+                        f"{', '.join(LONG_GENERATION)})")
     args = parser.parse_args(argv)
     if args.resamples < 100:
         parser.exit(2, f"kvbench: --resamples={args.resamples} is too few for a 95 % interval; use at least 100\n")
@@ -160,7 +162,7 @@ def report_main(df, args, parser) -> int:
         niah = df[df[LENGTH].notna()]
         groups = list(niah.groupby(["model", "dataset", "query"], sort=True))
         for (model, dataset, query), g in groups:
-            stem = "needle_panels" if len(groups) == 1 else f"needle_panels_{_slug(model)}_{_slug(dataset)}"
+            stem = "needle_panels" if len(groups) == 1 else f"needle_panels_{slug(model)}_{slug(dataset)}"
             stem += "" if query == "aware" else f"_{query}"
             fig = needle_panels(g, written[0].parent / f"{stem}.png", stderr=args.stderr)
             written.append(written[0].parent / f"{stem}.png")
@@ -173,6 +175,9 @@ def report_main(df, args, parser) -> int:
                if compare and compare.axis == "method" else None}
     for query, part in df.groupby("query", sort=True):  # benchmark layouts per query mode (agnostic: a subfolder)
         written += benchmark_reports(part, Path(args.out) / ("" if query == "aware" else f"query-{query}"), **options)
+    long = df if args.lengths else df[df["dataset"].isin(LONG_GENERATION)]
+    if not long.empty:  # what compression did to the answers' length, memory and time
+        written += length_reports(long, args.out)
     if args.html:
         written.append(write_html(args.html, written, title=f"kvbench report: {', '.join(args.paths)}"))
     print(to_markdown(table, stderr=args.stderr))

@@ -69,3 +69,8 @@ _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#
 def tex_escape(text: object) -> str:
     """Text for a LaTeX cell, caption or note (text mode): method and dataset names often contain `_`."""
     return "".join(_TEX.get(ch, ch) for ch in _BREAKS.sub(" ", str(text)))
+
+
+def slug(text: object) -> str:
+    """A file-name-safe form of a model or dataset name (`org/model v2` -> `org_model_v2`)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")

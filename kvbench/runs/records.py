@@ -82,7 +82,8 @@ def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aw
         "kv_bytes_per_layer": gen.kv_bytes_per_layer, "kv_bytes_per_layer_final": gen.kv_bytes_per_layer_final,
         "host_kv_bytes": gen.host_kv_bytes,
         "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
-        "peak_kv_bytes": gen.peak_kv_bytes,
+        "peak_kv_bytes": gen.peak_kv_bytes, "kv_bytes_peak": gen.kv_bytes_decode_peak,
+        "kv_bytes_mean": gen.kv_bytes_decode_mean, "stop_reason": gen.stop_reason,
         **({"transfers": gen.transfers} if gen.transfers is not None else {}),
     }
 
