@@ -57,6 +57,7 @@ from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.attention import decode_attention, without_cudnn_attention
+from kvbench.engine.recompress import DecodeCompression
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
@@ -67,12 +68,14 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Decoding:
-    """How a request is generated: its method, sampling, positions and where compression happens."""
+    """How a request is generated: its method, sampling, positions and where compression happens (at prefill, and
+    while decoding with `recompress` on)."""
 
     method: Method
     sampling: Sampling = field(default_factory=Sampling)
     positions: str = "original"
     compress_after: str = "layer"
+    recompress: DecodeCompression = DecodeCompression()
 
 
 @dataclass(eq=False)
@@ -161,7 +164,7 @@ class BatchedDecoder:
 
     def __init__(self, model, tokenizer, method: Method, capture: AttentionCapture, batch_size: int,
                  sampling: Sampling = Sampling(), positions: str = "original", eos_ids: set[int] | None = None,
-                 compress_after: str = "layer"):
+                 compress_after: str = "layer", recompress: DecodeCompression = DecodeCompression()):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if capture is not None and batch_size > 1:
@@ -170,7 +173,7 @@ class BatchedDecoder:
                 raise ValueError(f"batch_size={batch_size}: {family} (attention outside transformers' "
                                  "AttentionInterface, or sliding-window layers) decodes at batch_size=1 only")
         self.model, self.tokenizer, self.capture, self.batch_size = model, tokenizer, capture, batch_size
-        self.decoding = Decoding(method, sampling, positions, compress_after)
+        self.decoding = Decoding(method, sampling, positions, compress_after, recompress)
         self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)
         self.name = f"kvbench_batched_{next(_ids)}"
         self.cache: BatchedCache | None = None
@@ -246,7 +249,7 @@ class BatchedDecoder:
             run = request.prepared or prepare(self.model, decoding.method, self.capture, request.input_ids,
                                               request.budget, request.max_new_tokens, decoding.positions,
                                               request.seed, decoding.compress_after, request.prefilled,
-                                              request.question_len)
+                                              request.question_len, decoding.recompress)
         generator = sampling_generator(decoding.sampling, run.logits.device)
         slot = Slot(request, decoding, run, self.capture.decode_hook, self.capture.input_hook,
                     self.capture.logit_scale, generator, run.logits)
@@ -561,11 +564,12 @@ class PrefilledOnce(BatchedDecoder):
 def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture, requests: Iterable[Request],
                      batch_size: int, sampling: Sampling = Sampling(), positions: str = "original",
                      eos_ids: set[int] | None = None, compress_after: str = "layer",
+                     recompress: DecodeCompression = DecodeCompression(),
                      ) -> Iterator[tuple[Request, Generation | Exception]]:
     """`generate` for many prompts, `batch_size` decoding at once; yields (request, generation) in completion
     order, or (request, exception) for a sample that failed. `capture` must be active on `model`."""
     decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids,
-                             compress_after)
+                             compress_after, recompress)
     yield from decoder.run(requests)
 
 
@@ -574,18 +578,19 @@ def generate(model, tokenizer, method: Method, capture: AttentionCapture, input_
              sampling: Sampling = Sampling(), eos_ids: set[int] | None = None, on_logits=None,
              positions: str = "original", seed: int = 0, stop_token_ids: tuple[int, ...] = (),
              min_new_tokens: int = 0, compress_after: str = "layer",
-             prefilled: Prefilled | None = None, question_len: int = 0) -> Generation:
+             prefilled: Prefilled | None = None, question_len: int = 0,
+             recompress: DecodeCompression = DecodeCompression()) -> Generation:
     """One prompt end to end: a batch of one through the engine, with timings and the cache's accounting.
     `capture` must be active on `model`. A failure raises (batches report it per sample instead).
 
     `positions`: "original" (kept keys keep their RoPE positions; token t at prompt_len + t) or "shift" (attention
     sees the kept keys at consecutive cache slots, exactly rotated from the stored ones; StreamingLLM/BUZZ pos-shift).
     `seed` seeds per-sample randomness of a method (Keyformer's Gumbel noise). `on_logits(t, logits)` sees each
-    step's logits. `compress_after`, `prefilled` and `question_len`: see `generation.prepare`."""
+    step's logits. `compress_after`, `prefilled`, `question_len` and `recompress`: see `generation.prepare`."""
     request = Request(input_ids, budget, max_new_tokens, tuple(stop), tuple(stop_token_ids), min_new_tokens, seed,
                       prefilled=prefilled, on_logits=on_logits, question_len=question_len)
     return run_alone(BatchedDecoder(model, tokenizer, method, capture, 1, sampling, positions, eos_ids,
-                                 compress_after), request)
+                                    compress_after, recompress), request)
 
 
 def decode(model, tokenizer, method: Method, capture: AttentionCapture, prepared: Prepared, max_new_tokens: int,

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvbench.engine import layerwise
 from kvbench.engine.attention import without_cudnn_attention
+from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
@@ -292,8 +293,10 @@ class Prefilled:
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
             max_new_tokens: int, positions: str = "original", seed: int = 0, compress_after: str = "layer",
-            prefilled: Prefilled | None = None, question_len: int = 0) -> Prepared:
-    """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`.
+            prefilled: Prefilled | None = None, question_len: int = 0,
+            recompress: DecodeCompression = DecodeCompression()) -> Prepared:
+    """Prefill one prompt `[1, n]` and compress its cache. Leaves the sample's decode hooks set on `capture`
+    (`recompress` on: the hook that compresses again while decoding, `kvbench.engine.recompress`).
 
     `compress_after`: "layer" evicts each layer inside the prefill forward where the method allows it
     (`kvbench.engine.layerwise`), "prefill" after the whole prefill; the kept entries are the same. `prefilled`: skip the
@@ -359,6 +362,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         full_bytes += cache.nbytes() - held  # the question's entries: a full cache holds them too
         sync()
         timings["question_s"] = time.perf_counter() - t2
+    if recompress.on:
+        capture.decode_hook = Recompressor(method, cache, recompress, dict(capture.softcap), capture.rotary,
+                                           frozenset(capture.window_layers))
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger, timings, state, held_elsewhere)
 

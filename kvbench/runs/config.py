@@ -35,7 +35,10 @@ LATER_KEYS = {"kvbench.data.ruler.Ruler": ("max_new_tokens",)}
 def config_hash(*nodes) -> str:
     """Short hash of the parts of the config that change results (the run dir's suffix). A last node equal to
     `aware` (the run-dir pattern ends with `${query}`) is left out, so question-aware runs keep the run dirs they
-    had before `query` existed; `agnostic` enters the hash. So are `LATER_KEYS` while null."""
+    had before `query` existed; `agnostic` enters the hash. So are `LATER_KEYS` while null, and a last
+    `decode_compression` node while it is off (its target null)."""
+    if nodes and isinstance(nodes[-1], DictConfig) and "target" in nodes[-1] and nodes[-1].target is None:
+        nodes = nodes[:-1]
     if nodes and isinstance(nodes[-1], str) and nodes[-1] == QUERY_MODES[0]:
         nodes = nodes[:-1]
     plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]
@@ -137,6 +140,10 @@ def setup(cfg: DictConfig):
     check_query(cfg, method)
     if getattr(dataset, "turns", 1) > 1:  # a conversation feeds every later turn on top of the compressed cache
         check_query(cfg, method, why=f"dataset.turns={dataset.turns}")
+    from kvbench.engine import recompress
+
+    recompress.check(method, decode_compression(cfg), cfg.positions, cfg.generation.get("num_beams", 1),
+                     getattr(dataset, "turns", 1))
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
         cfg.budget = cfg.ratio = None
     if cfg.ratio is None:
@@ -177,6 +184,14 @@ def check_feeding(cfg: DictConfig, method, dataset, adapter) -> None:
         raise ValueError(f"{feeds}: {adapter.family} has sliding-window layers, which tokens fed on top of a "
                          "compressed cache (an agnostic question, later turns) do not apply yet; use query=aware "
                          "and one turn")
+
+
+def decode_compression(cfg: DictConfig):
+    """The run's `decode_compression` node as kvbench.engine.recompress.DecodeCompression (off when absent)."""
+    from kvbench.engine.recompress import DecodeCompression
+
+    node = cfg.get("decode_compression")
+    return DecodeCompression(**OmegaConf.to_container(node, resolve=True)) if node is not None else DecodeCompression()
 
 
 def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.runs.config import config_hash, sample_budget, sample_seed, setup
+from kvbench.runs.config import config_hash, decode_compression, sample_budget, sample_seed, setup
 from kvbench.runs.records import generated_record, git_sha, manifest, write_scores
 from kvbench.runs.run import prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
@@ -274,7 +274,8 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
     config.info = info
     config.done = config.store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failures are retried
     sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
-    config.decoding = Decoding(config.method, sampling, cfg.positions, cfg.get("compress_after", "layer"))
+    config.decoding = Decoding(config.method, sampling, cfg.positions, cfg.get("compress_after", "layer"),
+                               decode_compression(cfg))
 
 
 def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:

@@ -19,7 +19,8 @@ from typing import Iterator
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.runs.config import CONFIG_DIR, GROUPS, check_group_overrides, sample_budget, sample_seed, setup
+from kvbench.runs.config import (CONFIG_DIR, GROUPS, check_group_overrides, decode_compression, sample_budget,
+                                 sample_seed, setup)
 from kvbench.runs.records import generated_record, git_sha, manifest, sample_record, write_scores
 
 logger = logging.getLogger("kvbench.run")
@@ -90,7 +91,7 @@ def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int
                        sample.max_new_tokens, sample.stop, sampling, positions=cfg.positions, seed=seed,
                        stop_token_ids=sample.stop_token_ids, min_new_tokens=sample.min_new_tokens,
                        compress_after=cfg.get("compress_after", "layer"), prefilled=prefilled,
-                       question_len=question_len)
+                       question_len=question_len, recompress=decode_compression(cfg))
     return sample_record(dataset, sample, ids, budget, gen, cfg.get("query", "aware"), question_len)
 
 
@@ -195,7 +196,8 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
     try:
         for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
                                                   sampling, cfg.positions,
-                                                  compress_after=cfg.get("compress_after", "layer")),
+                                                  compress_after=cfg.get("compress_after", "layer"),
+                                                  recompress=decode_compression(cfg)),
                                  total=len(jobs), desc=desc):
             sample, ids = request.tag
             written.add(sample.id)

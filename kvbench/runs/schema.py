@@ -22,6 +22,7 @@ from typing import Any, Iterator, Literal
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvbench.engine.generation import Sampling
+from kvbench.engine.recompress import DecodeCompression
 from kvbench.models.loader import ModelSpec
 
 
@@ -45,7 +46,7 @@ class Run:
     paper_settings: dict | None
 
 
-NODES = {"generation": Sampling, "model": ModelSpec}  # nodes built without `_target_`
+NODES = {"generation": Sampling, "model": ModelSpec, "decode_compression": DecodeCompression}  # no `_target_`
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ RANGES: dict[str, Range] = {
     "top_p": within(0, 1, "the nucleus' probability mass; 1: no cut", open_low=True),
     "num_beams": at_least(1, "1: no beam search"),
     "length_penalty": UNBOUNDED,
+    "every": at_least(1, "generated tokens between two decode-time compressions"),
+    "target": Range(low=1, says="a positive number of entries per head, or null (off)"),
     # --- model (ModelSpec)
     "name": TEXT,
     "path": TEXT,

@@ -222,7 +222,7 @@ def test_cli_batch_size_gives_the_same_records(tmp_path):
     records, timings aside."""
     from tests.unit.test_cli import GRID, records, run_dirs, run_here
 
-    timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes")
+    timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes")
     runs = {}
     for batch_size in (1, 3):
         run_dir = run_here("model=tiny_llama", "method=h2o", "budget=64", *GRID, "report=false",

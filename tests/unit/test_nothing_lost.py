@@ -21,7 +21,7 @@ from tests.unit.test_store import rec
 
 NEEDLE = ["model=tiny_llama", "method=snapkv", "budget=64", "dataset.context_lengths=[300,400]",
           "dataset.depth_percents=[0,100]", "dataset.metrics=[pyramidkv_recall]"]
-TIMINGS = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes"}
+TIMINGS = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes"}
 
 
 def without_timings(records: list[dict]) -> list[dict]:

@@ -19,7 +19,7 @@ from tests.unit.test_cli import ENV, ROOT, records, run_dirs, run_here
 # one metric: what these tests check is the launch; ROUGE's import (nltk) costs each process ~1.3 s of CPU
 NEEDLE = ["model=tiny_llama", "method=snapkv", "budget=64", "dataset.context_lengths=[300,400]",
           "dataset.depth_percents=[0,50,100]", "dataset.metrics=[pyramidkv_recall]"]
-TIMINGS = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "peak_mem_bytes"}
+TIMINGS = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes"}
 SCORE_TIMINGS = {"prefill_s_mean", "decode_tok_s_mean"}
 
 

@@ -1,0 +1,103 @@
+"""Compression while decoding, for every method that scores entries: `decode_compression.target=T` (and `.every=N`).
+
+A reasoning model writes thousands of tokens after a short prompt, so the cache grows while decoding and a prefill
+selector (SnapKV, PyramidKV, KNorm, Expected Attention, StreamingLLM, ...) never sees most of it. kvpress's
+`DecodingPress` answers this, and so does this hook, with its semantics and defaults: every `every` generated tokens
+(`compression_interval`, 512) each layer longer than its target is compressed to it (`target_size`, 2048 there; per
+layer the method's own `layer_budgets(n, layers, T)`, so PyramidKV keeps its pyramid), by the method's own `select`
+over the layer as it is, with the last `query_window` generated tokens' queries as the observation window (kvpress
+keeps a buffer of the last 256 hidden states and recomputes them; the queries are what a window scorer reads).
+The window itself (the newest tokens) is kept, as at prefill. After a prefill compression to at most T, a layer so
+never holds more than T + every entries per head. Per-head variable methods (Ada-KV, KVzip), decode-time evictors
+(they evict every step already), storage methods and beam search are refused by `check`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvbench.cache import KVCache
+from kvbench.methods.base import Kind, LayerView, Method
+
+
+@dataclass(frozen=True)
+class DecodeCompression:
+    """The `decode_compression` config node: off while `target` is None."""
+
+    every: int = 512  # generated tokens between two compressions (kvpress: compression_interval)
+    target: int | None = None  # entries per head a layer is brought back to (kvpress: target_size, 2048)
+
+    @property
+    def on(self) -> bool:
+        return self.target is not None
+
+
+def check(method: Method, setting: DecodeCompression, positions: str = "original", num_beams: int = 1,
+          turns: int = 1) -> None:
+    """One line naming what cannot compress while decoding, before weights load."""
+    if not setting.on:
+        return
+    name = getattr(method, "registry_name", type(method).__name__)
+    why = None
+    if not method.compresses:
+        why = "keeps every entry"
+    elif method.kind is Kind.EVICTOR:
+        why = "evicts at every decode step already (its budget holds while decoding)"
+    elif method.kind is not Kind.SELECTOR or method.own_storage:
+        why = "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
+    if why:
+        raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; use a scoring selector "
+                         "(snapkv, pyramidkv, streamingllm, knorm, expected_attention) or decode_compression.target=null")
+    if positions != "original" or num_beams > 1 or turns > 1:
+        raise ValueError(f"decode_compression.target={setting.target} runs with positions=original, "
+                         "generation.num_beams=1 and one turn")
+    method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
+
+
+@dataclass
+class Recompressor:
+    """The capture's decode hook of one sample: buffers each layer's last queries and compresses the layer every
+    `every` steps. A plain object, so a prepared sample can be deep-copied (batched decoding, benchmarks)."""
+
+    method: Method
+    cache: KVCache
+    setting: DecodeCompression
+    softcap: dict[int, float]
+    rotary: dict
+    fixed: frozenset[int]  # sliding-window layers keep the model's own window semantics
+    queries: dict[int, list[Tensor]] = field(default_factory=dict)  # layer -> the last query_window queries
+    steps: dict[int, int] = field(default_factory=dict)  # layer -> decode steps seen
+    compressions: int = 0
+
+    def __call__(self, i: int, query: Tensor, key: Tensor, scaling: float, bias: Tensor | None = None,
+                 logits: Tensor | None = None) -> None:
+        if i in self.fixed:
+            return
+        window = self.method.query_window
+        if window:
+            held = self.queries.setdefault(i, [])
+            held.append(query)
+            del held[:-window]
+        self.steps[i] = self.steps.get(i, 0) + 1
+        if self.steps[i] % self.setting.every:
+            return
+        self.compress(i, scaling)
+
+    @torch.no_grad()
+    def compress(self, i: int, scaling: float) -> None:
+        layer, n_layers = self.cache.layers[i], len(self.cache.layers)
+        n = layer.keys.shape[-2]
+        # the layers' shares from the tokens seen so far, the same for every layer at this step (their lengths
+        # differ: a pyramid's shares must come from one length, or their mean drifts off the target)
+        n_keep = self.method.layer_budgets(layer.seen_tokens, n_layers, self.setting.target)[i]
+        if n_keep >= n:
+            return
+        queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None
+        view = LayerView(i, n_layers, layer.keys, layer.values, queries, scaling, None, self.softcap.get(i),
+                         self.rotary.get(i))
+        held = layer.nbytes()
+        layer.keep(self.method.select(view, n_keep))  # dense layers only (`check`): the evicted entries are freed
+        self.cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
+        self.compressions += 1

@@ -1,0 +1,167 @@
+"""Compression while decoding (`decode_compression.every=N .target=T`, kvbench/engine/recompress.py): the cache's
+bound over a long generation, the kept sets at each compression point against an independent recomputation, and
+the full cache's tokens when the target holds everything."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvbench.methods  # noqa: F401
+from kvbench.engine.batching import Request, generate, generate_batched
+from kvbench.engine.recompress import DecodeCompression, check
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from tests.unit.tiny import prompt, tiny_model
+
+N_PROMPT, NEW, EVERY, TARGET = 60, 70, 16, 40
+SCORERS = {"snapkv": {"window": 8}, "pyramidkv": {"window": 8}, "streamingllm": {}, "knorm": {},
+           "expected_attention": {}}
+
+
+def decode(model, name: str, budget: int | None, setting: DecodeCompression, new: int = NEW, seen=None, **kwargs):
+    """One generation; `seen(t, cache)` looks at the cache before each step's forward."""
+    method = METHODS[name](**{**SCORERS.get(name, {}), **kwargs})
+    with AttentionCapture(model, window=method.query_window) as capture:
+        watch = (lambda t, logits: seen(t, capture.cache)) if seen is not None else None
+        return generate(model, None, method, capture, prompt(N_PROMPT), budget, new, on_logits=watch,
+                        recompress=setting, eos_ids=set())  # (a random model's EOS would end it early)
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+def test_a_layer_never_holds_more_than_target_plus_interval(name):
+    """Checked before every step's forward. PyramidKV's target is a mean over layers (its pyramid gives the lower
+    layers more, and its shape changes with the length): the mean holds the bound; every other layer holds it."""
+    model, means, longest = tiny_model("llama"), [], []
+
+    def seen(t, cache):
+        lengths = [layer.keys.shape[-2] for layer in cache.layers]
+        means.append(sum(lengths) / len(lengths))
+        longest.append(max(lengths))
+
+    gen = decode(model, name, 32, DecodeCompression(EVERY, TARGET), seen=seen)
+    assert len(gen.token_ids) == NEW
+    assert max(means) <= TARGET + EVERY and max(means) > TARGET  # it grew past the target, and came back
+    if name != "pyramidkv":
+        assert max(longest) <= TARGET + EVERY
+
+
+def test_streamingllm_keeps_the_sinks_and_the_newest_after_each_compression():
+    """Hand-worked: 60 prompt tokens kept whole (budget 64); the k-th compression runs at decode step 16k, after
+    that step's token (position 59 + 16k) is in; it keeps positions 0-3 and the newest 36."""
+    model, kept = tiny_model("llama"), {}
+
+    def seen(t, cache):
+        kept[t] = cache.layers[0].positions[0, 0].tolist()
+
+    decode(model, "streamingllm", 64, DecodeCompression(EVERY, TARGET), seen=seen)
+    for t, positions in kept.items():
+        steps = t  # decode forwards before choosing the (t+1)-th token (the first comes from the prefill's logits)
+        if steps < EVERY:
+            assert positions == list(range(N_PROMPT + steps))
+            continue
+        last = N_PROMPT - 1 + steps  # the newest position held
+        since = steps % EVERY  # tokens appended since the last compression
+        newest = list(range(last - since - (TARGET - 4) + 1, last + 1))
+        assert positions == [0, 1, 2, 3] + newest, t
+
+
+def test_snapkv_keeps_what_an_independent_recomputation_of_its_scores_keeps():
+    """At every compression point, the kept entries are the top (target - window) by the window's pooled attention
+    (softmax over the layer's keys, fp32, summed over the last `window` generated queries, averaged over each KV
+    group's query heads, max-pooled by 7), plus the window: recomputed here from the layer's keys and the queries
+    the model produced, as the SnapKV paper writes it. Ties aside: the kept scores' multiset is compared."""
+    model = tiny_model("llama")
+    method = METHODS["snapkv"](window=8)
+    calls = []
+    real_select = type(method).select
+
+    def recording_select(self, view, n_keep):
+        idx = real_select(self, view, n_keep)
+        calls.append((view.keys.clone(), view.window_queries.clone(), view.scaling, n_keep, idx.clone()))
+        return idx
+
+    type(method).select = recording_select
+    try:
+        with AttentionCapture(model, window=8) as capture:
+            generate(model, None, method, capture, prompt(N_PROMPT), 32, NEW, eos_ids=set(),
+                     recompress=DecodeCompression(EVERY, TARGET))
+    finally:
+        type(method).select = real_select
+    decode_calls = [c for c in calls if c[1].shape[2] == 8 and c[0].shape[-2] > 32]  # (not the prefill's)
+    assert len(decode_calls) >= 4 * model.config.num_hidden_layers
+    for keys, queries, scaling, n_keep, idx in decode_calls:
+        b, h_kv, n, d = keys.shape
+        h_q = queries.shape[1]
+        k = keys.repeat_interleave(h_q // h_kv, dim=1).double()
+        logits = queries.double() @ k.transpose(-1, -2) * scaling  # [1, H_q, 8, n]
+        causal = torch.ones(8, 8, dtype=torch.bool).triu(1)
+        logits[..., n - 8:] = logits[..., n - 8:].masked_fill(causal, float("-inf"))
+        score = logits.softmax(-1)[..., : n - 8].sum(2).view(b, h_kv, h_q // h_kv, n - 8).mean(2)
+        pooled = F.max_pool1d(score.view(b * h_kv, 1, -1), 7, 1, 3).view(b, h_kv, -1)
+        assert idx.shape == (1, h_kv, n_keep) and idx[..., -8:].eq(torch.arange(n - 8, n)).all()
+        chosen = pooled.gather(-1, idx[..., :-8]).sort(-1).values
+        best = pooled.topk(n_keep - 8, -1).values.sort(-1).values
+        torch.testing.assert_close(chosen, best, rtol=1e-6, atol=1e-9)
+
+
+def test_a_target_that_holds_everything_gives_the_full_caches_tokens():
+    model = tiny_model("llama")
+    full = decode(model, "full", None, DecodeCompression(), new=40)
+    for name in ("snapkv", "streamingllm"):
+        gen = decode(model, name, N_PROMPT + 8, DecodeCompression(8, N_PROMPT + 40), new=40)
+        assert gen.token_ids == full.token_ids and gen.kv_bytes_decode_peak == full.kv_bytes_decode_peak
+
+
+def test_a_batch_equals_each_sample_alone():
+    model, method = tiny_model("llama"), METHODS["pyramidkv"](window=8)
+    setting = DecodeCompression(EVERY, TARGET)
+    requests = [Request(prompt(n, seed=n), 32, new, ()) for n, new in [(N_PROMPT, 50), (N_PROMPT + 20, 66)]]
+    with AttentionCapture(model, window=8) as capture:
+        together = {r.max_new_tokens: g for r, g in generate_batched(model, None, method, capture, requests, 2,
+                                                                     eos_ids=set(), recompress=setting)}
+        alone = {r.max_new_tokens: g for r in requests for _, g in generate_batched(
+            model, None, method, capture, [Request(r.input_ids, 32, r.max_new_tokens, ())], 1, eos_ids=set(),
+            recompress=setting)}
+    for new in together:
+        assert together[new].token_ids == alone[new].token_ids
+        assert together[new].kv_bytes_decode_peak == alone[new].kv_bytes_decode_peak
+
+
+@pytest.mark.parametrize("name,why", [("full", "keeps every entry"), ("h2o", "evicts at every decode step"),
+                                      ("adakv", "per-head variable"), ("tailorkv", "per-head variable or offloaded")])
+def test_methods_that_cannot_compress_while_decoding_are_refused_in_one_line(name, why):
+    with pytest.raises(ValueError, match=why) as refused:
+        check(METHODS[name](), DecodeCompression(EVERY, TARGET))
+    assert "\n" not in str(refused.value)
+
+
+def test_the_command_compresses_while_decoding_in_a_batch_and_under_the_grid_launcher(tmp_path):
+    """The switch end to end: batch_size=2 (basic launcher, in this process) and the grid launcher (a process)
+    write the same records, and every record's decode-time peak holds target + every entries per head."""
+    import subprocess
+    import sys
+
+    from tests.unit.test_cli import ENV, ROOT, records, run_dirs, run_here
+
+    args = ["model=tiny_llama", "method.window=8", "budget=40", "dataset.context_lengths=[300]",
+            "dataset.depth_percents=[0,100]", "dataset.metrics=[pyramidkv_recall]", "dataset.max_new_tokens=40",
+            "decode_compression.target=40", "decode_compression.every=8", "report=false"]
+    basic = {m: run_here(*args, f"method={m}", "batch_size=2", results=tmp_path / "basic")
+             for m in ("snapkv", "pyramidkv")}
+    out = subprocess.run([sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=grid", "method=snapkv,pyramidkv",
+                          *args, f"results_dir={tmp_path / 'grid'}"], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    volatile = {"prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes", "peak_kv_bytes",
+                "prefill_shared_by"}
+    for method, run_dir in basic.items():
+        (grid_dir,) = [d for d in run_dirs(tmp_path / "grid") if d.parent.name == method]
+        assert grid_dir.name == run_dir.name  # the switch is part of the run's identity, the same in both
+        mine, theirs = ({r["id"]: {k: v for k, v in r.items() if k not in volatile} for r in records(d)}
+                        for d in (run_dir, grid_dir))
+        assert mine == theirs and len(mine) == 2
+        for r in records(run_dir):
+            per_entry = r["kv_bytes"] / r["effective_budget"]  # bytes of one entry in every head and layer
+            assert r["kv_bytes_peak"] <= per_entry * (40 + 8) + 1e-6
+            assert r["new_tokens"] == 40 or r["stop_reason"] != "max_new_tokens"
