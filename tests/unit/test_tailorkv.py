@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention.decode import attend
 from kvbench.cache import KVCache
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
-from kvbench.engine.attention import attend
 from kvbench.engine.generation import compress, prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.tailorkv import TailorKV
