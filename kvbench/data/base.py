@@ -43,8 +43,8 @@ class Dataset:
 
     version: str = "0"
     primary_metric: str = ""
-    # scores that are not means over samples (name -> kvbench.report.stats.CorpusMetric, e.g. BUZZ's geometric-mean ROUGE):
-    # scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
+    # scores that are not means over samples (name -> kvbench.metrics.stats.CorpusMetric, e.g. BUZZ's geometric-mean
+    # ROUGE): scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
     corpus_metrics: ClassVar[Mapping] = {}
 
     def build(self, tokenizer, max_prompt_tokens: int, chat_template: bool = False) -> list[Sample]:

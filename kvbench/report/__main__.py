@@ -21,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from kvbench.metrics.stats import RESAMPLES, SEED
 from kvbench.runs.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_reference
 from kvbench.report.cost import cost_lines
@@ -30,7 +31,6 @@ from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import ManifestError, load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
-from kvbench.report.stats import RESAMPLES, SEED
 
 
 def _slug(text: str) -> str:

@@ -281,12 +281,12 @@ class RunStore:
 def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> dict:
     """Means over samples of every metric and of the accounting fields (the body of scores.json).
 
-    `stats` adds each metric's standard error and n (kvbench.report.stats.metric_stats), and the dataset's corpus-level
+    `stats` adds each metric's standard error and n (kvbench.metrics.stats.metric_stats), and the dataset's corpus-level
     metrics (not means over samples) with a seeded bootstrap se; `metrics` stays {metric: mean} for old readers.
     Failure records are left out of every mean and counted in `n_failed`: LongBench's eval.py scores whatever the
     prediction file holds, so a sample without a prediction is excluded, not scored 0 (`failures_counted_as`).
     """
-    from kvbench.report.stats import metric_stats
+    from kvbench.metrics.stats import metric_stats
 
     records = latest_per_id(records)
     failed = sorted(r["id"] for r in records if is_failure(r))
