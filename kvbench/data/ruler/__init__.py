@@ -35,7 +35,7 @@ from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLA
                                           task_metric, tokens_to_generate)
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.metrics.stats import combine_se, mean_se
-from kvbench.runs.pathnames import check_name
+from kvbench.pathnames import check_name
 from kvbench.registry import DATASETS, unknown_choice
 
 logger = logging.getLogger(__name__)
