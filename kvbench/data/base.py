@@ -1,6 +1,7 @@
-"""The one record type every benchmark builder yields."""
+"""The one record type every benchmark builder yields, the builder interface, and the hash of a sample's text."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
@@ -32,6 +33,12 @@ class Sample:
     min_new_tokens: int = 0
     context_end: int | None = None
     context_tokens: int | None = None
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a sample's text: a record's `prompt_sha256`, a manifest's `data_sha256` (every id and prompt),
+    the per-sample seed (its id)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class Dataset:

@@ -231,7 +231,7 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     from kvbench.runs.failures import note_if_nothing_succeeded, stop_on_signals
     from kvbench.engine.generation import Sampling
     from kvbench.models import AttentionCapture, load
-    from kvbench.runs.store import sha256_text
+    from kvbench.data.base import sha256_text
 
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     manifest_name = shard.manifest_name if shard else "manifest.json"
