@@ -258,7 +258,7 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
     cfg, run_dir = config.cfg, config.job.run_dir
     config.store = RunStore(run_dir)
     old = config.store.read_json("manifest.json")
-    prepared = config.method.prepare(model, tokenizer)
+    prepared = config.method.prepare(model, tokenizer, prefill=prefill)
     config.store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
                            n_samples)
