@@ -9,6 +9,9 @@ headline table when none has), rebuilt next to the published numbers (kvbench.re
 one; `--html report.html` also writes one self-contained page with every table and figure written.
 Files go to `--out`, by default `report/` in the deepest folder holding every PATH (`results` -> results/report), and
 the last line printed says how many went where. Bad or damaged input ends with one line `kvbench: ...`, exit code 1.
+
+A command, so it sits on the top floor with runs/ (docs/ARCHITECTURE.md, "Floors"): it merges stale sharded runs
+through kvbench.runs.merge before reading; the rest of report/ reads run directories and never imports runs/.
 """
 from __future__ import annotations
 
