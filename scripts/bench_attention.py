@@ -1,5 +1,5 @@
 """Benchmark (not a test): one decode-attention step over S sequences whose lengths differ per sequence and per KV
-head (Ada-KV-like), on this CPU, five ways: the engine's padded masked matmul (`kvbench.engine.attention`,
+head (Ada-KV-like), on this CPU, five ways: the engine's padded masked matmul (`kvbench.attention.decode`,
 `padded=True`: every sequence copied into one block), padded masked `F.scaled_dot_product_attention`, nested
 (jagged) tensors through sdpa, the engine's CPU default (`padded=False`: one masked matmul per sequence over its
 own tensors, no copy), and a loop calling the engine once per sequence (what batched decoding did before). Each way builds its inputs from the same per-(sequence, head) K/V every
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvbench.attention.decode import decode_attention, pad
 from kvbench.cache.kv_cache import DecodeKV
-from kvbench.engine.attention import decode_attention, pad
 
 
 def ragged(s: int, h_kv: int, d: int, lo: int, hi: int, gen: torch.Generator):

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import Decoding, PrefilledOnce, Request
+from kvbench.engine.generation import prefill
 from kvbench.data.niah import NeedleHaystack
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
@@ -83,7 +84,7 @@ def main() -> None:
     ids = prompts(tok, args.n, args.min_len, args.max_len, device)
     methods = [METHODS[name]() for name in args.methods]
     for method in methods:
-        method.prepare(model, tok)  # TailorKV: its layer split, identified once on the calibration prompt
+        method.prepare(model, tok, prefill=prefill)  # TailorKV: its layer split, identified on the calibration prompt
     print(f"# device={device} threads={torch.get_num_threads()} methods={args.methods} budget={args.budget} "
           f"new_tokens={args.new_tokens} prompts={[x.shape[1] for x in ids]}")
     plain = {b: min(forward_seconds(model, b, args.budget) for _ in range(2)) for b in args.batches}  # (no capture)

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.attention import without_cudnn_attention
+from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine.batching import PrefilledOnce, Request, generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture

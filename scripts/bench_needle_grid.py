@@ -145,7 +145,7 @@ def build_method(spec: str, model, tok, model_cfg=None):
     if name == "tailorkv" and model_cfg is not None:
         kwargs.setdefault("quant_layers", model_cfg.get("quant_friendly_layers"))
     method = METHODS[name](**kwargs)
-    prepared = method.prepare(model, tok)
+    prepared = method.prepare(model, tok, prefill=prefill)
     if prepared is not None:
         print(f"# {spec}: {prepared}", flush=True)
     return method

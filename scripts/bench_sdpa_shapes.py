@@ -1,6 +1,6 @@
 """Benchmark (not a test): what one `scaled_dot_product_attention` call costs for a shape it has seen and for a new
 shape every call (a decode step's KV length grows by one each step, and layers of different lengths differ), with
-PyTorch's own backend choice and with cuDNN's excluded (`kvbench.engine.attention.without_cudnn_attention`, what
+PyTorch's own backend choice and with cuDNN's excluded (`kvbench.attention.decode.without_cudnn_attention`, what
 kvbench's decode steps run under). On the first GPU check (H100, torch 2.11) PyTorch's choice cost 68.2 ms per new
 shape against 0.09 ms per seen one (cuDNN builds a graph per shape); this script re-checks that on another card or
 torch. Decode-shaped calls: one query token's G query heads over one KV head's L entries, bf16 on CUDA.
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbench.engine.attention import without_cudnn_attention
+from kvbench.attention.decode import without_cudnn_attention
 
 
 def per_call_ms(attend, lengths, device) -> float:

@@ -9,7 +9,7 @@ expands the layer, and later appended tokens are repeated to match.
 Per-head variable lengths (Ada-KV) subclass `KVLayer` with flattened storage and per-head offsets; quantized and
 offloaded layers (TailorKV) hold their own storage too. Every layer says what its next token attends as a
 `DecodeKV` (`decode_kv`), and one function attends those of all sequences of a layer
-(`kvbench.engine.attention.decode_attention`), so no caller tests types. Decode-time eviction calls
+(`kvbench.attention.decode.decode_attention`), so no caller tests types. Decode-time eviction calls
 `keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
 Under pos-shift (`shift_inv_freq` set) the stored keys stay as computed and `update` returns them rotated to their
 cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals.

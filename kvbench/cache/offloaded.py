@@ -8,7 +8,7 @@ sinks and the recent window of the prompt, `max_t |K|` per channel, and every ge
    rows of Kᵀ (the predicted query q̂ comes from the previous layer's input, so this can run one layer ahead);
 2. `decode_kv(q)`: approximate scores = (group-mean q)[channels] · Kᵀ[channels] (signed, unscaled), the top-k prompt
    positions in [start, n - recent) are fetched (K and V rows), and exact attention runs over
-   sinks + recent + fetched + generated entries (`kvbench.engine.attention`). The fetched rows are freed after the step.
+   sinks + recent + fetched + generated entries (`kvbench.attention.decode`). The fetched rows are freed after the step.
 
 Every host->device copy goes through the `TransferLedger`, so the bytes per token are counted, not estimated.
 

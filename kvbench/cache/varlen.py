@@ -6,7 +6,7 @@ head after head, in `flat_keys/flat_values` `[N, D]` with offsets `cu` `[H + 1]`
 arrive one per head per step, so they go to an ordinary dense part `keys/values` `[1, H, t, D]`: the flattened
 prompt part is never rewritten (the official CUDA kernel re-copies the whole layer every step).
 
-Decode attention (`kvbench.engine.attention`, with every other sequence's layer) reads `decode_kv()`: the heads
+Decode attention (`kvbench.attention.decode`, with every other sequence's layer) reads `decode_kv()`: the heads
 padded to the longest for this step, then the dense part, with a mask of each head's entries; the padded copy is a
 transient of the step, not what the layer holds. Batch size 1 per layer. Where each flattened entry lands is
 computed once at selection (host ints for the sizes), so a step never waits on the device for them.

@@ -1,6 +1,7 @@
-"""The one record type every benchmark builder yields."""
+"""The one record type every benchmark builder yields, the builder interface, and the hash of a sample's text."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
@@ -34,6 +35,12 @@ class Sample:
     context_tokens: int | None = None
 
 
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a sample's text: a record's `prompt_sha256`, a manifest's `data_sha256` (every id and prompt),
+    the per-sample seed (its id)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 class Dataset:
     """A benchmark builder: a dataclass (built from `configs/dataset/<name>.yaml` by `_target_`) that turns a
     tokenizer into samples and scores predictions. Subclasses register with `@DATASETS.register("<name>")`.
@@ -43,8 +50,8 @@ class Dataset:
 
     version: str = "0"
     primary_metric: str = ""
-    # scores that are not means over samples (name -> kvbench.report.stats.CorpusMetric, e.g. BUZZ's geometric-mean ROUGE):
-    # scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
+    # scores that are not means over samples (name -> kvbench.metrics.stats.CorpusMetric, e.g. BUZZ's geometric-mean
+    # ROUGE): scores.json gets their value and a seeded bootstrap se; per-sample metrics get sd / sqrt(n) without asking
     corpus_metrics: ClassVar[Mapping] = {}
 
     def build(self, tokenizer, max_prompt_tokens: int, chat_template: bool = False) -> list[Sample]:

@@ -42,8 +42,8 @@ from kvbench.data.longbench_prompts import (
     base_task, length_bucket,
 )
 from kvbench.metrics.longbench import CODE_SIM_BACKENDS, PAIR_SCORERS, best_over_references
+from kvbench.metrics.stats import combine_se, mean_se
 from kvbench.registry import DATASETS, unknown_choice
-from kvbench.report.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -333,14 +333,15 @@ def summarize_longbench(records: list[dict], order: list[str] | None = None) -> 
 
 
 def _se(ses: list[float | None]) -> float | None:
-    """se of the plain mean of independent means (kvbench.report.stats.combine_se), rounded like the scores' se."""
+    """se of the plain mean of independent means (kvbench.metrics.stats.combine_se), rounded like the scores' se."""
     se = combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
     return None if se is None else round(se, 4)
 
 
 def longbench_se(groups: dict[str, list[dict]], tasks: dict[str, float], categories: dict[str, dict]) -> dict:
     """Standard errors beside `tasks`, `avg` and `categories`, x100 like them: per task sd / sqrt(n) of its samples'
-    scores; an average of task means gets sqrt(sum_t se_t^2) / T, the se of that mean of samples (kvbench.report.stats)."""
+    scores; an average of task means gets sqrt(sum_t se_t^2) / T, the se of that mean of samples
+    (kvbench.metrics.stats)."""
     se = {t: mean_se(r["score"] for r in groups[t]).scaled(100).se for t in tasks}
     cats_se = {}
     for lang, block in categories.items():

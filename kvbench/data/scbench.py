@@ -49,8 +49,8 @@ from kvbench.data.scbench_prompts import (
     CONTEXT_ONLY, FIRST_TURN, FOLLOW_UP, FOLLOW_UP_CHAT, MAX_NEW_TOKENS, SCDQ_DELIMITER, SUMMARY_CHAT_PRIMER, TASKS,
 )
 from kvbench.metrics.scbench import SCORERS, ground_truth, score_turn
+from kvbench.metrics.stats import mean_se
 from kvbench.registry import DATASETS, unknown_choice
-from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)
 

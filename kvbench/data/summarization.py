@@ -33,11 +33,11 @@ import numpy as np
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import check_unique, find_file, read_jsonl
+from kvbench.metrics.stats import geometric_mean_of_means
 from kvbench.metrics.summarization import (
     KEYFORMER_KEYS, buzz_rouge, keyformer_rouge, keyformer_table, mean_rouge, self_bleu,
 )
 from kvbench.registry import DATASETS, unknown_choice
-from kvbench.report.stats import geometric_mean_of_means
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import ClassVar, Mapping
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.metrics.stats import exp_of_ratio
 from kvbench.registry import DATASETS
-from kvbench.report.stats import exp_of_ratio
 
 logger = logging.getLogger(__name__)
 

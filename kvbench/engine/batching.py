@@ -9,7 +9,7 @@ and one call per layer attends every row, masked to each row's length. Per-head 
 into a pool of their own (`kvbench.cache.varlen.VarlenRows`): one padded block per layer and step for all of them,
 one engine call. Every other sample's layer (TailorKV's quantized and offloaded layers, the layers of H2O /
 Keyformer / BUZZ with their decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's
-decode attention (`kvbench.engine.attention`) with what it holds this step (`decode_kv`), whatever the lengths per
+decode attention (`kvbench.attention.decode`) with what it holds this step (`decode_kv`), whatever the lengths per
 sample, layer and head; each sample's temperature scales its own logits, and its evictor scores the logits of that
 call (no second computation). So a layer costs one attention call per set of rows or pool and one for the rest,
 whatever the batch; a lone sample outside them takes batch 1's path. Per-sample method work that several samples can
@@ -35,7 +35,7 @@ No index goes from the host to the device in the per-step bookkeeping (rows are 
 index of a set of samples is made once per set, `index_of`), so CUDA streams are not synchronized by it; tokens are
 read to the host once per step for all samples. On CUDA the engine's call runs flash-attn varlen over (sample, KV
 head) segments where it can, else PyTorch's fused attention, and no decode step runs cuDNN's (see
-`kvbench.engine.attention`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
+`kvbench.attention.decode`). Failure records, sharding and the record layout stay in `kvbench.run`; this module only
 generates.
 """
 from __future__ import annotations
@@ -53,10 +53,10 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvbench.attention.decode import decode_attention, without_cudnn_attention
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
-from kvbench.engine.attention import decode_attention, without_cudnn_attention
 from kvbench.engine.recompress import DecodeCompression
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
-from kvbench.engine.attention import without_cudnn_attention
 from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger

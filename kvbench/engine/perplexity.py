@@ -131,7 +131,7 @@ def window_nll(model, method, capture, tokens: list[int], context: int, budget, 
 
 def perplexity_record(model, method, capture, dataset, sample, budget, positions: str, seed: int) -> dict:
     """The predictions.jsonl record of one stream or window (kvbench.run calls this for perplexity datasets)."""
-    from kvbench.runs.store import sha256_text
+    from kvbench.data.base import sha256_text
 
     if dataset.mode == "stream":
         out = stream_nll(model, method, capture, dataset.rows_of(sample), budget, positions, seed)

@@ -8,6 +8,7 @@ entries of one layer survive (`select`). It never loads models, registers hooks,
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -78,9 +79,10 @@ class Method:
         """How many of the prompt's last queries the capture records for this method at prefill (0: none)."""
         return 0
 
-    def prepare(self, model, tokenizer) -> dict | None:
+    def prepare(self, model, tokenizer, *, prefill: Callable | None = None) -> dict | None:
         """Once per run, after the model loads: per-run setup whose result goes into manifest.json (TailorKV's
-        layer split), or None."""
+        layer split), or None. `prefill`: the engine's (`kvbench.engine.generation.prefill`), for a setup that runs
+        the model (TailorKV's identification); the runner hands it down, since methods do not import the engine."""
         return None
 
     def check_budget(self, budget: int | None) -> None:

@@ -20,8 +20,8 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from kvbench.attention.columns import causal_column_sums, grouped_logits
 from kvbench.cache.kv_cache import KVLayer
-from kvbench.engine.columns import causal_column_sums, grouped_logits
 from kvbench.methods.base import Kind, Method, reduce_groups
 
 
@@ -87,7 +87,7 @@ class EvictionState:
         this layer's attention: `query` `[B, H_q, q, D]`, `key` `[B, H_kv, L, D]` the layer's entries as attention saw
         them, the chunk's last. The chunk's rows are scored as prefill rows are (each sees every earlier entry and
         the chunk causally; `row_score(..., decoding=False)`, column sums over the rows by the prefill's helper
-        `engine.columns.causal_column_sums`, rows at positions L - q..L - 1, 512 at a time),
+        `attention.columns.causal_column_sums`, rows at positions L - q..L - 1, 512 at a time),
         added to the entries' scores (the chunk's own entries start from zero) or replacing them (TOVA), and the
         layer is evicted to the budget as after a prefill (`evict(..., prefill=True)`: BUZZ thins its middle until
         it fits, Keyformer's code rule re-chooses its key set, a shared score waits for `prefill_done`)."""

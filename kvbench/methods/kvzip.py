@@ -94,7 +94,7 @@ class KVzip(Method):
             raise ValueError(f"kvzip: budget={budget} must be > n_sink={self.n_sink} (sinks count inside the "
                              "budget); raise budget or lower method.n_sink.")
 
-    def prepare(self, model, tokenizer) -> dict | None:
+    def prepare(self, model, tokenizer, *, prefill=None) -> dict | None:
         """Tokenize the reconstruction prompts and the suffix once per run (unless `prompt_ids` were given)."""
         if self.prompt_ids is None:
             self._suffix_text = chat_suffix(tokenizer) if self.chat_template else "\n"

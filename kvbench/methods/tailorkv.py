@@ -122,12 +122,16 @@ class TailorKV(Method):
             raise ValueError(f"tailorkv: budget={budget} must exceed start_size + recent_size = "
                              f"{self.start_size + self.recent_size} (the top-k part is budget minus both)")
 
-    def prepare(self, model, tokenizer) -> dict:
-        """Once per run with the loaded model: identify the quantization-friendly layers if none were given."""
+    def prepare(self, model, tokenizer, *, prefill=None) -> dict:
+        """Once per run with the loaded model: identify the quantization-friendly layers if none were given, with
+        the engine's `prefill`."""
         if self.quant_layers is None:
             from kvbench.methods.tailorkv_layers import identify_with_calibration
 
-            result = identify_with_calibration(model, tokenizer)
+            if prefill is None:
+                raise ValueError("tailorkv: identifying quant_layers runs a prefill; call prepare(model, tokenizer, "
+                                 "prefill=kvbench.engine.generation.prefill), or set method.quant_layers")
+            result = identify_with_calibration(model, tokenizer, prefill=prefill)
             self.quant_layers = result.quant_layers
             self.identification = {"scores": [round(x, 6) for x in result.scores],
                                    "source": "identified at load on the self-written calibration stand-in"}

@@ -12,7 +12,7 @@ names the attribute the capture replaces on each instance (`replaces`: `kvbench/
 `falcon.py`), which hands the same q/k/v to the capture's function. Encoder-decoder, state-space and unknown model
 types, and variants an adapter refuses from config.json (ALiBi Falcon), fail in one line before weights load
 (`check_config`). Every method runs on every family: decode attention over layers with their own storage applies
-the family's ALiBi and soft cap itself (`kvbench.engine.attention`).
+the family's ALiBi and soft cap itself (`kvbench.attention.decode`).
 
 Window layers (Gemma 2/3, Qwen `sliding_attention`): methods leave them alone and the budget applies to the global
 layers; the capture trims them to what the window still shows and applies the window by position at decode

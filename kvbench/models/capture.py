@@ -19,7 +19,7 @@ with the rows' post-RoPE queries `[B, H_q, q, D]` and every key the rows attend 
 the context by the attention its reconstruction's rows pay it (`generation.reconstruct`).
 
 At decode, a layer with its own storage (Ada-KV, TailorKV: `layer.own_storage`) is attended by the engine's decode
-attention (`kvbench.engine.attention`), with the model's soft cap and, for MPT, its ALiBi slopes.
+attention (`kvbench.attention.decode`), with the model's soft cap and, for MPT, its ALiBi slopes.
 
 Attention modules, the family's eager kernel, predicted queries and window layers come from the model family's
 adapter (`kvbench.models.adapters`), never from attribute names; an unsupported family is refused there.
@@ -40,9 +40,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvbench.attention.columns import causal_column_sums
+from kvbench.attention.decode import attend, chunk_attention
 from kvbench.cache.kv_cache import DecodeKV
-from kvbench.engine.attention import attend, chunk_attention
-from kvbench.engine.columns import causal_column_sums
 from kvbench.models.adapters import adapter_for
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
 from kvbench.models.rotary import Rotary
@@ -244,7 +244,7 @@ class AttentionCapture:
                alibi_slopes, kwargs: dict) -> Tensor:
         """Several tokens on top of this layer's (compressed) entries (`generation.feed`): the model's mask is sized
         for the first layer only, and a layer with its own storage returns only its dense part from `update`, so
-        the layer is attended here as it is (`engine.attention.chunk_attention`)."""
+        the layer is attended here as it is (`attention.decode.chunk_attention`)."""
         if kwargs.get("sliding_window") or score_bias is not None or alibi_slopes is not None:
             raise NotImplementedError("capture: several tokens on top of a compressed cache (query=agnostic, turns) "
                                       "are not supported with sliding-window or ALiBi attention")
@@ -281,7 +281,7 @@ class AttentionCapture:
     def _column_sums(self, query: Tensor, key: Tensor, scaling: float, scorers: dict, score_bias=None,
                      softcap: float | None = None) -> dict:
         """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows
-        (`engine.columns.causal_column_sums`, the helper fed chunks are scored with too). The logits are shaped as
+        (`attention.columns.causal_column_sums`, the helper fed chunks are scored with too). The logits are shaped as
         the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
         return causal_column_sums(query, key, scaling, scorers, softcap=softcap, score_bias=score_bias,
                                   block=self.column_block, chunk=self.chunk)

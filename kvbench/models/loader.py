@@ -18,7 +18,7 @@ from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_confi
 from kvbench.models.checks import check_source
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.placement import DEVICE_MAPS
-from kvbench.runs.pathnames import check_name
+from kvbench.pathnames import check_name
 
 logger = logging.getLogger(__name__)
 

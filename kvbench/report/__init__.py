@@ -16,12 +16,13 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# The names in __all__ load with their module on first use (PEP 562): datasets import `kvbench.report.stats`, which runs
-# this file, and a run with report=false (or a command refused by its checks) must not pay for pandas and matplotlib.
+# The names in __all__ load with their module on first use (PEP 562): the run store reads records through
+# `kvbench.report.records`, which runs this file, and a run with report=false (or a command refused by its checks)
+# must not pay for pandas and matplotlib.
 _EXPORTS = {"has_needle_grid": "heatmap", "needle_heatmap": "heatmap", "needle_matrix": "heatmap",
             "needle_panels": "heatmap", "run_caption": "heatmap", "find_run_dirs": "runs", "load_runs": "runs",
             "read_predictions": "runs", "summary_table": "tables", "to_latex": "tables", "to_markdown": "tables",
-            "write_tables": "tables", "has_turns": "turns", "turn_heatmap": "turns", "mean_se": "stats"}
+            "write_tables": "tables", "has_turns": "turns", "turn_heatmap": "turns"}
 
 __all__ = ["find_run_dirs", "has_needle_grid", "load_runs", "needle_heatmap", "needle_matrix", "needle_panels",
            "read_predictions", "run_caption", "summary_table", "to_latex", "to_markdown", "write_run_report",
@@ -54,10 +55,10 @@ def write_run_report(run_dir: str | Path) -> None:
 
     Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
     """
+    from kvbench.metrics.stats import mean_se
     from kvbench.report.escape import md_row, md_text
     from kvbench.report.heatmap import has_needle_grid, needle_heatmap
     from kvbench.report.runs import load_runs
-    from kvbench.report.stats import mean_se
     from kvbench.report.tables import summary_table, to_markdown
     from kvbench.report.turns import has_turns, turn_heatmap
 

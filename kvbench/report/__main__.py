@@ -10,6 +10,9 @@ headline table when none has), rebuilt next to the published numbers (kvbench.re
 one; `--html report.html` also writes one self-contained page with every table and figure written.
 Files go to `--out`, by default `report/` in the deepest folder holding every PATH (`results` -> results/report), and
 the last line printed says how many went where. Bad or damaged input ends with one line `kvbench: ...`, exit code 1.
+
+A command, so it sits on the top floor with runs/ (docs/ARCHITECTURE.md, "Floors"): it merges stale sharded runs
+through kvbench.runs.merge before reading; the rest of report/ reads run directories and never imports runs/.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvbench.metrics.stats import RESAMPLES, SEED
 from kvbench.runs.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_reference
 from kvbench.report.cost import cost_lines
@@ -33,7 +37,6 @@ from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import ManifestError, load_runs
 from kvbench.report.tables import summary_table, to_markdown, write_tables
-from kvbench.report.stats import RESAMPLES, SEED
 
 
 # dataset families whose tables live in one shared module (cnn_dailymail -> "cnn", lost_in_the_middle -> "lost")

@@ -3,8 +3,8 @@
 A gap between two rows of a table is only worth reporting if it is larger than what resampling the same prompts
 would give. Two runs of one benchmark share sample ids, so the fair comparison is paired: per id, method score minus
 reference score; its mean is the cell's difference, and a seeded percentile bootstrap over the ids gives the 95 %
-interval (kvbench.report.stats.paired_bootstrap). An average over tasks ("Avg.") is bootstrapped within each task, so it
-matches how the average is computed. Ids only one run has are left out and counted in the table's note.
+interval (kvbench.metrics.stats.paired_bootstrap). An average over tasks ("Avg.") is bootstrapped within each task, so
+it matches how the average is computed. Ids only one run has are left out and counted in the table's note.
 
 The table modules (tables, longbench, ruler) call `Compare.cells` per row and mark a cell whose interval excludes 0.
 """
@@ -15,7 +15,8 @@ from typing import Hashable, Iterable
 
 import pandas as pd
 
-from kvbench.report.stats import LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap, paired_statistic_bootstrap
+from kvbench.metrics.stats import (LEVEL, RESAMPLES, SEED, Interval, pair_by_id, paired_bootstrap,
+                                   paired_statistic_bootstrap)
 from kvbench.report.labels import METHOD_NAMES, method_label
 
 MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
@@ -109,7 +110,7 @@ class Compare:
     def statistic_cell(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, columns: list[str],
                        statistic, scale: float = 1.0) -> Interval | None:
         """The interval of statistic(method) - statistic(reference) over the ids both have values in `columns` for,
-        for a score that is not a mean of per-sample scores (kvbench.report.stats.paired_statistic_bootstrap)."""
+        for a score that is not a mean of per-sample scores (kvbench.metrics.stats.paired_statistic_bootstrap)."""
         m, r = _by_id(method)[columns].astype(float).dropna(), _by_id(reference)[columns].astype(float).dropna()
         ids = sorted(set(m.index) & set(r.index), key=str)
         only_m, only_r = len(set(m.index) - set(ids)), len(set(r.index) - set(ids))

@@ -16,9 +16,9 @@ import pandas as pd
 from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
 
+from kvbench.metrics.stats import mean_se
 from kvbench.report.labels import method_label
 from kvbench.report.tables import score_scale, sort_runs
-from kvbench.report.stats import mean_se
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvbench.report.escape import md_row, slug
 from kvbench.report.labels import method_label
-from kvbench.report.stats import mean_se
+from kvbench.metrics.stats import mean_se
 from kvbench.report.tables import score_scale, sort_runs
 
 LONG_GENERATION = ("gsm8k", "math500", "aime24", "aime25")  # datasets whose reports always get this table

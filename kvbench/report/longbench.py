@@ -23,11 +23,11 @@ from matplotlib.figure import Figure
 
 from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
+from kvbench.metrics.stats import combine_se
 from kvbench.report.compare import MARK, Compare, reference_key, select
 from kvbench.report.escape import md_cell, md_row, md_text, tex_escape
 from kvbench.report.labels import method_label
 from kvbench.report.tables import sort_runs
-from kvbench.report.stats import combine_se
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def kv_size(row: dict) -> str:
 
 def table_frame(rows: list[dict]) -> pd.DataFrame:
     """The wide table: KEYS, one column per task stem (x 100 scores), Avg., then LongBench's category means, then
-    each score's standard error (`se:<task>`, `se:Avg.`, x 100; kvbench.report.stats)."""
+    each score's standard error (`se:<task>`, `se:Avg.`, x 100; kvbench.metrics.stats)."""
     stems = task_columns({t for r in rows for t in r["tasks"] if base_task(t) == t})
     out = []
     for r in rows:
@@ -92,7 +92,8 @@ def table_frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def _combined_se(ses: list) -> float | None:
-    """se of the plain mean of task scores from the tasks' se's (sqrt(sum se^2) / T, kvbench.report.stats.combine_se)."""
+    """se of the plain mean of task scores from the tasks' se's (sqrt(sum se^2) / T,
+    kvbench.metrics.stats.combine_se)."""
     ses = [None if s is None or pd.isna(s) else float(s) for s in ses]
     return combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
 

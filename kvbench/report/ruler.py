@@ -22,11 +22,11 @@ from matplotlib.figure import Figure
 
 from kvbench.data.ruler.templates import ALL_TASKS, task_metric
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
+from kvbench.metrics.stats import combine_se, mean_se
 from kvbench.report.compare import MARK, Compare, reference_key, select
 from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
 from kvbench.report.tables import sort_runs
-from kvbench.report.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 

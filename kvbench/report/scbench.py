@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.stats import mean_se, stratified_mean_se
+from kvbench.metrics.stats import mean_se, stratified_mean_se
 from kvbench.report.tables import sort_runs, to_markdown
 
 KEYS = ["model", "mode", "turn_mode", "query", "method", "budget"]

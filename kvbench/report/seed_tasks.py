@@ -11,7 +11,7 @@
   (TailorKV Table 15).
 Each table is written as `<dataset>_table.{md,csv}` and printed. Every score has its standard error beside it
 (`se:<column>`, same scale; in the CSV always, in the Markdown as "mean ± se" with `--stderr`): sd / sqrt(n) for
-means over samples, the se of the average of group means for "Avg." (kvbench.report.stats.stratified_mean_se), and a
+means over samples, the se of the average of group means for "Avg." (kvbench.metrics.stats.stratified_mean_se), and a
 seeded bootstrap over records for BUZZ's geometric Mean and for PPL, which are not means over samples. With
 `--compare METHOD` each cell also gets its paired-bootstrap difference to that method (`diff:`/`lo:`/`hi:` columns)
 and a † where the 95 % interval excludes 0 (kvbench.report.compare).
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench.metrics.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 from kvbench.metrics.summarization import mean_rouge
 from kvbench.report.labels import method_label
 from kvbench.report.tables import sort_runs, to_markdown
-from kvbench.report.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 
 DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")
 KEYS = ["model", "method", "budget"]

@@ -27,8 +27,8 @@ COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("M
            "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
            "tokens": ("Tokens", "{:d}"), "PPL": ("PPL", "{:.3f}")}  # the last row: seed-task tables
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
-# uncertainty columns (kvbench.report.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as one
-# "Δ vs <reference> [95 % CI]" column (--compare)
+# uncertainty columns (kvbench.metrics.stats): in the CSV always, in Markdown/LaTeX as "mean ± se" (--stderr) and as
+# one "Δ vs <reference> [95 % CI]" column (--compare)
 DIFF_COLUMNS = ("diff", "diff_lo", "diff_hi", "diff_se", "diff_excludes_0", "n_paired", "reference", "resamples",
                 "seed")
 HIDDEN = ("se", *DIFF_COLUMNS)
@@ -99,7 +99,7 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
 
 
 def _se(scores: pd.Series) -> float:
-    from kvbench.report.stats import mean_se
+    from kvbench.metrics.stats import mean_se
 
     se = mean_se(scores.astype(float)).se
     return math.nan if se is None else se
@@ -163,7 +163,7 @@ def _cells(table: pd.DataFrame, missing: str = "–",
                     cell += " ± " + fmt.format(r[se_col])
                 row.append(cell + (MARK if (r.name, col) in marks else ""))
         if col == score_col and "diff" in table:
-            from kvbench.report.stats import Interval
+            from kvbench.metrics.stats import Interval
 
             ref = method_label(table["reference"].iloc[0]) if len(table) else ""
             headers.append(f"Δ vs {ref} [95% CI]")

@@ -202,6 +202,6 @@ def sample_budget(cfg: DictConfig, prompt_len: int) -> int | None:
 
 def sample_seed(cfg: DictConfig, sample) -> int:
     """Per-sample method randomness (Keyformer's noise): the run seed mixed with the sample id, order-free."""
-    from kvbench.runs.store import sha256_text
+    from kvbench.data.base import sha256_text
 
     return cfg.seed + int(sha256_text(sample.id)[:8], 16)

@@ -38,11 +38,12 @@ from kvbench.runs.records import generated_record, git_sha, manifest, write_scor
 from kvbench.runs.run import prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
+from kvbench.data.base import sha256_text
 from kvbench.runs.failures import failure_record, note_if_nothing_succeeded, stop_on_signals
 from kvbench.engine.generation import Prefilled, Sampling, prefill
 from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
-from kvbench.runs.store import RunStore, sha256_text
+from kvbench.runs.store import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int)
     cfg, run_dir = config.cfg, config.job.run_dir
     config.store = RunStore(run_dir)
     old = config.store.read_json("manifest.json")
-    prepared = config.method.prepare(model, tokenizer)
+    prepared = config.method.prepare(model, tokenizer, prefill=prefill)
     config.store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
                            n_samples)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from kvbench.runs.config import CONFIG_DIR
 from kvbench.runs.failures import attempt
-from kvbench.runs.store import aggregate, is_failure, latest_per_id, sha256_text, write_json_atomic
+from kvbench.runs.store import aggregate, is_failure, latest_per_id, write_json_atomic
 
 
 def git_sha() -> str | None:
@@ -69,6 +69,8 @@ def peak_mem_bytes() -> int:
 def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aware", question_len: int = 0) -> dict:
     """The prediction record of one generated sample (the same at any batch size, timings aside). `query`: when the
     question was fed (aware: before compression; agnostic: its `question_tokens` after it)."""
+    from kvbench.data.base import sha256_text  # (kvbench.data registers every builder: not at the command's start)
+
     scores = dataset.score(sample, gen.text)
     return {
         "id": sample.id, "prompt_sha256": sha256_text(sample.prompt), "prompt_tokens": len(ids), "query": query,

@@ -231,9 +231,9 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
 
     from kvbench.runs.cost import CostMeter, job_log_links
     from kvbench.runs.failures import note_if_nothing_succeeded, stop_on_signals
-    from kvbench.engine.generation import Sampling
+    from kvbench.engine.generation import Sampling, prefill
     from kvbench.models import AttentionCapture, load
-    from kvbench.runs.store import sha256_text
+    from kvbench.data.base import sha256_text
 
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
     manifest_name = shard.manifest_name if shard else "manifest.json"
@@ -242,7 +242,7 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
     model, tokenizer = load(spec)
-    prepared = method.prepare(model, tokenizer)
+    prepared = method.prepare(model, tokenizer, prefill=prefill)
     samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if cfg.limit is not None:
         samples = samples[: cfg.limit]

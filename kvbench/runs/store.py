@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -169,10 +168,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 class RunStore:
     """Owns one run directory (or, with `shard`, one shard's file in it). Use `done_ids()` to resume, `append()` per
     sample, `write_scores()` at the end. The lock file names the holder's host and pid (what a cluster user kills)."""
@@ -281,12 +276,12 @@ class RunStore:
 def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> dict:
     """Means over samples of every metric and of the accounting fields (the body of scores.json).
 
-    `stats` adds each metric's standard error and n (kvbench.report.stats.metric_stats), and the dataset's corpus-level
+    `stats` adds each metric's standard error and n (kvbench.metrics.stats.metric_stats), and the dataset's corpus-level
     metrics (not means over samples) with a seeded bootstrap se; `metrics` stays {metric: mean} for old readers.
     Failure records are left out of every mean and counted in `n_failed`: LongBench's eval.py scores whatever the
     prediction file holds, so a sample without a prediction is excluded, not scored 0 (`failures_counted_as`).
     """
-    from kvbench.report.stats import metric_stats
+    from kvbench.metrics.stats import metric_stats
 
     records = latest_per_id(records)
     failed = sorted(r["id"] for r in records if is_failure(r))

@@ -27,7 +27,7 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.runs.pathnames import check_inside
+from kvbench.pathnames import check_inside
 from kvbench.registry import unknown_choice
 
 MULTIRUN_FLAGS = ("-m", "--multirun")

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from kvbench.cache.kv_cache import KVLayer  # noqa: E402
 from kvbench.cache.varlen import VarlenLayer  # noqa: E402
-from kvbench.engine import attention  # noqa: E402
+from kvbench.attention import decode as attention  # noqa: E402
 
 
 def dense(n_kv: int, n: int, d: int, dtype) -> KVLayer:

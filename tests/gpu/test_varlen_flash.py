@@ -13,7 +13,7 @@ pytest.importorskip("flash_attn")
 
 from kvbench.cache.kv_cache import KVLayer  # noqa: E402
 from kvbench.cache.varlen import VarlenLayer  # noqa: E402
-from kvbench.engine import attention  # noqa: E402
+from kvbench.attention import decode as attention  # noqa: E402
 
 
 def dense(n_kv: int, n: int, d: int, dtype) -> KVLayer:

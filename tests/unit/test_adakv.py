@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention.decode import attend, decode_attention
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.rows import append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
-from kvbench.engine.attention import attend, decode_attention
 from kvbench.engine.batching import generate
 from kvbench.methods.adakv import ada_head_budgets, ada_select_kvpress
 from kvbench.models import AttentionCapture

@@ -1,4 +1,4 @@
-"""The engine's one decode attention (kvbench.engine.attention) against a direct per-sequence, per-head eager
+"""The engine's one decode attention (kvbench.attention.decode) against a direct per-sequence, per-head eager
 recomputation in float64: hand-built caches whose lengths differ per sequence and per KV head, GQA, per-sequence
 temperature, soft cap, ALiBi over recorded (non-contiguous) positions, a sliding window, and the logits evictors
 read; then every cache layer type (dense, per-head variable, quantized, offloaded) in one call equals each alone."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.attention import decode as attention
+from kvbench.attention.decode import attend, decode_attention
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
 from kvbench.cache.varlen import VarlenLayer
-from kvbench.engine import attention
-from kvbench.engine.attention import attend, decode_attention
 
 H_KV, G, D = 2, 3, 8
 
@@ -184,7 +184,7 @@ def test_flash_layout_equals_the_torch_path(monkeypatch):
     """The CUDA path's segment layout (valid entries flattened per (sequence, KV head), offsets, per-sequence scale
     folded into the query, soft cap) checked on the CPU with flash-attn's documented semantics in PyTorch; the
     kernel itself is checked in tests/gpu."""
-    from kvbench.engine import attention
+    from kvbench.attention import decode as attention
 
     monkeypatch.setattr(attention, "_flash_varlen", lambda: varlen_reference)
     layers = every_layer_type()

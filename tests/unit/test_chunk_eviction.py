@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.columns import causal_column_sums
+from kvbench.attention.columns import causal_column_sums
 from kvbench.engine.generation import feed, prepare
 from kvbench.methods.buzz import BUZZ
 from kvbench.models import AttentionCapture

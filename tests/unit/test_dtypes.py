@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention import decode as attention
 from kvbench.engine.batching import Request, generate_batched
-from kvbench.engine import attention
 from kvbench.engine.generation import prepare
 from kvbench.engine.batching import decode, generate
 from kvbench.methods.base import Kind

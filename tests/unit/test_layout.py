@@ -1,9 +1,10 @@
-"""The package layout stays as docs/ARCHITECTURE.md draws it: no import cycle, few modules at the top.
+"""The package layout stays as docs/ARCHITECTURE.md draws it: imports point down the floors, no import cycle, few
+modules at the top.
 
 The import graph is read from the source with `ast`, imports inside function bodies included (a lazy import hides
-a cycle from Python's loader, not from the reader). `from pkg import name` depends on `pkg` (its `__init__` runs and
-`name` is read from it) and on `pkg.name` when that is a module; `import a.b` depends on `a.b`. A package's
-`__init__` importing its own submodules is not a cycle.
+a cycle or a climb from Python's loader, not from the reader). `from pkg import name` depends on `pkg` (its
+`__init__` runs and `name` is read from it) and on `pkg.name` when that is a module; `import a.b` depends on `a.b`.
+A package's `__init__` importing its own submodules is not a cycle.
 """
 from __future__ import annotations
 
@@ -11,7 +12,21 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvbench"
-MAX_TOP_LEVEL_MODULES = 6  # run, merge, harness (`python -m` shims), registry, __init__, and one spare
+MAX_TOP_LEVEL_MODULES = 6  # run, merge, harness (`python -m` shims), registry, pathnames (the bottom floor), __init__
+
+# The floors, top to bottom: the one list of them (docs/ARCHITECTURE.md, "Floors", says why). A module imports from
+# its own floor (no cycle, test_kvbench_has_no_import_cycle) or from a floor below, never from one above, function
+# bodies included. Names are kvbench's packages and top-level modules ("" is kvbench/__init__.py); "__main__" is
+# every `python -m kvbench.<package>` command, which sits on the top floor with runs/ and the shims in kvbench/.
+FLOORS = [
+    {"runs", "run", "merge", "harness", "__main__"},  # commands: a run, a merge, lm-eval's model, the report's CLI
+    {"engine", "report"},                             # running the model; reading run directories
+    {"methods", "data"},                              # what to keep; benchmark builders
+    {"models", "metrics"},                            # loading and capture; scorers and their standard errors
+    {"attention"},                                    # decode attention and column sums over what a cache holds
+    {"cache"},                                        # K/V storage and its accounting
+    {"registry", "pathnames", ""},                    # leaves: name -> component, names that become folders
+]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -68,6 +83,51 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def floor_of(module: str, floors: list[set[str]] = FLOORS) -> int:
+    """Index of the module's floor in `floors` (0 is the top): by its package under the root, or `__main__`."""
+    parts = module.split(".")
+    name = "__main__" if parts[-1] == "__main__" else parts[1] if len(parts) > 1 else ""
+    for level, names in enumerate(floors):
+        if name in names:
+            return level
+    raise KeyError(f"{module}: {name!r} is on no floor; add it to FLOORS in tests/unit/test_layout.py and to "
+                   "docs/ARCHITECTURE.md's Floors")
+
+
+def upward_imports(graph: dict[str, dict[str, int]], floors: list[set[str]] = FLOORS) -> list[str]:
+    """`module:line -> imported module` for every import of a module on a higher floor."""
+    return [f"{module}:{line} -> {target}" for module, edges in sorted(graph.items())
+            for target, line in sorted(edges.items()) if floor_of(target, floors) < floor_of(module, floors)]
+
+
+def test_kvbench_imports_point_down_the_floors():
+    graph = import_graph(PACKAGE)
+    climbs = upward_imports(graph)
+    assert not climbs, ("imports that climb a floor (move the shared piece below its users, docs/ARCHITECTURE.md):\n"
+                        + "\n".join(climbs))
+    # the check sees function bodies (the report command's lazy imports) and puts every `__main__` on the top floor
+    assert floor_of("kvbench.report.__main__") == 0 and floor_of("kvbench.report") == 1
+    assert "kvbench.runs.merge" in graph["kvbench.report.__main__"]
+
+
+def test_an_upward_import_hidden_in_a_function_body_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("top", "low"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "top" / "a.py").write_text("from pkg.low import b\n")
+    (pkg / "top" / "c.py").write_text("def g():\n    return 1\n")
+    (pkg / "low" / "b.py").write_text("X = 1\n")
+    (pkg / "low" / "__main__.py").write_text("from pkg.top import c\n")  # a command may import any floor
+    floors = [{"__main__"}, {"top"}, {"low"}, {""}]
+    assert upward_imports(import_graph(pkg), floors) == []
+    (pkg / "low" / "b.py").write_text("def f():\n    from ..top.c import g\n    return g()\n")
+    graph = import_graph(pkg)
+    assert find_cycle(graph) is None  # no cycle: only the floors catch it
+    assert upward_imports(graph, floors) == ["pkg.low.b:2 -> pkg.top.c"]
 
 
 def test_kvbench_has_no_import_cycle():

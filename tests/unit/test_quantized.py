@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.attention.decode import attend
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.quantized import QuantizedLayer, cat, pack, quantize, unpack
-from kvbench.engine.attention import attend
 
 
 def filled_layer(keys: torch.Tensor, values: torch.Tensor) -> KVLayer:

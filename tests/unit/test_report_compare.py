@@ -12,12 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvbench.metrics.stats import paired_bootstrap
 from kvbench.report import load_runs, summary_table, to_latex, to_markdown
 from kvbench.report import longbench as lb_report
 from kvbench.report import ruler as ruler_report
 from kvbench.report.__main__ import main
 from kvbench.report.compare import Compare, reference_key
-from kvbench.report.stats import paired_bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
 IDS = [f"niah-{n}-{d}" for n in (1000, 2000, 3000, 4000) for d in (0, 25, 50, 75, 100)]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention.decode import attend, decode_attention
 from kvbench.cache import pq
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.paged import READS, PagedLayer
 from kvbench.cache.pq_offloaded import MOVES, PQOffloadedLayer
-from kvbench.engine.attention import attend, decode_attention
 from kvbench.engine.batching import generate
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvbench.metrics.stats import paired_bootstrap, paired_statistic_bootstrap
 from kvbench.report import seed_tasks
 from kvbench.report.compare import Compare
-from kvbench.report.stats import paired_bootstrap, paired_statistic_bootstrap
 
 
 def frame(rows: list[dict], dataset: str) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""kvbench.report.stats against hand computations, a coverage simulation and the delta method."""
+"""kvbench.metrics.stats against hand computations, a coverage simulation and the delta method."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from kvbench.report.stats import (bootstrap_se, exp_of_mean, exp_of_ratio, geometric_mean_of_means, mean_se, metric_stats,
-                           pair_by_id, paired_bootstrap, stratified_mean_se)
+from kvbench.metrics.stats import (bootstrap_se, exp_of_mean, exp_of_ratio, geometric_mean_of_means, mean_se,
+                                   metric_stats, pair_by_id, paired_bootstrap, stratified_mean_se)
 from kvbench.runs.store import aggregate
 
 

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention.decode import attend
 from kvbench.cache import KVCache
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
-from kvbench.engine.attention import attend
 from kvbench.engine.generation import compress, prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.tailorkv import TailorKV
@@ -255,8 +255,11 @@ def test_prepare_identifies_the_split_when_the_model_config_has_none():
     model = tiny_model("llama", layers=2)
     tokenizer = lambda text, return_tensors: type("Enc", (), {"input_ids": prompt(300)})()  # noqa: E731
     method = TailorKV()
-    prepared = method.prepare(model, tokenizer)
-    expected = identify_with_calibration(model, tokenizer)
+    prepared = method.prepare(model, tokenizer, prefill=prefill)
+    expected = identify_with_calibration(model, tokenizer, prefill=prefill)
     assert prepared["quant_layers"] == method.quant_layers == expected.quant_layers
     assert prepared["identification"]["scores"] == [round(x, 6) for x in expected.scores]
     assert TailorKV(quant_layers=[1]).prepare(model, tokenizer) == {"quant_layers": [1], "identification": None}
+    # the engine's prefill comes from the caller (methods sit below the engine); without it, a one-line error
+    with pytest.raises(ValueError, match=r"tailorkv: identifying quant_layers runs a prefill; .*prefill="):
+        TailorKV().prepare(model, tokenizer)

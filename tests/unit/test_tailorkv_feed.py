@@ -14,11 +14,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import kvbench.methods  # noqa: F401
+from kvbench.attention.decode import attend, chunk_attention
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.quantized import QuantizedLayer
-from kvbench.engine.attention import attend, chunk_attention
 from kvbench.engine.batching import generate
 from kvbench.engine.generation import prepare
 from kvbench.engine.turns import converse

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from kvbench.engine.generation import prefill
 from kvbench.methods.tailorkv_calibration import stand_in_pairs
 from kvbench.methods.tailorkv_layers import (
     FINAL_QUESTION,
@@ -83,7 +84,7 @@ def reference_scores(probs_last: list[torch.Tensor], alpha: float = 0.05) -> lis
 
 def test_identify_causal_equals_hf_eager_attention_weights():
     ids = prompt(100)
-    result = identify(tiny_model("llama", layers=3), ids, causal=True)
+    result = identify(tiny_model("llama", layers=3), ids, causal=True, prefill=prefill)
     eager = tiny_model("llama", layers=3, attn="eager")
     with torch.no_grad():
         attentions = eager(ids, output_attentions=True).attentions  # causal probabilities [1, H_q, n, n]
@@ -99,7 +100,7 @@ def test_identify_default_equals_a_manual_unmasked_recomputation():
     hooks = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: hidden.__setitem__(i, kwargs.get("hidden_states", args[0] if args else None)),
         with_kwargs=True) for i, layer in enumerate(model.model.layers)]
-    result = identify(model, ids)
+    result = identify(model, ids, prefill=prefill)
     for h in hooks:
         h.remove()
 
@@ -122,11 +123,11 @@ def test_identify_default_equals_a_manual_unmasked_recomputation():
             k = k.repeat_interleave(h_q // h_kv, dim=1)
             blocks.append(torch.softmax(q[:, :, -32:] @ k.transpose(-1, -2) / d ** 0.5, dim=-1))  # no mask
     assert result.scores == pytest.approx(reference_scores(blocks), abs=1e-5)
-    assert result.scores != pytest.approx(identify(model, ids, causal=True).scores, abs=1e-3)
+    assert result.scores != pytest.approx(identify(model, ids, causal=True, prefill=prefill).scores, abs=1e-3)
 
 
 def test_identify_on_a_prompt_shorter_than_last_q():
-    result = identify(tiny_model("qwen2", layers=2), prompt(12), alpha=0.25)
+    result = identify(tiny_model("qwen2", layers=2), prompt(12), alpha=0.25, prefill=prefill)
     assert len(result.scores) == 2 and all(0.0 <= s <= 1.0 for s in result.scores)
 
 
@@ -171,7 +172,7 @@ def test_load_gsm8k_pairs_takes_the_first_50(tmp_path):
 # --- command line -------------------------------------------------------------------------------------------------
 def test_cli_on_a_random_model(capsys):
     """`python -m kvbench.methods.tailorkv_layers --model random:llama` as its main runs it, in this process."""
-    from kvbench.methods.tailorkv_layers import main
+    from kvbench.methods.tailorkv_layers.__main__ import main
 
     main(["--model", "random:llama", "--device", "cpu"])
     lines = capsys.readouterr().out.splitlines()

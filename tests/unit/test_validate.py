@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.data.ruler import cache
-from kvbench.runs.pathnames import check_inside, check_name
+from kvbench.pathnames import check_inside, check_name
 from kvbench.runs.validate import BadInput, validate, validate_or_exit
 from tests.unit.test_cli import ENV, ROOT
 

@@ -34,9 +34,9 @@ from kvbench.data.split import context_token_count, question_offset, split_templ
 from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLATES, TASK_CONFIGS, prompt_template,
                                           task_metric, tokens_to_generate)
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
-from kvbench.runs.pathnames import check_name
+from kvbench.metrics.stats import combine_se, mean_se
+from kvbench.pathnames import check_name
 from kvbench.registry import DATASETS, unknown_choice
-from kvbench.report.stats import combine_se, mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +317,6 @@ def _se100(se: float | None) -> float | None:
 
 
 def _se_of_mean(ses: list[float | None]) -> float | None:
-    """The se of an average of independent task (or length) means: sqrt(sum se^2) / count (kvbench.report.stats)."""
+    """The se of an average of independent task (or length) means: sqrt(sum se^2) / count (kvbench.metrics.stats)."""
     se = combine_se(ses, [1 / len(ses)] * len(ses)) if ses else None
     return None if se is None else round(se, 4)

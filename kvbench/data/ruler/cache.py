@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from kvbench.runs.pathnames import check_inside
+from kvbench.pathnames import check_inside
 
 logger = logging.getLogger(__name__)
 

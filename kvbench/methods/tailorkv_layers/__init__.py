@@ -26,13 +26,16 @@ Quirks, their defaults and switches:
 
 Memory: scores are computed one KV head at a time, `(H_q / H_kv) * w x n` logits, never the n x n matrix.
 
+The prefill is the engine's, handed down by the caller (`prefill=`), since methods sit below the engine: the command
+(`__main__.py`) passes it, and so does a run, through `TailorKV.prepare`.
+
     python -m kvbench.methods.tailorkv_layers                         # embedded SmolLM2, stand-in calibration
     python -m kvbench.methods.tailorkv_layers --model <dir> --calibration gsm8k_train.jsonl
 """
 from __future__ import annotations
 
-import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +43,8 @@ import torch
 from torch import Tensor
 
 from kvbench.cache import KVCache
-from kvbench.engine.generation import prefill
 from kvbench.methods.tailorkv_calibration import stand_in_pairs
 from kvbench.models.capture import AttentionCapture
-from kvbench.models.loader import ModelSpec, load
 
 FINAL_QUESTION = ("Question: John takes care of 10 dogs. Each dog takes .5 hours a day to walk and take care of "
                   "their business. How many hours a week does he spend taking care of dogs?")
@@ -99,8 +100,9 @@ class Identification:
 
 @torch.no_grad()
 def identify(model, input_ids: Tensor, last_q: int = 32, alpha: float = 0.05, tau: float = 0.2,
-             causal: bool = False) -> Identification:
-    """Prefill `input_ids` `[1, n]` once and score every layer; see the module docstring."""
+             causal: bool = False, *, prefill: Callable) -> Identification:
+    """Prefill `input_ids` `[1, n]` once and score every layer; see the module docstring. `prefill` is the
+    engine's (`kvbench.engine.generation.prefill`), handed down by the caller: methods do not import the engine."""
     if last_q < 1 or not 0 < alpha < 1:
         raise ValueError(f"tailorkv_layers: need last_q >= 1 and 0 < alpha < 1 (got {last_q}, {alpha})")
     device = next(model.parameters()).device
@@ -137,34 +139,3 @@ def load_gsm8k_pairs(path: str | Path, n: int = N_SHOTS) -> list[tuple[str, str]
     if len(rows) < n or not all("question" in r and "answer" in r for r in rows):
         raise ValueError(f"tailorkv_layers: {path} must hold >= {n} records with `question` and `answer` fields")
     return [(r["question"], r["answer"]) for r in rows]
-
-
-# --- command line ---------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvbench.methods.tailorkv_layers",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="embedded", help="embedded | <local dir> | <file.gguf> | random:<family>")
-    parser.add_argument("--calibration", help="local GSM8K train .jsonl/.parquet (default: the self-written stand-in)")
-    parser.add_argument("--last-q", type=int, default=32)
-    parser.add_argument("--alpha", type=float, default=0.05)
-    parser.add_argument("--tau", type=float, default=0.2)
-    parser.add_argument("--causal", action="store_true", help="mask keys later than each query (not the reference)")
-    parser.add_argument("--dtype", default="float32", help="the reference ran fp16 on GPU")
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
-
-    name = "smollm2-135m-instruct" if args.model == "embedded" else Path(args.model).stem.replace(":", "-")
-    model, tokenizer = load(ModelSpec(name=name, path=args.model, dtype=args.dtype, device=args.device))
-    result = identify_with_calibration(model, tokenizer, args.calibration, last_q=args.last_q, alpha=args.alpha,
-                                       tau=args.tau, causal=args.causal)
-
-    print(f"calibration: {args.calibration or 'self-written stand-in (not GSM8K)'}; last_q={args.last_q} "
-          f"alpha={args.alpha} tau={args.tau} causal={args.causal}")
-    print("layer  score   kind")
-    for i, score in enumerate(result.scores):
-        print(f"{i:<5}  {score:.4f}  {result.label(i)}")
-    print(f"quant_layers: {result.quant_layers}  prompt_tokens: {result.prompt_len}")
-
-
-if __name__ == "__main__":
-    main()
