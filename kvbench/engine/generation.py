@@ -362,6 +362,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         full_bytes += cache.nbytes() - held  # the question's entries: a full cache holds them too
         sync()
         timings["question_s"] = time.perf_counter() - t2
+    own = None if recompress.on else method.own_decode_compression(budget)
+    if own is not None:  # a method that compresses while decoding by itself (R-KV), unless the run says otherwise
+        recompress = DecodeCompression(*own)
     if recompress.on:
         capture.decode_hook = Recompressor(method, cache, recompress, dict(capture.softcap), capture.rotary,
                                            frozenset(capture.window_layers))

@@ -14,6 +14,7 @@ never holds more than T + every entries per head. Per-head variable methods (Ada
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -28,6 +29,8 @@ class DecodeCompression:
 
     every: int = 512  # generated tokens between two compressions (kvpress: compression_interval)
     target: int | None = None  # entries per head a layer is brought back to (kvpress: target_size, 2048)
+    counted: Literal["generated", "sequence"] = "generated"  # every N generated tokens (kvpress), or whenever the
+    # sequence, prompt included, reached a multiple of N on the previous step (R-KV's `length % divide_length`)
 
     @property
     def on(self) -> bool:
@@ -81,9 +84,9 @@ class Recompressor:
             held.append(query)
             del held[:-window]
         self.steps[i] = self.steps.get(i, 0) + 1
-        if self.steps[i] % self.setting.every:
-            return
-        self.compress(i, scaling)
+        count = self.steps[i] if self.setting.counted == "generated" else self.cache.layers[i].seen_tokens - 1
+        if count % self.setting.every == 0:
+            self.compress(i, scaling)
 
     @torch.no_grad()
     def compress(self, i: int, scaling: float) -> None:

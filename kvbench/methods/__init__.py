@@ -5,7 +5,7 @@ import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass
 """
 from kvbench.methods import (  # noqa: F401
     adakv, buzz, expected_attention, full, h2o, keyformer, knorm, kvzip, pqcache, pyramidkv, quest, snapkv,
-    streamingllm, tailorkv, tova, window,
+    rkv, streamingllm, tailorkv, tova, window,
 )
 from kvbench.methods.base import Kind, LayerView, Method
 

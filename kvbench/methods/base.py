@@ -91,6 +91,11 @@ class Method:
             raise ValueError(f"{self.registry_name}: budget={budget!r} must be a positive integer "
                              "(KV entries kept per head per layer, window included); or use ratio=<0..1>.")
 
+    def own_decode_compression(self, budget: int | None) -> tuple[int, int, str] | None:
+        """(every, target, "generated" | "sequence") for a method that compresses while decoding by itself (R-KV),
+        used unless `decode_compression.target` is set (kvbench.engine.recompress); None: it does not."""
+        return None
+
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
