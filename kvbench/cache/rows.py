@@ -34,8 +34,11 @@ class Rows:
         self.pool = None  # the `varlen.VarlenRows` whose decoded tokens these rows hold, if any
 
     @staticmethod
-    def capacity_for(layer: KVLayer, new_tokens: int) -> int:
-        return -(-(layer.keys.shape[-2] + new_tokens) // ROUND) * ROUND
+    def capacity_for(layer: KVLayer, new_tokens: int, bound: int | None = None) -> int:
+        """Room for the layer and every token still to decode, or for `bound` entries (a layer compressed again
+        while decoding never holds more), rounded up to `ROUND`."""
+        most = layer.keys.shape[-2] + new_tokens if bound is None else bound
+        return -(-most // ROUND) * ROUND
 
     def take(self, layer: KVLayer) -> RowLayer:
         """Move a batch-1 layer `[1, H, n, D]` into a free row; returns the layer that now stands for it."""
@@ -112,7 +115,20 @@ class RowLayer(KVLayer):
         return self.keys, self.values
 
     def keep(self, idx: Tensor) -> None:
-        raise NotImplementedError("cache: a row layer is never evicted from (only plain dense layers use rows)")
+        """Keep entries `idx` `[1, H, k]` (sorted, the same count per head), compacted in place at the row's start:
+        a row's capacity never changes (decode-time compression, kvbench.engine.recompress, brings the row back
+        to its target every few steps; the freed slots take the next tokens)."""
+        rows, r, k = self.rows, self.row, idx.shape[-1]
+        if idx.shape[0] != 1 or idx.shape[1] != rows.keys.shape[1]:
+            raise ValueError(f"cache: a row keeps [1, {rows.keys.shape[1]}, k] indices, not {list(idx.shape)}")
+        n = rows.lengths[r]
+        for buffer in (rows.keys, rows.values):
+            part = buffer[r, :, :n]
+            part[:, :k] = part.gather(1, idx[0, :, :, None].expand(-1, -1, part.shape[-1]))
+        part = rows.positions[r, :, :n]
+        part[:, :k] = part.gather(1, idx[0])
+        rows.held[r, k:n] = False
+        rows.lengths[r] = k
 
     def release(self) -> None:
         """The sample has left the batch: its row is free for the next one (this layer must not be used again)."""

@@ -57,7 +57,7 @@ from kvbench.attention.decode import decode_attention, without_cudnn_attention
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
-from kvbench.engine.recompress import DecodeCompression
+from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
                                 sampling_generator)
 from kvbench.methods.base import Method
@@ -260,10 +260,13 @@ class BatchedDecoder:
 
     def _into_rows(self, slot: Slot) -> Slot:
         """At batch_size > 1, move the slot's plain dense layers into the batch's shared rows (`kvbench.cache.rows`),
-        and its per-head variable layers into a pool (`kvbench.cache.varlen.VarlenRows`): no decode-time eviction,
+        and its per-head variable layers into a pool (`kvbench.cache.varlen.VarlenRows`): no decode-time eviction
+        (but compression while decoding with uniform shares: rows of a fixed capacity, compacted in place),
         temperature, prefetch, position shift or sliding window. Rows are per layer and capacity, so samples of one
         budget share them and a long full cache does not widen the others'."""
-        if self.batch_size == 1 or slot.decode_hook is not None or slot.input_hook is not None \
+        hook, new_tokens = slot.decode_hook, slot.request.max_new_tokens
+        compacted = isinstance(hook, Recompressor) and hook.bound(0, new_tokens) is not None  # fixed capacity
+        if self.batch_size == 1 or (hook is not None and not compacted) or slot.input_hook is not None \
                 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
         layers = slot.run.cache.layers
@@ -271,7 +274,8 @@ class BatchedDecoder:
             for i, layer in enumerate(layers):
                 kind = Rows if type(layer) is KVLayer else VarlenRows if type(layer) is VarlenLayer else None
                 if kind is not None and layer.is_initialized and layer.shift_inv_freq is None:
-                    capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
+                    bound = hook.bound(layer.keys.shape[-2], new_tokens) if compacted else None
+                    capacity = Rows.capacity_for(layer, new_tokens, bound)
                     key = (i, capacity, layer.keys.shape[1], layer.keys.shape[-1], layer.keys.dtype,
                            layer.keys.device, kind)
                     if key not in self.rows:
@@ -440,11 +444,15 @@ class BatchedDecoder:
                 out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
                                        [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
             elif in_order:
-                return capture_fn(module, query, *rows.attention_inputs(), **kwargs)
+                out = capture_fn(module, query, *rows.attention_inputs(), **kwargs)[0]
             else:
                 out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows), *rows.attention_inputs(),
                                  **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
                                     for k, v in kwargs.items()})[0]
+            for i in slot_idx:  # compression while decoding: after this step's attention, in the row's place
+                if self.cache.slots[i].decode_hook is not None:
+                    self.cache.slots[i].decode_hook(layer_idx, query[i:i + 1], None,
+                                                    kwargs.get("scaling") or module.scaling)
             if in_order:
                 return out, None
             for i, r in members:

@@ -8,7 +8,8 @@ layer the method's own `layer_budgets(n, layers, T)`, so PyramidKV keeps its pyr
 over the layer as it is, with the last `query_window` generated tokens' queries as the observation window (kvpress
 keeps a buffer of the last 256 hidden states and recomputes them; the queries are what a window scorer reads).
 The window itself (the newest tokens) is kept, as at prefill. After a prefill compression to at most T, a layer so
-never holds more than T + every entries per head. Per-head variable methods (Ada-KV, KVzip), decode-time evictors
+never holds more than T + every entries per head: in batched decoding that is the fixed capacity of its row
+(kvbench.cache.rows, compacted in place), where the method's shares are uniform. Per-head variable methods (Ada-KV, KVzip), decode-time evictors
 (they evict every step already), storage methods and beam search are refused by `check`.
 """
 from __future__ import annotations
@@ -87,6 +88,14 @@ class Recompressor:
         count = self.steps[i] if self.setting.counted == "generated" else self.cache.layers[i].seen_tokens - 1
         if count % self.setting.every == 0:
             self.compress(i, scaling)
+
+    def bound(self, n: int, new_tokens: int) -> int | None:
+        """The most entries a layer holding `n` now can hold while `new_tokens` are decoded: its fixed capacity in
+        batched decoding's rows (kvbench.cache.rows, compacted in place). None where the method's per-layer shares
+        change with the length (PyramidKV's pyramid): such layers stay out of the rows and grow and shrink."""
+        if len(set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))) != 1:
+            return None
+        return min(n + new_tokens, max(n, self.setting.target) + self.setting.every)
 
     @torch.no_grad()
     def compress(self, i: int, scaling: float) -> None:

@@ -165,3 +165,33 @@ def test_the_command_compresses_while_decoding_in_a_batch_and_under_the_grid_lau
             per_entry = r["kv_bytes"] / r["effective_budget"]  # bytes of one entry in every head and layer
             assert r["kv_bytes_peak"] <= per_entry * (40 + 8) + 1e-6
             assert r["new_tokens"] == 40 or r["stop_reason"] != "max_new_tokens"
+
+
+def test_in_a_batch_uniform_layers_decode_in_rows_of_a_fixed_capacity_compacted_in_place():
+    """SnapKV in a batch of two: its layers sit in shared rows sized once for target + every (rounded up to 64), not
+    for prompt + every new token; they are compacted in place, and the tokens equal each sample alone."""
+    from kvbench.cache.rows import RowLayer
+    from kvbench.engine.batching import BatchedDecoder
+
+    model, method = tiny_model("llama"), METHODS["snapkv"](window=8)
+    setting = DecodeCompression(EVERY, TARGET)
+    capacities, held = set(), []
+
+    def watch(t, logits):
+        capacities.update(rows.capacity for rows in decoder.rows.values())
+        layers = [layer for slot_cache in caches for layer in slot_cache.layers if isinstance(layer, RowLayer)]
+        held.append(max((layer.keys.shape[-2] for layer in layers), default=0))
+
+    caches = []
+    requests = [Request(prompt(n, seed=n), 32, 60, (), on_logits=watch) for n in (N_PROMPT, N_PROMPT + 20)]
+    with AttentionCapture(model, window=8) as capture:
+        decoder = BatchedDecoder(model, None, method, capture, 2, eos_ids=set(), recompress=setting)
+        original_join = decoder._join
+        decoder._join = lambda request: (slot := original_join(request), caches.append(slot.run.cache))[0]
+        together = {r.input_ids.shape[1]: g for r, g in decoder.run(requests)}
+        alone = {r.input_ids.shape[1]: g for r in requests for _, g in generate_batched(
+            model, None, method, capture, [Request(r.input_ids, 32, 60, ())], 1, eos_ids=set(), recompress=setting)}
+    assert capacities == {64}  # 40 + 16 entries, rounded up: not 32 + 60
+    assert 0 < max(held) <= TARGET + EVERY
+    for n in together:
+        assert together[n].token_ids == alone[n].token_ids
