@@ -3,7 +3,7 @@
 Each function's docstring names the reference implementation it matches. Importing this package registers all of
 them, so `METRICS[name]` works after `import kvbench.metrics`.
 """
-from kvbench.metrics import longbench, niah, qa, ruler, summarization  # noqa: F401  (registers the scorers)
+from kvbench.metrics import longbench, niah, qa, reasoning, ruler, summarization  # noqa: F401  (registers the scorers)
 from kvbench.registry import METRICS
 
 __all__ = ["METRICS"]
