@@ -75,8 +75,9 @@ def pass_at_1(records: list[dict], metrics: tuple[str, ...]) -> dict:
                 by_problem.setdefault(r["meta"]["problem"], []).append(r["scores"][metric])
         est = mean_se(float(np.mean(v)) for v in by_problem.values())
         counts = [len(v) for v in by_problem.values()]
-        out[metric] = {**est.to_dict(), "n_problems": est.n, "samples_per_problem": [min(counts), max(counts)]
-                       if counts else None, "se_method": "sd of per-problem means / sqrt(problems)"}
+        out[metric] = {"mean": est.mean, "se": est.se, "n_problems": est.n,
+                       "samples_per_problem": [min(counts), max(counts)] if counts else None,
+                       "se_method": "sd of per-problem means / sqrt(problems)"}
     return out
 
 
