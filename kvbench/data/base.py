@@ -20,6 +20,8 @@ class Sample:
     `context_end` (characters of `prompt`) and, with `input_ids`, `context_tokens` (how many of them) say where the
     context ends and the question begins (`query=agnostic` compresses the context before the question is fed;
     `kvbench.data.split`); None: the prompt has no question, and both modes are the same run.
+    `chat_template_kwargs` go to `apply_chat_template` when the runner renders `prompt` in the model's chat template
+    (`model.chat_template: true`), e.g. `{"enable_thinking": False}` for Qwen3's thinking switch.
     """
 
     id: str
@@ -33,6 +35,7 @@ class Sample:
     min_new_tokens: int = 0
     context_end: int | None = None
     context_tokens: int | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 def sha256_text(text: str) -> str:

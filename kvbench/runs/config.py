@@ -122,6 +122,9 @@ def setup(cfg: DictConfig):
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    if getattr(dataset, "thinking", None) is not None and not spec.chat_template:
+        raise ValueError(f"dataset.thinking={dataset.thinking} is the chat template's thinking switch "
+                         f"(enable_thinking); set model.chat_template=true, or dataset.thinking=null")
     check_source(spec)  # config.json, GGUF header, remote code, offline Hub id: no weights read
     if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
         raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "

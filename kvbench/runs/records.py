@@ -37,7 +37,7 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples)
 
     versions = {}
     for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "rouge", "jieba", "fuzzywuzzy",
-                "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf"):
+                "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf", "math-verify", "latex2sympy2_extended"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

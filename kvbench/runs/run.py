@@ -27,11 +27,12 @@ logger = logging.getLogger("kvbench.run")
 
 
 # --- the run --------------------------------------------------------------------------------------------------
-def render(tokenizer, prompt: str, spec) -> tuple[str, dict]:
-    """The text the model reads (the user turn of its chat template, or the prompt) and how it is tokenized."""
+def render(tokenizer, prompt: str, spec, chat_kwargs=None) -> tuple[str, dict]:
+    """The text the model reads (the user turn of its chat template, or the prompt) and how it is tokenized.
+    `chat_kwargs` (a sample's `chat_template_kwargs`, e.g. `enable_thinking`) go to the template."""
     if spec.chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True, **(chat_kwargs or {}))
         return prompt, {"add_special_tokens": False}
     return prompt, {}
 
@@ -54,7 +55,7 @@ def prompt_split(sample, tokenizer, spec, split: bool = True) -> tuple[list[int]
         return list(sample.input_ids), sample.context_tokens if split else None
     from kvbench.data.split import content_offset, context_token_count, cut_context
 
-    text, kwargs = render(tokenizer, sample.prompt, spec)
+    text, kwargs = render(tokenizer, sample.prompt, spec, sample.chat_template_kwargs)
     ids = tokenizer(text, **kwargs).input_ids
     n_context = None
     if split and sample.context_end is not None:

@@ -216,6 +216,10 @@ RANGES: dict[str, Range] = {
     "gold_positions": within(0, 9, "the source ships 0, 4, 9"),
     "prompt_lengths": at_least(1, "tokens"),
     "generation_lengths": at_least(1, "tokens"),
+    "samples": at_least(1, "generations per problem"),
+    "num_fewshot": at_least(0, "examples before the question"),
+    "fewshot_seed": at_least(0),
+    "Gsm8k.protocol": Range(note="lm-eval's task"),
 }
 
 
