@@ -41,7 +41,7 @@ from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl
 from kvbench.metrics.reasoning import answered, math_verify
 from kvbench.registry import DATASETS
-from kvbench.report.stats import mean_se
+from kvbench.metrics.stats import mean_se
 
 logger = logging.getLogger(__name__)
 
