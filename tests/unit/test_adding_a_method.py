@@ -40,9 +40,10 @@ def example_block(language: str) -> str:
 def example(monkeypatch, tmp_path):
     """The example as the module `kvbench.methods.peak_attention`, registered, with its YAML beside copies of the
     shipped ones (what the tests' `configured` reads); the registry, modules and config folder are restored after."""
-    monkeypatch.setattr(METHODS, "_items", dict(METHODS._items))
+    monkeypatch.setattr(METHODS, "_items", {k: v for k, v in METHODS._items.items() if k != NAME})  # (if shipped)
     module = types.ModuleType(f"kvbench.methods.{NAME}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(kvbench.methods, NAME, module, raising=False)  # (where `_target_` is looked up first)
     exec(compile(example_block("python"), str(DOC), "exec"), module.__dict__)
     shutil.copytree(CONFIG_DIR / "method", tmp_path / "method")
     (tmp_path / "method" / f"{NAME}.yaml").write_text(example_block("yaml"), encoding="utf-8")
