@@ -104,6 +104,29 @@ def test_each_selection_mistake_fails_in_one_line_naming_the_method(mistake, com
     assert caught.match(expected)
 
 
+class ShortSchedule(Method):
+    """Keeps the last n_keep entries, right; but its layer schedule misses the last layer (which the prefill order
+    used to leave uncompressed, and the in-forward order failed on with an IndexError)."""
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:
+        n = view.prompt_len
+        return torch.arange(n - n_keep, n).expand(*view.keys.shape[:2], n_keep)
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        return [budget] * (n_layers - 1)
+
+
+@pytest.mark.parametrize("compress_after", ["layer", "prefill"])
+def test_a_layer_schedule_of_the_wrong_length_fails_in_one_line(compress_after, registry):
+    registry.register("short_schedule")(ShortSchedule)
+    model = tiny_model("llama", layers=2)
+    with AttentionCapture(model) as capture, pytest.raises(ValueError) as caught:
+        generate(model, None, ShortSchedule(), capture, prompt(N), BUDGET, 2, eos_ids=set(),
+                 compress_after=compress_after)
+    assert str(caught.value) == ("method short_schedule: layer_budgets returned [32] for 2 layers; expected 2 "
+                                 "positive integers, one per layer")
+
+
 def test_right_selections_pass_and_wrong_forms_are_named():
     """The check alone, on hand-made selections: what passes (dense, per-head lists, the window kept), and the
     forms a method can get wrong besides the four above (type, dtype, count, order, per-head lists)."""
