@@ -133,8 +133,8 @@ def diagnose(rows: list[Tensor], n: int, window: int, batch: int, heads: int, fa
         if len(twice):
             fail(f"index {int(twice[0])} twice in {where}", "each entry at most once per head")
         if len(row) > 1 and (row[1:] < row[:-1]).any():
-            fail(f"indices out of order in {where}", "them sorted ascending (.sort(dim=-1).values): a cache's slots "
-                 "follow positions (positions=shift, decode-time eviction)")
+            fail(f"indices out of order in {where}", "them sorted ascending (.sort(dim=-1).values): kept entries keep "
+                 "this order as cache slots (positions=shift places keys by slot)")
         if window and (len(row) < window or int(row[-window]) != n - window):
             fail(f"{where} without the last {window} prompt positions ({n - window}..{n - 1})",
                  f"every head to keep them (kept_window={window}, inside n_keep)")
