@@ -23,6 +23,7 @@ from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import Kind, LayerView, Method
+from kvbench.methods.contract import check_selection, layer_budgets, name_of
 from kvbench.methods.decoding import EvictionState
 
 if TYPE_CHECKING:  # annotations only: the config checks import Sampling without transformers' attention registries
@@ -114,10 +115,10 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
         return ledger
     if method.kind is Kind.RECONSTRUCTOR:  # one selection across all layers and heads from the reconstruction
         for layer_idx, idx in method.select_all(capture.key_scores, budget).items():
-            apply_selection(cache, layer_idx, idx)
+            apply_selection(method, cache, layer_idx, idx, source="select_all")
     elif not layers_done:
         n_layers = len(cache.layers)
-        budgets = method.layer_budgets(cache.layers[0].keys.shape[-2], n_layers, budget)
+        budgets = layer_budgets(method, cache.layers[0].keys.shape[-2], n_layers, budget)
         for layer_idx, n_keep in enumerate(budgets):
             compress_layer(method, cache, capture, layer_idx, n_layers, n_keep, state)
     if state is not None:
@@ -179,13 +180,21 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx))
-        apply_selection(cache, layer_idx, method.select(view, n_keep))
+        heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
+        apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
 
 
-def apply_selection(cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor]) -> None:
+def apply_selection(method: Method, cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor],
+                    n_keep: int | None = None, heads: int | None = None, source: str = "select") -> None:
     """Keep `idx` in one layer: `[B, H, k]` in place, or one index tensor per head, of different lengths, stored
-    flattened (Ada-KV, KVzip). The evicted entries are freed."""
+    flattened (Ada-KV, KVzip). The evicted entries are freed. Every selection reaches the cache here, checked first
+    (`contract.check_selection`: one line naming the method and its mistake); `heads`: the stored heads by default."""
+    if not 0 <= layer_idx < len(cache.layers):
+        raise ValueError(f"method {name_of(method)}: {source} returned layer {layer_idx}; expected layers 0.."
+                         f"{len(cache.layers) - 1}")
     layer = cache.layers[layer_idx]
+    b, h, n = layer.keys.shape[:3]
+    check_selection(method, idx, layer_idx, n, b, h if heads is None else heads, n_keep, source)
     held = layer.nbytes()
     if isinstance(idx, Tensor):
         layer.keep(idx)

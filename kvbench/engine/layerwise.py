@@ -21,6 +21,7 @@ import torch
 
 from kvbench.cache import KVCache
 from kvbench.methods.base import Kind, Method
+from kvbench.methods.contract import layer_budgets
 
 
 def applies(method: Method) -> bool:
@@ -46,7 +47,7 @@ def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | N
         return
     modules = capture.attention_modules
     n_layers = len(modules)
-    budgets = method.layer_budgets(prompt_len, n_layers, budget)
+    budgets = layer_budgets(method, prompt_len, n_layers, budget)
 
     def after_attention(module, args, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output

@@ -1,7 +1,7 @@
 """Compression methods. Importing this package registers the built-in ones in `kvbench.registry.METHODS`.
 
 Add a method: write `kvbench/methods/<name>.py` with a dataclass registered by `@METHODS.register("<name>")`,
-import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass fields).
+import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass fields); docs/adding_a_method.md.
 """
 from kvbench.methods import (  # noqa: F401
     adakv, buzz, expected_attention, full, h2o, keyformer, knorm, kvzip, pqcache, pyramidkv, quest, snapkv,

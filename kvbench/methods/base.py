@@ -1,9 +1,10 @@
 """What every method shares: the `Method` base, the per-layer view it scores, and the selection helpers.
 
 A method declares its knobs (dataclass fields, mirrored by `configs/method/<name>.yaml`), what it is (`kind`) and
-its capabilities (`query_window`, `granularity`), turns a budget into per-layer entry counts (`layer_budgets`), and picks which
-entries of one layer survive (`select`). It never loads models, registers hooks, touches files or frees memory:
-`kvbench.engine.generation.compress` applies its choice to the cache.
+its capabilities (`query_window`, `kept_window`, `selects_per_query_head`), turns a budget into per-layer entry
+counts (`layer_budgets`), and picks which entries of one layer survive (`select`). It never loads models, registers
+hooks, touches files or frees memory: `kvbench.engine.generation.compress` applies its choice to the cache, after
+`kvbench.methods.contract` checked it. The API, with a worked example: docs/adding_a_method.md.
 """
 from __future__ import annotations
 
@@ -76,8 +77,21 @@ class Method:
 
     @property
     def query_window(self) -> int:
-        """How many of the prompt's last queries the capture records for this method at prefill (0: none)."""
+        """How many of the prompt's last queries the capture records for `select` at prefill (`view.window_queries`;
+        0: none, the view's is None). A grid sweep may hand over more (the widest method's): slice the last ones."""
         return 0
+
+    @property
+    def kept_window(self) -> int:
+        """How many of the prompt's last positions every head's selection keeps, inside `n_keep` (SnapKV's
+        observation window; 0: none promised). The engine checks each selection ends with them."""
+        return 0
+
+    @property
+    def selects_per_query_head(self) -> bool:
+        """True when `select` returns one index set per query head (`granularity=query_head`, the paper-era
+        layout: the cache then holds H_q heads); the engine refuses any other head count."""
+        return False
 
     def prepare(self, model, tokenizer, *, prefill: Callable | None = None) -> dict | None:
         """Once per run, after the model loads: per-run setup whose result goes into manifest.json (TailorKV's
@@ -101,9 +115,11 @@ class Method:
         return [min(budget, prompt_len)] * n_layers
 
     def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor]:  # pragma: no cover - interface
-        """Indices `[B, H, n_keep]` of the entries to keep, sorted ascending; H = KV heads or query heads.
-        A per-head variable selection (batch 1) returns one sorted index tensor per head instead; `n_keep` is then
-        the mean per head."""
+        """Indices of the layer's entries to keep: int64 `[B, H, n_keep]`, each head's unique, in [0, n), sorted
+        ascending, the last `kept_window` positions included; H = KV heads (query heads if
+        `selects_per_query_head`). A per-head variable selection (batch 1) returns one such 1-D tensor per head
+        instead, of any lengths (`n_keep` is then their mean). Called only when `n_keep < n`; checked by
+        `kvbench.methods.contract.check_selection`."""
         raise NotImplementedError
 
 

@@ -32,6 +32,10 @@ class Knorm(Method):
         if self.recent < 0:
             raise ValueError(f"knorm: recent={self.recent} must be >= 0 (0: every kept entry chosen by key norm)")
 
+    @property
+    def kept_window(self) -> int:
+        return self.recent
+
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
         if self.recent and budget <= self.recent:

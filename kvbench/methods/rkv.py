@@ -44,6 +44,10 @@ class RKV(Method):
     def query_window(self) -> int:
         return self.window
 
+    @property
+    def kept_window(self) -> int:
+        return self.window
+
     def __post_init__(self):
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"rkv: window={self.window} must be >= 1 and kernel={self.kernel} odd and >= 1")

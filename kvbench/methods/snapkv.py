@@ -39,6 +39,14 @@ class WindowScorer(Method):
     def query_window(self) -> int:
         return self.window  # the capture records the last `window` queries of the prompt
 
+    @property
+    def kept_window(self) -> int:
+        return self.window  # and every head keeps their entries
+
+    @property
+    def selects_per_query_head(self) -> bool:
+        return self.granularity == "query_head"
+
     def __post_init__(self):
         name = type(self).registry_name
         if self.window < 1:

@@ -28,6 +28,10 @@ class StreamingLLM(Method):
         if self.recent is not None and self.recent < 1:
             raise ValueError(f"streamingllm: recent={self.recent} must be >= 1 (or null: n_sink sinks + recent rest)")
 
+    @property
+    def kept_window(self) -> int:
+        return self.recent or 0  # (n_sink sinks + the rest recent: how many are recent depends on n_keep)
+
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
         if self.recent is not None and budget <= self.recent:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -78,3 +79,15 @@ class BrokenSnapKV(SnapKV):
 
     def scores(self, view):
         raise IndexError("index 99 is out of bounds for dimension 2 with size 64")
+
+
+@dataclass
+class OffByOneSnapKV(SnapKV):
+    """A selector with an off-by-one bug: "the last n_keep entries" one past the end, so every sample fails at its
+    first layer. Not registered (the registry's names each have a YAML); it names itself in errors."""
+
+    registry_name: ClassVar[str] = "snapkv_off_by_one"
+
+    def select(self, view, n_keep):
+        n = view.prompt_len
+        return torch.arange(n - n_keep + 1, n + 1, device=view.keys.device).expand(*view.keys.shape[:2], n_keep)

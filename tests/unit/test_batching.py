@@ -47,9 +47,7 @@ def assert_same(alone, batched):
             assert getattr(many, name) == getattr(one, name), name
 
 
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz",
-                                  "tailorkv", "full", "knorm", "tova", "expected_attention", "quest",
-                                  "pqcache", "kvzip"])
+@pytest.mark.parametrize("name", METHODS.names())
 def test_batch_n_equals_batch_1(name):
     model = tiny_model("llama", layers=2)
     method = configured(name)
@@ -59,6 +57,24 @@ def test_batch_n_equals_batch_1(name):
     assert [len(g.token_ids) for g in batched] == NEW
 
 
+def mixed_lengths(count: int) -> tuple[list[int], list[int]]:
+    """Prompt and generation lengths for a batch of `count` samples, as many as the registry needs: prompts >= 10
+    apart (so a decoded row's position says whose it is) in no order, generations of 2 to 8 tokens (samples leave
+    and others join)."""
+    first = [150, 70, 210, 120, 95, 180, 60, 130, 200, 110, 85, 160, 140, 225, 240, 255, 270, 285, 300]
+    lengths = (first + [300 + 15 * k for k in range(1, count - len(first) + 1)])[:count]
+    return lengths, [(6, 3, 8, 5, 2, 7, 4)[i % 7] for i in range(count)]
+
+
+def test_lengths_grow_with_the_registry():
+    for count in (5, 19, 20, 40):
+        lengths, new = mixed_lengths(count)
+        assert len(lengths) == len(new) == count and min(new) >= 2 and max(new) <= 8
+        ordered = sorted(lengths)
+        assert all(b - a >= 10 for a, b in zip(ordered, ordered[1:])) and ordered[0] > 48  # above the budget
+
+
+@pytest.mark.registry
 def test_a_batch_mixing_every_method_equals_each_alone(monkeypatch):
     """Every registered method (and BUZZ with its log n temperature) in one batch, with joins and departures: shared
     rows for the plain layers, one engine attention call for the per-head, quantized, offloaded and evicting ones.
@@ -81,10 +97,7 @@ def test_a_batch_mixing_every_method_equals_each_alone(monkeypatch):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight *= 30
     methods = [configured(name) for name in METHODS.names()] + [METHODS["buzz"](logn=True)]
-    # prompt lengths >= 10 apart
-    lengths = [150, 70, 210, 120, 95, 180, 60, 130, 200, 110, 85, 160, 140, 225, 240, 255, 270, 285,
-               300][:len(methods)]
-    new = [6, 3, 8, 5, 2, 7, 4, 6, 3, 8, 5, 4, 7, 5, 6, 3, 4, 7, 5][:len(methods)]
+    lengths, new = mixed_lengths(len(methods))
     prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
     budget = [None if m.registry_name == "full" else 48 for m in methods]
     seen: dict[str, dict[int, torch.Tensor]] = {"alone": {}, "batched": {}}

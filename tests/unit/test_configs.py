@@ -17,7 +17,7 @@ from kvbench.runs.schema import check, unruled
 import kvbench.methods  # noqa: F401
 
 
-@pytest.mark.parametrize("group", ["method", "dataset", "model"])
+@pytest.mark.parametrize("group", [pytest.param("method", marks=pytest.mark.registry), "dataset", "model"])
 def test_every_group_option_composes_and_instantiates(group):
     for option in group_choices(group):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -33,10 +33,12 @@ def test_every_group_option_composes_and_instantiates(group):
                 obj.check_budget(cfg.budget)
 
 
+@pytest.mark.registry
 def test_every_registered_method_has_a_yaml_and_back():
     assert set(METHODS.names()) == set(group_choices("method"))
 
 
+@pytest.mark.registry
 def test_method_yaml_mirrors_the_dataclass_fields():
     import dataclasses
 

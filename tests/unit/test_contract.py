@@ -94,4 +94,8 @@ def test_method_declares_what_it_is(name):
     expected = {"full": Kind.SELECTOR, "snapkv": Kind.SELECTOR, "h2o": Kind.EVICTOR, "tailorkv": Kind.STORAGE,
                 "quest": Kind.STORAGE, "pqcache": Kind.STORAGE, "kvzip": Kind.RECONSTRUCTOR}
     assert method.kind is expected.get(name, method.kind)
-    assert method.query_window == (getattr(method, "window", 0) if method.kind is Kind.SELECTOR else 0)
+    # only a selector's `select` reads window queries (the others score from column sums or their own pass)
+    assert method.query_window >= 0 and (method.kind is Kind.SELECTOR or method.query_window == 0)
+    if method.kept_window:  # the kept window counts inside the budget, so no budget up to it is accepted
+        with pytest.raises(ValueError, match=name):
+            method.check_budget(method.kept_window)

@@ -24,6 +24,7 @@ ABSENT = object()
 CLASSES = [Run, Sampling, ModelSpec, *(METHODS[n] for n in METHODS.names()), *(DATASETS[n] for n in DATASETS.names())]
 
 
+@pytest.mark.registry
 def test_every_field_of_every_config_class_has_a_rule():
     """Numbers, text and untyped values need an entry in RANGES (bools and Literals are complete as annotated)."""
     missing = [f"{cls.__name__}.{name}" for cls in CLASSES for name, rule in rules_of(cls).items() if rule is None]
