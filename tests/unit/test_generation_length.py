@@ -123,3 +123,23 @@ def test_the_report_writes_the_length_table_and_figure(tmp_path):
         e2e = sum(r["e2e_s"] for r in recs) / len(recs)
         assert cells[11].startswith(f"{e2e:.2f}")
     assert (tmp_path / "report" / "lengths_tiny-llama_niah.png").stat().st_size > 0
+
+
+def test_gsm8k_runs_of_two_methods_at_two_budgets_get_the_length_table_and_figure(tmp_path):
+    """Done as the long-generation issue asks: H2O and decode-enabled SnapKV at two budgets and the full cache on
+    gsm8k's fixture; the report writes lengths.md by itself (a long-generation dataset) with a row per run."""
+    from kvbench.report.__main__ import main as report_main
+    from tests.unit.test_cli import run_here
+
+    base = ["model=tiny_llama", "dataset=gsm8k", "dataset.root=tests/fixtures/gsm8k", "dataset.max_new_tokens=12",
+            "limit=2", "report=false"]
+    run_here(*base, "method=full", results=tmp_path)
+    for budget in (48, 64):
+        run_here(*base, "method=h2o", f"budget={budget}", results=tmp_path)
+        run_here(*base, "method=snapkv", "method.window=8", f"budget={budget}", f"decode_compression.target={budget}",
+                 "decode_compression.every=4", results=tmp_path)
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    rows = [line for line in (tmp_path / "report" / "lengths.md").read_text().splitlines()
+            if line.startswith("| tiny-llama | gsm8k")]
+    assert len(rows) == 5
+    assert (tmp_path / "report" / "lengths_tiny-llama_gsm8k.png").stat().st_size > 0
