@@ -195,3 +195,18 @@ def test_in_a_batch_uniform_layers_decode_in_rows_of_a_fixed_capacity_compacted_
     assert 0 < max(held) <= TARGET + EVERY
     for n in together:
         assert together[n].token_ids == alone[n].token_ids
+
+
+def test_a_long_generation_holds_its_memory_bound_whatever_its_length():
+    """600 tokens after a 60-token prompt (10x the prompt; the bound does not move with the length): before each
+    step the cache holds at most target + every - 1 entries per head (the step's token makes it target + every,
+    and the layer is compressed right after its attention), and so does the decode-time peak, sampled once every
+    layer holds the step's token; the full cache grows to the whole sequence."""
+    model, longest = tiny_model("llama", layers=2), []
+    gen = decode(model, "streamingllm", 32, DecodeCompression(32, 48), new=600,
+                 seen=lambda t, cache: longest.append(max(layer.keys.shape[-2] for layer in cache.layers)))
+    full = decode(model, "full", None, DecodeCompression(), new=600)
+    per_entry = full.kv_bytes / N_PROMPT
+    assert len(gen.token_ids) == 600 and max(longest) == 48 + 32 - 1
+    assert gen.kv_bytes_decode_peak == per_entry * (48 + 32 - 1)
+    assert full.kv_bytes_decode_peak == per_entry * (N_PROMPT + 600 - 1)
