@@ -56,7 +56,7 @@ def write_run_report(run_dir: str | Path) -> None:
     Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
     """
     from kvbench.metrics.stats import mean_se
-    from kvbench.report.escape import md_row, md_text
+    from kvbench.report.escape import md_row, md_text, plain_figure_text
     from kvbench.report.heatmap import has_needle_grid, needle_heatmap
     from kvbench.report.runs import load_runs
     from kvbench.report.tables import summary_table, to_markdown
@@ -76,12 +76,13 @@ def write_run_report(run_dir: str | Path) -> None:
             est = mean_se(df[c].astype(float))
             mean, se = ("–" if v is None else f"{v:.4f}" for v in (est.mean, est.se))
             lines.append(md_row([c.removeprefix("scores."), mean, se, est.n]))
-        if has_needle_grid(df):
-            needle_heatmap(df, run_dir / "heatmap.png")
-            lines += ["", "![needle heatmap](heatmap.png)"]
-        if has_turns(df):  # multi-turn: accuracy by turn and depth
-            turn_heatmap(df, run_dir / "turns.png")
-            lines += ["", "![accuracy by turn and depth](turns.png)"]
+        with plain_figure_text():
+            if has_needle_grid(df):
+                needle_heatmap(df, run_dir / "heatmap.png")
+                lines += ["", "![needle heatmap](heatmap.png)"]
+            if has_turns(df):  # multi-turn: accuracy by turn and depth
+                turn_heatmap(df, run_dir / "turns.png")
+                lines += ["", "![accuracy by turn and depth](turns.png)"]
     lines += failures_note(run_dir)
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     logger.info("report: wrote %s", run_dir / "summary.md")

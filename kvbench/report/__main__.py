@@ -28,7 +28,7 @@ from kvbench.metrics.stats import RESAMPLES, SEED
 from kvbench.runs.merge import merge_stale
 from kvbench.report.compare import Compare, resolve_reference
 from kvbench.report.cost import cost_lines
-from kvbench.report.escape import slug
+from kvbench.report.escape import plain_figure_text, slug
 from kvbench.report.heatmap import LENGTH, has_needle_grid, needle_panels
 from kvbench.report.html import write_html
 from kvbench.report.lengths import LONG_GENERATION
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # bad or damaged input (ValueError), or a folder it cannot read or write: one line, no traceback
         df = read_input(args)
-        return paper_main(df, args) if args.paper is not None else report_main(df, args, parser)
+        with plain_figure_text():  # names with `$` are text, not math, in every figure
+            return paper_main(df, args) if args.paper is not None else report_main(df, args, parser)
     except (InputError, ManifestError, OSError) as e:
         print(f"kvbench: {' '.join(str(e).splitlines()).removeprefix('kvbench: ')}", file=sys.stderr)
         return 1

@@ -74,3 +74,12 @@ def tex_escape(text: object) -> str:
 def slug(text: object) -> str:
     """A file-name-safe form of a model or dataset name (`org/model v2` -> `org_model_v2`)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")
+
+
+def plain_figure_text():
+    """A context in which figure text is drawn as written: matplotlib reads `$...$` in a title or legend as math,
+    so a method or model name holding two `$` would change shape, or fail the save ("ParseFatalException").
+    Every figure of the report is drawn inside it (no label of kvbench's own uses math)."""
+    import matplotlib
+
+    return matplotlib.rc_context({"text.parse_math": False})

@@ -190,3 +190,20 @@ def test_html_page_keeps_columns_and_text(qa_run: Path, tmp_path: Path):
     header, first = parsed.tables[0][:2]
     assert dict(zip(header, first))["Model"] == MODEL.replace("\n", " ")
     assert dict(zip(header, first))["Method"] == METHOD.replace("\n", " ")
+
+
+def test_figures_draw_dollar_signs_as_text(tmp_path: Path):
+    """A model or method name with `$...$` that matplotlib cannot parse as math: the run's heatmap and the report's
+    panels and length figures are still written (before: ParseFatalException on save)."""
+    from tests.unit.test_cli import run_here
+
+    run = run_here("model=tiny_llama", "method=streamingllm", "budget=64", "dataset.context_lengths=[300]",
+                   "dataset.depth_percents=[0,100]", "dataset.metrics=[pyramidkv_recall]", "report=false",
+                   results=tmp_path / "results")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest.update(model=r"m$\frac{$x", method=r"s$\badcommand{$")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    write_run_report(run)
+    assert (run / "heatmap.png").stat().st_size > 0
+    assert report_main([str(tmp_path / "results"), "--lengths", "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "needle_panels.png").stat().st_size > 0
