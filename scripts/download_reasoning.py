@@ -5,21 +5,23 @@
     python scripts/download_reasoning.py aime25 --aime25-source <repo> --aime25-split test   # another mirror
 
 Writes data/<name>/test.jsonl (gsm8k: also train.jsonl, its few-shot pool) with the source's own field names, and
-data/<name>/provenance.json: source, config, split, the revision asked for and the commit it resolved to, fields,
-rows, time; kvbench puts it in every run's manifest. Sources: openai/gsm8k (config main; test, train),
-HuggingFaceH4/MATH-500 (test), HuggingFaceH4/aime_2024 (train -> test.jsonl), yentinglin/aime_2025 (train ->
-test.jsonl; the problem text, an AIME 2025 mirror's default; another mirror needs `problem` or `question`, and
-`answer`). The AIME 2025 source is not fixed by any reference kvbench follows (kvpress reads its own
-`alessiodevoto/aime25`): check the 30 problems and the provenance when you compare numbers.
+data/<name>/provenance.json: source, config, split, the revision asked for and the commit it resolved to (the data
+are read at that commit), rows, each file's sha256, time; kvbench puts it in every run's manifest. Sources:
+openai/gsm8k (config main; test, train), HuggingFaceH4/MATH-500 (test), HuggingFaceH4/aime_2024 (train ->
+test.jsonl), yentinglin/aime_2025 (train -> test.jsonl; the problem text, an AIME 2025 mirror's default; another
+mirror needs `problem` or `question`, and `answer`). The AIME 2025 source is not fixed by any reference kvbench
+follows (kvpress reads its own `alessiodevoto/aime25`): check the 30 problems and the provenance when you compare
+numbers.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, NamedTuple
+
+from pinning import resolve_revision, write_provenance
 
 
 class Source(NamedTuple):
@@ -47,16 +49,6 @@ def load_rows(repo: str, config: str | None, split: str, revision: str) -> Itera
     return load_dataset(repo, config, split=split, revision=revision)
 
 
-def resolve_revision(repo: str, revision: str) -> str | None:
-    """The commit a branch or tag names on the Hub (None if it cannot be asked)."""
-    try:
-        from huggingface_hub import HfApi
-
-        return HfApi().dataset_info(repo, revision=revision).sha
-    except Exception:  # noqa: BLE001 - provenance is best effort; the requested revision is recorded anyway
-        return None
-
-
 def convert(row: dict, source: Source, where: str) -> dict:
     """The fields kvbench reads, in the source's names (an AIME mirror's `question` becomes `problem`); AIME answers
     as strings."""
@@ -72,20 +64,21 @@ def convert(row: dict, source: Source, where: str) -> dict:
 
 
 def download(name: str, source: Source, out: Path, revision: str) -> None:
+    """Every split at the commit `revision` resolves to (the requested revision where it cannot be resolved)."""
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
-    rows_written = {}
+    resolved = resolve_revision(source.repo, revision)
+    rows_written, written = {}, []
     for stem, split in source.splits.items():
         rows = [convert(dict(r), source, f"{source.repo}:{split}") for r in load_rows(source.repo, source.config,
-                                                                                        split, revision)]
+                                                                                        split, resolved or revision)]
         with open(folder / f"{stem}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         rows_written[stem] = len(rows)
+        written.append(folder / f"{stem}.jsonl")
         print(f"wrote {folder / f'{stem}.jsonl'} ({len(rows)} rows of {source.repo}:{split})")
-    provenance = {"source": source.repo, "config": source.config, "splits": source.splits, "revision": revision,
-                  "resolved_revision": resolve_revision(source.repo, revision), "rows": rows_written,
-                  "written_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    (folder / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n", encoding="utf-8")
+    write_provenance(folder, source.repo, revision, resolved, written, config=source.config, splits=source.splits,
+                     rows=rows_written)
 
 
 def main(argv: list[str] | None = None) -> int:

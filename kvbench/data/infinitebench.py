@@ -1,7 +1,9 @@
 """InfiniteBench (OpenBMB/InfiniteBench @ 88b3daa): the nine tasks TailorKV reports (Table 15), official prompts.
 
 Data: the Hub dataset `xinrongzhang2022/InfiniteBench`, one `{task}.jsonl` per task with its own fields (`id`,
-`context`, `input`, `answer`, `options`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py`).
+`context`, `input`, `answer`, `options`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py`, which
+records the Hub revision and the commit read in `provenance.json`, then the manifest: several files were re-uploaded
+in 2024, so compare runs by commit).
 
 Per record, as upstream's `create_prompt` with the `yarn_mistral_templates` (used for every open model, and by
 TailorKV's `llama.py`/`yi.py`; kvbench.data.infinitebench_prompts, byte for byte): math_find's prefix is built
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample, middle_cut
 from kvbench.data.infinitebench_prompts import MAX_NEW_TOKENS, TAILORKV_TASKS, TEMPLATES
-from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.jsonl import find_file, read_jsonl, read_provenance
 from kvbench.data.split import context_token_count, cut_context, question_offset, split_template
 from kvbench.metrics.infinitebench import SCORERS, score_one
 from kvbench.registry import DATASETS, unknown_choice
@@ -85,6 +87,7 @@ class InfiniteBench(Dataset):
     truncate_tokens: int | None = None    # null = the model's max_prompt_tokens (TailorKV: 131072 / Yi 200000)
     max_new_tokens: int | None = None     # null = upstream's per task
     primary_metric: str = "infinitebench"
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
 
     def __post_init__(self) -> None:
         self.tasks = [str(t) for t in self.tasks]
@@ -105,6 +108,7 @@ class InfiniteBench(Dataset):
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         limit = self.truncate_tokens or max_prompt_tokens
         samples = []
         for task in self.tasks:

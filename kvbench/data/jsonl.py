@@ -1,7 +1,9 @@
 """Reading a benchmark's local `<name>.jsonl` (or `.jsonl.gz`) file with one-line errors that name file and line.
 
 The seed-paper datasets (summarization, 10-document QA, Wikitext, InfiniteBench) are read from a folder
-(`dataset.root`) holding files with the source's own field names; this checks the fields a builder needs.
+(`dataset.root`) holding files with the source's own field names; this checks the fields a builder needs. The
+download scripts write `provenance.json` beside the files (source, the revision asked for, the commit read); a
+builder hands it to the manifest (`dataset_provenance`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,21 @@ def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]], who: st
                 record[line_key] = lineno
             records.append(record)
     return records
+
+
+def read_provenance(root: str | Path, who: str) -> dict:
+    """`<root>/provenance.json` as a download script wrote it; {} for a folder made by hand (nothing to record)."""
+    path = Path(root).expanduser() / "provenance.json"
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{who}: {path}: not valid JSON ({e.msg} at line {e.lineno}); rerun the download script "
+                         "or delete the file") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{who}: {path}: expected a JSON object, got {type(record).__name__}")
+    return record
 
 
 def check_unique(records: list[dict], key: str, path: Path, who: str) -> None:

@@ -1,5 +1,6 @@
 """LongBench v1 and LongBench-E (THUDM/LongBench `LongBench/pred.py` + `eval.py`, commit 2e00731), read from a local
-copy of the official data.zip (`{name}.jsonl`, `{name}_e.jsonl`; get it with scripts/download_longbench.py).
+copy of the official data.zip (`{name}.jsonl`, `{name}_e.jsonl`; get it with scripts/download_longbench.py, whose
+`provenance.json`, the Hub revision and the commit read, goes into the manifest).
 
 What happens to each record, in pred.py's order:
 1. `prompt = DATASET2PROMPT[task].format(**record)` (kvbench.data.longbench_prompts, byte-exact).
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.jsonl import read_jsonl
+from kvbench.data.jsonl import read_jsonl, read_provenance
 from kvbench.data.split import content_offset, context_token_count, suffix_offset
 from kvbench.data.longbench_prompts import (
     CATEGORIES, CHAT_SKIP, DATASET2MAXLEN, DATASET2PROMPT, E_BUCKETS, FIRST_LINE_TASKS, KV16, QUESTION_TEMPLATES, TASKS,
@@ -116,6 +117,7 @@ class LongBench(Dataset):
     code_sim_backend: str = "difflib"                  # fuzz.ratio backend: difflib (LongBench's env) | levenshtein
     primary_metric: str = "longbench"
     max_new_tokens: int | None = None                  # cap on every task's own budget (smoke runs); null = pred.py's
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
 
     def __post_init__(self) -> None:
         self.tasks = [str(t) for t in self.tasks]      # Hydra hands over a ListConfig
@@ -201,6 +203,7 @@ class LongBench(Dataset):
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Samples task by task, in `tasks` order and file order within a task."""
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         protocol = PROTOCOLS[self.protocol]
         samples: list[Sample] = []
         n_truncated = 0

@@ -2,7 +2,8 @@
 
 Data: the files nelson-liu/lost-in-the-middle ships under `qa_data/10_total_documents/`,
 `nq-open-10_total_documents_gold_at_{k}.jsonl(.gz)` with fields `question`, `answers`, `ctxs` (each `title`, `text`,
-`isgold`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py` fetches them).
+`isgold`), in a local folder (`dataset.root`; `scripts/download_seed_tasks.py` fetches them at a pinned commit, the
+10-document files having been re-uploaded in 2024-01, and records it in `provenance.json`, then the manifest).
 
 Prompt: BUZZ's `run_ten_doc_qa_em.py` (JunqiZhao888/buzz-llm @ e6f5e3e), byte for byte, its typos included
 ("Documents are following:", "give an brief answer", the ". " after the documents' trailing newline): every
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.jsonl import find_file, read_jsonl, read_provenance
 from kvbench.data.split import context_token_count, cut_context, split_template, suffix_offset
 from kvbench.metrics.qa import best_subspan_em, exact_match, first_line
 from kvbench.registry import DATASETS
@@ -57,6 +58,7 @@ class LostInTheMiddle(Dataset):
     num_samples: int | None = 40      # first N questions per gold position (BUZZ: 40); null = all
     max_new_tokens: int = 100
     primary_metric: str = "best_subspan_em"
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
 
     def __post_init__(self) -> None:
         self.gold_positions = [int(p) for p in self.gold_positions]
@@ -76,6 +78,7 @@ class LostInTheMiddle(Dataset):
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         samples = []
         for position in self.gold_positions:
             path = find_file(self.root, FILE_STEM.format(position=position))

@@ -29,7 +29,6 @@ independent draws of the benchmark, so the per-sample sd / sqrt(n * problems) wo
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import ClassVar, Literal, NamedTuple
 import numpy as np
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.jsonl import find_file, read_jsonl, read_provenance
 from kvbench.metrics.reasoning import answered, math_verify
 from kvbench.registry import DATASETS
 from kvbench.metrics.stats import mean_se
@@ -127,8 +126,7 @@ class Reasoning(Dataset):
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Each problem `samples` times in a row (so `limit` = k * samples keeps k whole problems)."""
         self.check()
-        path = Path(self.root).expanduser() / "provenance.json"
-        self.provenance = json.loads(path.read_text()) if path.is_file() else {}
+        self.provenance = read_provenance(self.root, self.name)
         kwargs = self.chat_kwargs(tokenizer, chat_template)
         samples = []
         for p in self.problems():

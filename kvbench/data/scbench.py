@@ -5,7 +5,8 @@ many-shot ICL (`scbench_many_shot`) and summarization (`scbench_summary`).
 
 Data: the Hub dataset `microsoft/SCBench`, `data/<task>.jsonl`, one record per context: `id`, `context`,
 `multi_turns` (a list of `{"input", "answer"}`, plus `options` for choice_eng), in a local folder (`dataset.root`;
-`python scripts/download_scbench.py` or `make scbench-data`).
+`python scripts/download_scbench.py` or `make scbench-data`, which records the Hub revision and the commit read in
+`provenance.json`, then the manifest).
 
 Prompts (`eval_utils.py`, kvbench.data.scbench_prompts byte for byte). A record becomes a `Conversation`: segments of
 text, each tokenized as upstream does, and one `Turn` per question.
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample, middle_cut
-from kvbench.data.jsonl import read_jsonl
+from kvbench.data.jsonl import read_jsonl, read_provenance
 from kvbench.data.split import content_offset, context_token_count, cut_context, split_template
 from kvbench.data.scbench_prompts import (
     CONTEXT_ONLY, FIRST_TURN, FOLLOW_UP, FOLLOW_UP_CHAT, MAX_NEW_TOKENS, SCDQ_DELIMITER, SUMMARY_CHAT_PRIMER, TASKS,
@@ -193,6 +194,7 @@ class SCBench(Dataset):
     max_new_tokens: int | None = None          # cap on every task's own new tokens (smoke runs); null = upstream's
     scorer: str = "official"                   # official | strict (many_shot's string label as one label)
     primary_metric: str = "scbench"
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
 
     def __post_init__(self) -> None:
         self.tasks = [str(t) for t in self.tasks]  # Hydra hands over a ListConfig
@@ -255,6 +257,7 @@ class SCBench(Dataset):
                       chat_template: bool = False) -> list[Conversation]:
         """Every record of every task as a context and its turns, tokenized as upstream (module docstring)."""
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         max_seq_length = self.max_seq_length or max_prompt_tokens or -1
         out = []
         for task in self.tasks:

@@ -1,8 +1,14 @@
 """CNN/DailyMail and XSUM summarization, with the protocols of Keyformer and BUZZ (`protocol=`).
 
 Data: a local folder (`dataset.root`) holding `<split>.jsonl` with the Hub datasets' own fields: CNN/DailyMail
-(`abisee/cnn_dailymail`) `id`, `article`, `highlights`; XSUM (`EdinburghNLP/xsum`) `id`, `document`, `summary`.
-`scripts/download_seed_tasks.py` writes them where the Hub is reachable.
+(`abisee/cnn_dailymail`) `id`, `article`, `highlights`; XSUM (`EdinburghNLP/xsum`, its parquet export) `id`,
+`document`, `summary`. `scripts/download_seed_tasks.py` writes them where the Hub is reachable, with
+`provenance.json` (config, revision, the commit read), which goes into the manifest.
+CNN/DailyMail versions: Keyformer's downloader loads 3.0.0, BUZZ's `run_bleu_eval.py` 2.0.0. The dataset card calls
+1.0.0 and 2.0.0 anonymized, but the Hub's builder (huggingface/datasets `datasets/cnn_dailymail/cnn_dailymail.py`)
+made every config from the same non-anonymized stories, joining the highlights with newlines in 2.0.0 and 3.0.0
+(spaces in 1.0.0): the card describes the original releases. So 2.0.0 and 3.0.0 hold the same records and both
+protocols read one folder; its provenance.json names the config that was downloaded.
 
 Protocols (each pinned to its authors' code; prompts byte for byte):
 - `keyformer` (d-matrix-ai/keyformer-llm @ f327831, `summarization/`): the Alpaca/MLPerf template
@@ -25,14 +31,14 @@ middle (BUZZ's code did not cut; Keyformer's 1920 cut comes first).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Mapping
 
 import numpy as np
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.jsonl import check_unique, find_file, read_jsonl
+from kvbench.data.jsonl import check_unique, find_file, read_jsonl, read_provenance
 from kvbench.metrics.stats import geometric_mean_of_means
 from kvbench.metrics.summarization import (
     KEYFORMER_KEYS, buzz_rouge, keyformer_rouge, keyformer_table, mean_rouge, self_bleu,
@@ -68,8 +74,8 @@ PROTOCOLS = {
     "buzz_selfbleu": Protocol(max_new_tokens=1000, num_samples=40, primary_metric="self_bleu"),
 }
 SOURCES = {  # dataset -> (text field, reference field, Hub id and config the protocols used)
-    "cnn_dailymail": ("article", "highlights", "abisee/cnn_dailymail 3.0.0 (Keyformer) / 2.0.0 (BUZZ)"),
-    "xsum": ("document", "summary", "EdinburghNLP/xsum"),
+    "cnn_dailymail": ("article", "highlights", "abisee/cnn_dailymail 3.0.0 (Keyformer) / 2.0.0 (BUZZ; same records)"),
+    "xsum": ("document", "summary", "EdinburghNLP/xsum (refs/convert/parquet)"),
 }
 DOWNLOAD_HINT = ("run `python scripts/download_seed_tasks.py cnn_dailymail xsum` (needs the Hugging Face Hub) "
                  "or set dataset.root")
@@ -92,6 +98,7 @@ class Summarization(Dataset):
     num_samples: int | None = None   # None: the protocol's count (Keyformer 1000, BUZZ 40)
     max_new_tokens: int | None = None  # None: the protocol's
     primary_metric: str = ""
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
     # BUZZ Table 2's "mean ROUGE" (x 1, in [0, 1]): scores.json metrics/stats, with a bootstrap se
     corpus_metrics: ClassVar[Mapping] = {
         "buzz_mean_rouge": geometric_mean_of_means("buzz_rouge1", "buzz_rouge2", "buzz_rougeL")}
@@ -139,6 +146,7 @@ class Summarization(Dataset):
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         protocol = PROTOCOLS[self.protocol]
         text_key, ref_key, _ = SOURCES[self.name]
         samples, n_cut = [], 0

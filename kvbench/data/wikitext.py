@@ -1,7 +1,8 @@
 """Wikitext-2 perplexity (`wikitext_ppl`): BUZZ's streaming perplexity, or ordinary chunked perplexity (`mode=`).
 
-Data: `wikitext`, `wikitext-2-raw-v1`, validation split, as a local `<split>.jsonl` with the field `text` (one line
-per row, empty rows included, as the Hub ships them); `scripts/download_seed_tasks.py` writes it.
+Data: `wikitext` (now `Salesforce/wikitext`), `wikitext-2-raw-v1`, validation split, as a local `<split>.jsonl` with
+the field `text` (one line per row, empty rows included, as the Hub ships them); `scripts/download_seed_tasks.py`
+writes it, with `provenance.json` (the revision and commit read), which goes into the manifest.
 
 - `mode=stream` (BUZZ `eval_long_ppl.py`, JunqiZhao888/buzz-llm @ e6f5e3e): the first `num_rows` rows (BUZZ: 40,
   empty rows included; they hold no token pair) are each tokenized with the tokenizer's default special tokens (a
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Mapping
 
 from kvbench.data.base import Dataset, Sample
-from kvbench.data.jsonl import find_file, read_jsonl
+from kvbench.data.jsonl import find_file, read_jsonl, read_provenance
 from kvbench.metrics.stats import exp_of_ratio
 from kvbench.registry import DATASETS
 
@@ -49,6 +50,7 @@ class WikitextPPL(Dataset):
     window: int = 1024                  # chunked: tokens per window
     context: int = 512                  # chunked: prefilled (and compressed) tokens per window
     primary_metric: str = ""
+    provenance: dict = field(default_factory=dict, init=False, repr=False)  # provenance.json, into the manifest
     kind: str = "perplexity"            # tells kvbench.run to teacher-force instead of generating
     # the run's token-weighted PPL in scores.json metrics/stats, with a bootstrap se over records
     corpus_metrics: ClassVar[Mapping] = {"ppl": exp_of_ratio("nll_sum", "n_tokens")}
@@ -75,6 +77,7 @@ class WikitextPPL(Dataset):
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
+        self.provenance = read_provenance(self.root, self.name)
         rows = self.rows()
         if self.mode == "stream":
             step = self.rows_per_record or len(rows)

@@ -158,8 +158,9 @@ def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     if first.cfg.limit is not None:
         samples = samples[: first.cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
+    provenance = getattr(first.dataset, "provenance", None)  # the one dataset built serves every configuration
     for config in configs:
-        open_run(config, model, tokenizer, data_sha, len(samples))
+        open_run(config, model, tokenizer, data_sha, len(samples), provenance)
     todo = [s for s in samples if any(s.id not in c.done for c in configs)]
     n_pending = sum(s.id not in c.done for s in todo for c in configs)
     logger.info("grid: %d samples x %d configurations, %d samples (%d generations) still pending", len(samples),
@@ -254,14 +255,14 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
 
 
 # --- run directories, as `run.run` writes them ------------------------------------------------------------------
-def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int) -> None:
+def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int, provenance: dict | None) -> None:
     cfg, run_dir = config.cfg, config.job.run_dir
     config.store = RunStore(run_dir)
     old = config.store.read_json("manifest.json")
     prepared = config.method.prepare(model, tokenizer, prefill=prefill)
     config.store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     info = manifest(cfg, config.name, config.job.choices["dataset"], config.dataset, config.spec, data_sha,
-                           n_samples)
+                    n_samples, provenance)
     info["launcher"] = "grid"
     if prepared is not None:
         info["method_prepared"] = prepared

@@ -27,7 +27,10 @@ def git_sha() -> str | None:
         return None
 
 
-def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples) -> dict:
+def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples, provenance=None) -> dict:
+    """manifest.json's fields at a run's start. `dataset_provenance`: where the data came from (the download
+    script's provenance.json: source, revision, the commit read; RULER's length tokenizer), `provenance` or the
+    built dataset's own."""
     import importlib.metadata as md
 
     import torch
@@ -35,6 +38,7 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples)
     import kvbench
     from kvbench.models.loader import describe_source, resolve_device
 
+    provenance = provenance or getattr(dataset, "provenance", None)
     versions = {}
     for pkg in ("torch", "transformers", "hydra-core", "rouge-score", "rouge", "jieba", "fuzzywuzzy",
                 "python-Levenshtein", "wonderwords", "nltk", "numpy", "gguf", "math-verify", "latex2sympy2_extended"):
@@ -55,6 +59,7 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples)
                      "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "finished_utc": None,
         "n_samples": n_samples, "wall_s": None,
+        **({"dataset_provenance": provenance} if provenance else {}),
     }
 
 

@@ -259,8 +259,6 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
         info["method_prepared"] = prepared  # e.g. TailorKV's layer split, and how it was found
     if cfg.get("paper_settings"):  # a paper preset: which table, and every choice made to rebuild it
         info["paper"] = OmegaConf.to_container(cfg.paper_settings, resolve=True)
-    if getattr(dataset, "provenance", None):
-        info["dataset_provenance"] = dataset.provenance  # e.g. RULER's length tokenizer and its resolved revision
     if old is not None:
         if old.get("data_sha256") != data_sha:
             logger.warning("the data differ from the earlier run in %s (%s); finished ids are kept", run_dir,

@@ -101,7 +101,9 @@ def test_download_script_writes_what_the_builders_read(tmp_path, monkeypatch):
         (repo, config, split, revision)) or hub[(repo, split)])
     monkeypatch.setattr(script, "resolve_revision", lambda repo, revision: "c0ffee")
     assert script.main(["gsm8k", "aime25", "--out", str(tmp_path), "--revision", "v1"]) == 0
-    assert ("openai/gsm8k", "main", "test", "v1") in asked and ("yentinglin/aime_2025", None, "train", "v1") in asked
+    # read at the commit "v1" resolves to
+    assert ("openai/gsm8k", "main", "test", "c0ffee") in asked
+    assert ("yentinglin/aime_2025", None, "train", "c0ffee") in asked
     aime = Aime25(root=str(tmp_path / "aime25"), prompt="kvpress").build(None)
     assert aime[0].prompt == "Find $7 \\cdot 8$." and aime[0].answers == ["56"]  # question -> problem, answer str
     assert json.loads((tmp_path / "aime25" / "test.jsonl").read_text()) == {"id": 0, "problem": "Find $7 \\cdot 8$.",
