@@ -7,7 +7,7 @@ scale = (max - min) / (2^b - 1), both stored in fp16 (as the paper says); codes 
 gets codes 0 and dequantizes to its min. Codes are bit-packed into uint8 along the last dimension (8 / b codes per
 byte, the first code in the lowest bits), so `nbytes()` is the memory a packed kernel would hold.
 
-`QuantizedLayer` follows the official `TailorKVCache` (spec seed-tailorkv §1.2):
+`QuantizedLayer` follows the official `TailorKVCache` (ydyhello/TailorKV @4e9fc81, `models/cache_utils.py`):
 - keys are quantized per channel: stored `[B, H, D, T]`, groups of `group` consecutive tokens; the last n mod
   `residual` prompt tokens stay full precision, and each time that residual reaches `residual` tokens it is quantized
   as one block (blocks are whole groups, so appending is concatenating along the packed axis);

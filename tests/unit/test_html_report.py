@@ -2,6 +2,7 @@
 tables and figures render, images decode, a header click sorts, and the screenshot shows the heatmap's colours."""
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -13,6 +14,7 @@ import pytest
 from matplotlib.image import imread
 
 from kvbench.report.__main__ import main as report_main
+from kvbench.report.paper import load_published
 from tests.unit.test_paper_report import longbench_run
 from tests.unit.test_report import make_run, niah_records
 
@@ -70,6 +72,19 @@ def test_page_renders_in_headless_chromium(report, tmp_path):
     green = np.abs(pixels - np.array([0x0C, 0xD7, 0x9F]) / 255).max(axis=-1) < 0.08  # the heatmap's "1.0" colour
     assert green.sum() > 500
 
+
+def test_paper_page_cites_the_papers(tmp_path):
+    """Each table on the page says where its published numbers come from: the paper's citation (issue 35)."""
+    root = tmp_path / "results"
+    longbench_run(root, "snapkv", 64, {"hotpotqa": [1.0]})
+    page = tmp_path / "t11.html"
+    assert report_main([str(root), "--paper", "pyramidkv", "--out", str(tmp_path / "out"), "--html", str(page)]) == 0
+    text = page.read_text()
+    for table in ("t11", "t1"):  # the tables the run fills: Table 11 and Table 1's Llama block
+        source = load_published("pyramidkv", table)["source"]
+        assert f'<p class="note">Published: {html.escape(source)}</p>' in text
+    assert "Table 11 (App. M), p. 23" in text and "arXiv 2406.02069" in text
+    assert "shared/" not in text and "specs/" not in text
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
 def test_paper_page_renders(tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -46,6 +48,57 @@ def test_every_seed_paper_ships_its_published_tables():
     assert [r["label"] for r in t11["rows"][:5]] == ["FKV", "SKV", "H2O", "SLM", "PyramidKV (Ours)"]
     ada = load_published("adakv", "t1")
     assert next(r for r in ada["rows"] if r["match"] == {"method": "adakv", "budget": 128})["values"]["avg"] == 36.71
+
+
+# A reader has the papers, not the development notes (shared/seeds, shared/specs): every published table cites its
+# paper as one can check it (issue 35), and nothing kvbench ships points at those notes.
+CITATION = re.compile(r"arXiv \d{4}\.\d{4,5}(?: v\d+)?|(?:MLSys|ICLR|NeurIPS|ICML|Findings of ACL|ACL|EMNLP) 20\d\d")
+DEV_NOTES = re.compile(r"shared/seeds|shared/specs|\bspecs/|\bseeds/|\bseed-(?:adakv|buzz|keyformer|pyramidkv|tailorkv)\b"
+                       r"|\banchor-(?:benchmarks|kvpress|2026)\b")
+SHIPPED = ["kvbench", "docs", "configs", "scripts", "README.md", "Makefile"]
+TEXT = {".py", ".md", ".json", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".sh", ".jinja", ".html", ""}
+
+
+def shipped_files() -> list[Path]:
+    files = []
+    for top in SHIPPED:
+        path = REPO / top
+        found = [path] if path.is_file() else sorted(path.rglob("*"))
+        files += [f for f in found if f.is_file() and f.suffix in TEXT and "__pycache__" not in f.parts]
+    return files
+
+
+def dev_note_pointers(files: list[Path]) -> list[str]:
+    return [f"{f.relative_to(REPO)}:{n}: {line.strip()[:100]}" for f in files
+            for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if DEV_NOTES.search(line)]
+
+
+def test_nothing_shipped_points_at_development_notes():
+    files = shipped_files()
+    assert len(files) > 300 and REPO / "README.md" in files  # the walk sees kvbench/, docs/, configs/, ...
+    assert dev_note_pointers(files) == []
+
+
+def test_dev_note_pointers_are_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "a.md").write_text("see shared/specs/seed-adakv.md\nthe paper's Table 1\n(seed-buzz.md 5.1)\n"
+                                   "specs/anchor-benchmarks.md\nshared/seeds/000_x.txt\nrandom seed 0, seed-paper\n")
+    assert [hit.split(":")[1] for hit in dev_note_pointers([tmp_path / "a.md"])] == ["1", "3", "4", "5"]
+
+
+def test_every_published_table_cites_its_paper():
+    for name in PAPERS:
+        cited = set()
+        for table in table_ids(name):
+            source = load_published(name, table)["source"]
+            kind = {"t": "Table", "f": "Figure"}[table[0]]
+            number = table[1:].upper()  # t11 -> Table 11, tb -> Table B, f7 -> Figure 7
+            assert re.search(rf"\b{kind} {number}\b", source), (name, table, source)
+            assert CITATION.search(source), (name, table, source)  # an arXiv id or a venue
+            assert not DEV_NOTES.search(source), (name, table, source)
+            cited.add(tuple(CITATION.findall(source)))
+        assert len(cited) == 1, (name, cited)  # every table of a paper cites the same paper
 
 
 def test_every_table_has_a_make_target_and_presets_that_exist():

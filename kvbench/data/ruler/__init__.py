@@ -1,5 +1,5 @@
 """RULER (Hsieh et al., arXiv 2404.06654): 13 synthetic long-context tasks, generated offline for the evaluated
-model's tokenizer and scored as upstream, pinned to one upstream code version (specs/anchor-benchmarks.md §2).
+model's tokenizer and scored as upstream, pinned to one upstream code version.
 
     python -m kvbench.run dataset=ruler dataset.length=4096 method=snapkv budget=128
 

@@ -1,19 +1,20 @@
 """TailorKV's offline layer identification: which layers are quantization-friendly (set Q) and which sparsity-friendly.
 
-Reference: ydyhello/TailorKV@4e9fc81 (`search_pattern.py`, `models/modeling_llama_search.py`); spec
-`seed-tailorkv.md` §1.1 and §5 items 1, 2, 18. One calibration prompt is prefilled once; for every layer, the last
-`last_q = 32` post-RoPE queries of all query heads attend over all n post-RoPE keys (KV repeated to the query heads,
-as `repeat_kv`), softmax in fp32 cast back to the query dtype. The layer's sparse error is
+Reference: ydyhello/TailorKV@4e9fc81 (`search_pattern.py`, `models/modeling_llama_search.py`); the paper's
+Sec. 4.1 (Eqs. 6-9) leaves n_q, k and the head reduction to the code. One calibration prompt is prefilled once; for
+every layer, the last `last_q = 32` post-RoPE queries of all query heads attend over all n post-RoPE keys (KV
+repeated to the query heads, as `repeat_kv`), softmax in fp32 cast back to the query dtype. The layer's sparse error
+is
 
     score = (sum of all probabilities - sum of each row's top-k probabilities) / (w * H_q),   k = int(alpha * n)
 
 i.e. the mean, over (query head, query), of the attention mass outside the top 5 % of keys. Dense layers (score >
 tau = 0.2, strictly) are quantization-friendly; the rest are sparsity-friendly. The official code writes the result
-by hand into `config/model2quantlayer.json` (Llama-3.1-8B -> {0}); this command recomputes it for any model (§5.18).
+by hand into `config/model2quantlayer.json` (Llama-3.1-8B -> {0}); this command recomputes it for any model.
 
 Quirks, their defaults and switches:
 - No causal mask (reference): the last w queries also see up to w - 1 later keys. `causal=True` / `--causal` masks
-  them (spec §5.1); k stays int(alpha * n) either way.
+  them; k stays int(alpha * n) either way.
 - Normalised by w * H_q with w the number of queries present: `last_q` whenever the prompt has >= `last_q` tokens
   (the reference's `last_q * H_q`), the prompt length otherwise, so the score stays a mean in [0, 1].
 - Probabilities are cast back to the query dtype before top-k (as the reference, fp16 there); the two sums are then
