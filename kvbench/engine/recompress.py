@@ -9,8 +9,9 @@ over the layer as it is, with the last `query_window` generated tokens' queries 
 keeps a buffer of the last 256 hidden states and recomputes them; the queries are what a window scorer reads).
 The window itself (the newest tokens) is kept, as at prefill. After a prefill compression to at most T, a layer so
 never holds more than T + every entries per head: in batched decoding that is the fixed capacity of its row
-(kvbench.cache.rows, compacted in place), where the method's shares are uniform. Per-head variable methods (Ada-KV, KVzip), decode-time evictors
-(they evict every step already), storage methods and beam search are refused by `check`.
+(kvbench.cache.rows, compacted in place), where the method's shares are uniform. Per-head variable methods
+(Ada-KV, KVzip), decode-time evictors (they evict every step already), storage methods, beam search and
+conversations are refused by `check`.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def check(method: Method, setting: DecodeCompression, positions: str = "original
         why = "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
     if why:
         raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; use a scoring selector "
-                         "(snapkv, pyramidkv, streamingllm, knorm, expected_attention) or decode_compression.target=null")
+                         "(snapkv, pyramidkv, streamingllm, knorm, expected_attention) or "
+                         "decode_compression.target=null")
     if positions != "original" or num_beams > 1 or turns > 1:
         raise ValueError(f"decode_compression.target={setting.target} runs with positions=original, "
                          "generation.num_beams=1 and one turn")

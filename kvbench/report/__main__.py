@@ -5,9 +5,10 @@ present, needle_panels.png (one file per model and dataset when there are severa
 `--stderr` shows every score as "mean ± standard error"; `--compare full` adds each cell's paired-bootstrap
 difference to the full cache (or any method) with its 95 % interval and marks those that exclude 0.
 `--lengths` adds lengths.md (accuracy, length and its inflation over the full cache, KV held while decoding, time;
-always written for the long-generation datasets). `--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints every table of that paper that has runs instead (its
-headline table when none has), rebuilt next to the published numbers (kvbench.report.paper); `--table t13` picks
-one; `--html report.html` also writes one self-contained page with every table and figure written.
+always written for the long-generation datasets). `--paper pyramidkv` (adakv, tailorkv, keyformer, buzz) prints
+every table of that paper that has runs instead (its headline table when none has), rebuilt next to the published
+numbers (kvbench.report.paper); `--table t13` picks one; `--html report.html` also writes one self-contained page
+with every table and figure written.
 Files go to `--out`, by default `report/` in the deepest folder holding every PATH (`results` -> results/report), and
 the last line printed says how many went where. Bad or damaged input ends with one line `kvbench: ...`, exit code 1.
 
