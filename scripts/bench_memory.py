@@ -13,6 +13,11 @@ process's RSS when freed, so the same run read 151 or 432 MiB of growth by chanc
 the threshold fixed every large tensor is its own mapping, returned when freed, and the growth is the live memory's:
 the same figure in every process. `--glibc-default` measures without it (what a user's process sees).
 
+`--kvpress-python <python of a venv with kvpress 0.5.5 and transformers 5.2>` adds kvpress's SnapKVPress on the same
+token ids, model weights and ratio (1 - budget / prompt length), prefill plus the same new tokens greedily, each
+run in a fresh process of that interpreter under the same allocator setting: kvpress needs transformers < 5.3, so it
+never shares kvbench's environment.
+
     python scripts/bench_memory.py [--length 4096] [--budget 128] [--reps 3] [--methods snapkv pyramidkv adakv ...]
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +66,55 @@ def child(order: str, name: str, args) -> None:
                       "rss_growth": rss_peak() - before, "prefill_s": gen.timings["prefill_s"]}), flush=True)
 
 
+def kvpress_child(args) -> None:
+    """In kvpress's interpreter: SnapKVPress over the ids kvbench wrote, one JSON line (this file imports only the
+    standard library at its top, so that interpreter can run it)."""
+    import torch
+    from kvpress import SnapKVPress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    ids = torch.tensor([json.loads(Path(args.ids_file).read_text())])
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        model(ids[:, :64], past_key_values=DynamicCache())  # warm-up, as kvbench's child
+        before = rss_peak()
+        cache = DynamicCache()
+        with SnapKVPress(compression_ratio=1 - args.budget / ids.shape[1])(model):
+            logits = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]  # (kvpress's pipeline
+            # prefills through the base model: no logits for the context, as kvbench's prefill)
+        for t in range(args.new_tokens - 1):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(token, past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + t]])).logits[:, -1]
+    kv = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in cache.layers)
+    print(json.dumps({"method": "kvpress SnapKVPress", "order": "in forward", "prompt_tokens": ids.shape[1],
+                      "rss_growth": rss_peak() - before, "kv_after": kv}), flush=True)
+
+
+def prompt_ids(args) -> tuple[str, str]:
+    """The bench's prompt as token ids in a file, and the embedded model's folder, for kvpress's interpreter."""
+    from kvbench.data.niah import NeedleHaystack
+    from kvbench.models.embedded import embedded_model_dir
+    from kvbench.models import ModelSpec, load
+
+    _, tok = load(ModelSpec(name="bench", path="embedded"))
+    sample = NeedleHaystack(context_lengths=[args.length + 165], depth_percents=[50]).build(tok, 100_000)[0]
+    path = Path(tempfile.mkdtemp()) / "ids.json"
+    path.write_text(json.dumps(tok(sample.prompt).input_ids))
+    return str(path), str(embedded_model_dir())
+
+
+def kvpress_run(args, ids_file: str, model_dir: str) -> dict:
+    cmd = [args.kvpress_python, __file__, "--kvpress-child", "--ids-file", ids_file, "--model-dir", model_dir,
+           "--budget", str(args.budget), "--new-tokens", str(args.new_tokens)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if not args.glibc_default:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(f"bench_memory: kvpress ({args.kvpress_python}) failed:\n{out.stderr[-3000:]}")
+    return next(json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+
+
 def one_run(order: str, name: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", order, name, "--length", str(args.length), "--budget",
            str(args.budget), "--new-tokens", str(args.new_tokens)]
@@ -81,16 +136,26 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["snapkv", "pyramidkv", "adakv", "streamingllm"])
     ap.add_argument("--glibc-default", action="store_true", help="keep glibc's dynamic mmap threshold (RSS then "
                     "depends on the allocator's history, not only on what is alive)")
+    ap.add_argument("--kvpress-python", help="a Python with kvpress 0.5.5 (and transformers 5.2): its SnapKVPress "
+                    "beside kvbench's, same ids and ratio, fresh processes")
     ap.add_argument("--child", nargs=2, metavar=("ORDER", "METHOD"))
+    ap.add_argument("--kvpress-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(*args.child, args)
+    if args.kvpress_child:
+        return kvpress_child(args)
 
     runs: dict[tuple[str, str], list[dict]] = {}
+    ids_file, model_dir = prompt_ids(args) if args.kvpress_python else (None, None)
     for rep in range(args.reps):
         for order in ("prefill", "layer") if rep % 2 == 0 else ("layer", "prefill"):
             for name in args.methods:
                 runs.setdefault((name, order), []).append(one_run(order, name, args))
+        if args.kvpress_python:
+            runs.setdefault(("kvpress SnapKVPress", "in forward"), []).append(kvpress_run(args, ids_file, model_dir))
     mib = 2**20
     first = next(iter(runs.values()))[0]
     print(f"## peak KV at {first['prompt_tokens']} prompt tokens, budget {args.budget} (embedded SmolLM2, "
@@ -98,13 +163,20 @@ def main() -> None:
           f"{'glibc default' if args.glibc_default else f'mmap threshold fixed at {MMAP_THRESHOLD // 1024} KiB'}")
     print("| method | order | compressed MiB | peak KV MiB | peak / (compressed + one layer) | peak RSS growth MiB |")
     print("|---|---|---|---|---|---|")
+    median = {}
     for (name, order), rows in runs.items():
         growth = sorted(r["rss_growth"] / mib for r in rows)
+        median[(name, order)] = statistics.median(growth)
         r = rows[0]  # (the KV figures are exact: the same in every rep)
-        print(f"| {name} | {order} | {r['kv'] / mib:.2f} | {r['peak_kv'] / mib:.2f} | {r['ratio']:.3f} | "
-              f"{statistics.median(growth):.0f} [{growth[0]:.0f}-{growth[-1]:.0f}] |")
+        kv = [f"{r['kv'] / mib:.2f}", f"{r['peak_kv'] / mib:.2f}", f"{r['ratio']:.3f}"] if "kv" in r else \
+            [f"{r['kv_after'] / mib:.2f}", "–", "–"]
+        print(f"| {name} | {order} | {' | '.join(kv)} | {median[(name, order)]:.0f} "
+              f"[{growth[0]:.0f}-{growth[-1]:.0f}] |")
     worst = max(r["ratio"] for (_, order), rows in runs.items() if order == "layer" for r in rows)
     print(f"\nlayer order: worst peak / (compressed + one layer) = {worst:.3f} (goal <= 1.05)")
+    if args.kvpress_python and ("snapkv", "layer") in median:
+        ratio = median[("snapkv", "layer")] / median[("kvpress SnapKVPress", "in forward")]
+        print(f"peak RSS growth, kvbench SnapKV (layer) / kvpress SnapKVPress: {ratio:.2f}x (goal <= 0.8x)")
 
 
 if __name__ == "__main__":
