@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvbench.report.escape import md_row, slug
@@ -33,8 +34,8 @@ def add_length_ratio(df: pd.DataFrame) -> pd.DataFrame:
     reference = full.set_index(["model", "dataset", "query", "id"])["new_tokens"].astype(float)
     keys = pd.MultiIndex.from_frame(df[["model", "dataset", "query", "id"]])
     base = reference.reindex(keys).to_numpy()
-    out = df.copy()
-    out["length_ratio"] = df["new_tokens"].astype(float).to_numpy() / pd.Series(base).where(lambda s: s > 0)
+    out = df.copy()  # (positional arrays: the frame's own index may have gaps, e.g. after a filter)
+    out["length_ratio"] = df["new_tokens"].astype(float).to_numpy() / np.where(base > 0, base, np.nan)
     return out
 
 

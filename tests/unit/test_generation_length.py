@@ -87,7 +87,7 @@ def test_length_ratio_joins_each_sample_to_its_full_cache_length():
     rows = [("full", "a", 10), ("full", "b", 4), ("h2o", "a", 15), ("h2o", "b", 4), ("h2o", "c", 7),
             ("full", "z", 0), ("h2o", "z", 3)]
     df = pd.DataFrame([{"model": "m", "dataset": "d", "query": "aware", "method": m, "id": i, "new_tokens": n}
-                       for m, i, n in rows])
+                       for m, i, n in rows], index=[70, 3, 12, 5, 40, 8, 1])  # an index with gaps, out of order
     ratio = add_length_ratio(df).set_index(["method", "id"])["length_ratio"]
     assert ratio[("h2o", "a")] == 1.5 and ratio[("h2o", "b")] == 1.0 and ratio[("full", "a")] == 1.0
     assert pd.isna(ratio[("h2o", "c")]) and pd.isna(ratio[("h2o", "z")])  # no full record; full wrote nothing
