@@ -51,7 +51,8 @@ def load_reference(repo: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rkv-repo", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures/rkv/goldens.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "tests/fixtures/rkv/goldens.json")
     args = parser.parse_args()
     R1KV = load_reference(args.rkv_repo)
     commit = subprocess.run(["git", "-C", str(args.rkv_repo), "rev-parse", "HEAD"], capture_output=True,
