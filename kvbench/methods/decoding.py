@@ -164,6 +164,8 @@ class DecodingMethod(Method):
     keeps_history: ClassVar[bool] = True  # each step's row adds to the scores; False: it replaces them (TOVA)
     together: ClassVar[bool] = False  # True: `row_score` and `evict` work row by row and read of the state only its
     #                                   budget, so batched decoding scores samples of one budget in one call (H2O)
+    static_rule: ClassVar[bool] = False  # True: `row_score` and `evict` read of the state only its budget and are
+    #                                      tensor code of fixed shapes, so the static step runs them (kvbench.engine.static)
 
     @property
     def evicts_while_decoding(self) -> bool:

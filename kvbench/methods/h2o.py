@@ -45,6 +45,7 @@ class H2O(DecodingMethod):
     granularity: Literal["kv_head", "query_head"] = "kv_head"  # query_head: kvcache_factory only
 
     together: ClassVar[bool] = True  # softmax rows and a top-k by budget: samples of one budget evict in one call
+    static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
 
     def __post_init__(self):
         if not 0 <= self.recent_ratio < 1:

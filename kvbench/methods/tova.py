@@ -38,6 +38,7 @@ class TOVA(DecodingMethod):
     selection: Literal["layer", "kv_head"] = "layer"  # layer: one set from the all-head mean (the reference)
 
     keeps_history: ClassVar[bool] = False  # each step's attention row replaces the scores
+    static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
 
     def __post_init__(self):
         if self.selection not in SELECTIONS:

@@ -24,6 +24,7 @@ class RollingWindow(DecodingMethod):
     """Keep the first `n_sink` and the most recent entries; the scores are never read."""
 
     n_sink: int = 0
+    static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
 
     accumulates_attention: ClassVar[bool] = False  # no column sums: selection is by position only
 

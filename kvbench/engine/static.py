@@ -1,0 +1,297 @@
+"""The static decode step: every sequence's compressed cache in static-capacity rows, one step whose shapes never change.
+
+gpt-fast's shape, over compressed caches. When a sequence joins, each of its layers moves into rows of a fixed
+capacity (`kvbench.cache.static`): its kept entries plus room for every token it may still decode, rounded up to a
+bucket (an evictor's rows hold its budget plus the step's token). A step then runs embeddings -> layers -> logits
+with every length, validity mask and position on the device: a token is written to its head's first free slot,
+attention masks what is not valid, a decode-time evictor scores the step's logits and clears the slot it evicts, and
+the greedy token is chosen, all without a host sync; the host reads the chosen tokens once per step, for every
+sequence (stop strings, EOS and lengths are checked there, as in `kvbench.engine.batching`). Shapes depend only on
+(rows, capacity per layer), so `torch.compile(fullgraph=True)` captures the step once and replays it (CUDA graphs on
+a GPU); on the CPU the same step runs eagerly unless `compile` is asked for.
+
+What moves in: dense layers (selectors: full, StreamingLLM, SnapKV, PyramidKV, ...), per-head variable layers
+(Ada-KV, KVzip: per-head validity over a padded capacity) and decode-time evictors whose rule reads of the per-sample
+state only its budget (H2O, TOVA, the rolling windows). What does not (`unsupported` says why, and such runs decode
+eagerly): beam search, teacher forcing, pos-shift, compression while decoding, sliding-window or replaced attention,
+ALiBi, layers with their own storage (TailorKV, Quest, PQCache), evictors with per-sample state in their rule
+(Keyformer's noise and schedule, BUZZ's sample count) and attention temperatures (BUZZ's log n).
+
+Equality with the eager step: the same entries are attended with the same math (fp32 logits and softmax, the
+engine's decode attention), in slot order rather than cache order, so sums round differently (~1e-7 in fp32) and a
+greedy argmax or an evictor's choice can flip only where two candidates are that close (tests/unit/test_compiled_step.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.static import StaticRows, capacity_bucket
+from kvbench.engine.batching import BatchedDecoder, Slot
+from kvbench.engine.generation import EvictionHook
+from kvbench.methods.base import Kind, Method, reduce_groups
+
+
+def unsupported(method: Method, positions: str = "original", decode_compression: bool = False,
+                num_beams: int = 1, model=None) -> str | None:
+    """Why this configuration cannot decode through the static step, or None when it can."""
+    name = getattr(method, "registry_name", type(method).__name__)
+    if num_beams > 1:
+        return "beam search reorders its rows every step"
+    if positions != "original":
+        return "positions=shift re-rotates keys to their slots"
+    if decode_compression or method.own_decode_compression(1) is not None:
+        return "compression while decoding rebuilds the layers"
+    if method.kind is Kind.STORAGE:
+        return f"{name} keeps layers with their own storage"
+    if getattr(method, "retrieves", False):
+        return f"{name} retrieves entries by the query each step"
+    if getattr(method, "logit_scale", None) is not None:
+        return f"{name} scales attention by a per-sequence temperature"
+    if method.kind is Kind.EVICTOR and method.evicts_while_decoding and not method.static_rule:
+        return f"{name}'s eviction rule keeps per-sample state"
+    if model is not None:
+        config = model.config.get_text_config()
+        if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                              or ()):
+            return "sliding-window layers"
+    return None
+
+
+class StaticCache:
+    """The `past_key_values` of a static step: writes each layer's new token into its rows (attention reads them
+    there), at each row's position, for the active rows."""
+
+    is_compileable = True
+
+    def __init__(self, layers: list[StaticRows], rows: int, device: torch.device):
+        self.layers = layers
+        self.position = torch.zeros(rows, dtype=torch.long, device=device)  # the next token's position, per row
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.is_sliding = [False] * len(layers)
+        self.held_peak = torch.zeros(rows, dtype=torch.long, device=device)  # each row's K/V bytes per step: peak
+        self.held_sum = torch.zeros(rows, dtype=torch.long, device=device)  # and sum (`KVCache.note_step`)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        self.layers[layer_idx].write(key_states, value_states, self.position, self.active)
+        if layer_idx == len(self.layers) - 1:  # once every layer holds its token, as the eager cache counts
+            held = sum(rows.valid.sum(dim=(1, 2)) * rows.per_entry_bytes() for rows in self.layers)
+            self.held_peak.copy_(torch.maximum(self.held_peak, held))
+            self.held_sum.add_(held * self.active.long())
+        return key_states, value_states  # placeholders: the attention reads the rows
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].capacity, 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class StaticEviction:
+    """A decode-time evictor inside the step: the step's logits `[R, H_q, C]` scored as `EvictionState.decode`
+    scores them, added to each slot's score (or replacing it), and, in rows holding more than the budget, the rule
+    of the method (`evict`) applied to the scores in cache order; the slot it drops is cleared for the next token."""
+
+    def __init__(self, hook: EvictionHook):
+        self.state, self.method, self.budget = hook.state, hook.state.method, hook.state.budget
+
+    def __call__(self, layer_idx: int, rows: StaticRows, logits: Tensor) -> None:
+        method, valid = self.method, rows.valid
+        row = method.row_score(logits[:, :, None], self.state, decoding=True)[:, :, 0]
+        row = reduce_groups(row, valid.shape[1], method.gqa_reduce)
+        scores = (rows.scores + row if method.keeps_history else row).masked_fill(~valid, 0.0)
+        order = rows.cache_order()
+        keep = method.evict(self.state, layer_idx, scores.gather(-1, order), prefill=False)
+        kept = torch.zeros_like(valid).scatter_(-1, order.gather(-1, keep), True)
+        over = valid.sum(dim=-1, keepdim=True) > self.budget
+        valid = torch.where(over, kept, valid)
+        rows.valid.copy_(valid)
+        rows.scores.copy_(scores.masked_fill(~valid, 0.0))
+
+
+class StaticDecoder(BatchedDecoder):
+    """Continuous batching (`BatchedDecoder`'s loop: joins, token rules, stops, records) over the static step.
+    `compile`: capture the step with `torch.compile(fullgraph=True)` (`backend`: inductor by default; on CUDA with
+    `mode="reduce-overhead"`, CUDA graphs)."""
+
+    def __init__(self, *args, compile: bool = False, backend: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        reason = unsupported(self.method, self.decoding.positions, self.decoding.recompress.on, model=self.model)
+        if reason is not None:
+            raise ValueError(f"step=static: {reason}; use step=eager")
+        if self.capture is not None and (self.capture.adapter.replaces is not None or self.capture.window_layers):
+            raise ValueError("step=static: attention outside transformers' AttentionInterface; use step=eager")
+        self.compile, self.backend = compile, backend
+        self.static_name = f"{self.name}_static"
+        self.cache_static: StaticCache | None = None
+        self.row_of: dict[int, int] = {}  # id(slot) -> its row
+        self.slots_of: list[Slot | None] = [None] * self.batch_size
+        self.evictor: StaticEviction | None = None
+        self.step_fn = None
+
+    # --- rows ---------------------------------------------------------------------------------------------------
+    def _into_rows(self, slot: Slot) -> Slot:
+        if slot.request.beams is not None or slot.request.forced is not None:
+            raise ValueError("step=static: beam search and teacher forcing decode with step=eager")
+        hook, layers = slot.decode_hook, slot.run.cache.layers
+        if slot.input_hook is not None or slot.logit_scale is not None or (
+                hook is not None and not isinstance(hook, EvictionHook)):
+            raise ValueError("step=static: this sample's method hooks the step; use step=eager")
+        if not all(StaticRows.convertible(layer) for layer in layers):
+            raise ValueError("step=static: a layer with its own storage; use step=eager")
+        evicting = isinstance(hook, EvictionHook)
+        if self.cache_static is None:
+            self._make_rows(slot, evicting)
+        row = self.slots_of.index(None)
+        needs = [self._capacity(layer, slot, evicting) for layer in layers]
+        if any(n > rows.capacity for n, rows in zip(needs, self.cache_static.layers)) or any(
+                StaticRows.layout(layer) != self._layout(rows) for layer, rows in zip(layers, self.cache_static.layers)):
+            self._regrow(needs, layers)
+        if evicting:
+            if self.evictor is None:
+                self.evictor = StaticEviction(hook)
+            elif hook.state.budget != self.evictor.budget:
+                raise ValueError("step=static: samples of one batch share one evictor budget; use step=eager")
+        for i, (layer, rows) in enumerate(zip(layers, self.cache_static.layers)):
+            rows.take(row, layer, hook.state.scores.get(i) if evicting else None)
+        cache = self.cache_static
+        cache.position[row] = slot.run.prompt_len
+        cache.active[row] = True
+        cache.held_peak[row] = 0
+        cache.held_sum[row] = 0
+        self.slots_of[row], self.row_of[id(slot)] = slot, row
+        return slot
+
+    @staticmethod
+    def _capacity(layer: KVLayer, slot: Slot, evicting: bool) -> int:
+        """An evictor's rows: its budget and the step's token; others: every entry and every token to decode."""
+        if evicting:
+            return slot.decode_hook.state.budget + 1
+        return capacity_bucket(layer.decode_kv().keys.shape[-2] + slot.request.max_new_tokens)
+
+    @staticmethod
+    def _layout(rows: StaticRows) -> tuple[int, int, int]:
+        return rows.keys.shape[1], rows.keys.shape[-1], rows.repeat
+
+    def _make_rows(self, slot: Slot, evicting: bool) -> None:
+        layers, device = slot.run.cache.layers, slot.run.logits.device
+        rows = [self._new_rows(layer, self._capacity(layer, slot, evicting), evicting) for layer in layers]
+        self.cache_static = StaticCache(rows, self.batch_size, device)
+        self.step_fn = None
+
+    def _new_rows(self, layer: KVLayer, capacity: int, scored: bool) -> StaticRows:
+        heads, dim, repeat = StaticRows.layout(layer)
+        return StaticRows(self.batch_size, heads, capacity, dim, layer.keys.dtype, layer.keys.device, repeat, scored)
+
+    def _regrow(self, needs: list[int], layers: list[KVLayer]) -> None:
+        """A sequence that does not fit the current rows: larger rows (a new capacity bucket, so a new capture),
+        every held row copied over."""
+        old = self.cache_static.layers
+        for i, (need, layer) in enumerate(zip(needs, layers)):
+            rows = old[i]
+            if need <= rows.capacity and StaticRows.layout(layer) == self._layout(rows):
+                continue
+            if any(s is not None for s in self.slots_of) and StaticRows.layout(layer) != self._layout(rows):
+                raise ValueError("step=static: samples whose layers hold different head layouts; use step=eager")
+            bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None)
+            c = rows.capacity
+            for name in ("keys", "values", "positions", "valid", "scores"):
+                if getattr(rows, name) is not None:
+                    getattr(bigger, name)[:, :, :c] = getattr(rows, name)
+            old[i] = bigger
+        self.step_fn = None
+
+    def _finish(self, slot: Slot):
+        self._give_back(slot)  # (the record reads the layers' bytes and the decode steps')
+        return super()._finish(slot)
+
+    def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
+        self._give_back(slot)
+
+    def _give_back(self, slot: Slot) -> None:
+        """The slot's layers as plain layers again (its cache lives on: a record, a next turn), its evictor's scores
+        and step count, the bytes it held while decoding; its row is free."""
+        row = self.row_of.pop(id(slot), None)
+        if row is None:
+            return
+        cache, layers = self.cache_static, slot.run.cache.layers
+        cache.active[row] = False
+        state = slot.decode_hook.state if isinstance(slot.decode_hook, EvictionHook) else None
+        for i, rows in enumerate(cache.layers):
+            layer, scores = rows.give_back(row, layers[i])
+            layer.seen_tokens = layers[i].seen_tokens + slot.n_forward
+            layers[i] = layer
+            if state is not None and scores is not None:
+                state.scores[i], state.layers[i] = scores, layer
+            rows.valid[row] = False
+        if state is not None:
+            state.step += slot.n_forward
+        run_cache = slot.run.cache
+        run_cache.decode_steps = slot.n_forward
+        if slot.n_forward:
+            peak, total = int(cache.held_peak[row]), int(cache.held_sum[row])
+            run_cache.decode_peak_nbytes, run_cache.decode_sum_nbytes = peak, total
+            run_cache.peak_nbytes = max(run_cache.peak_nbytes, peak)
+        self.slots_of[row] = None
+
+    # --- the step -----------------------------------------------------------------------------------------------
+    def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+        rows = self.cache_static.layers[module.layer_idx]
+        scaling = kwargs.get("scaling") or module.scaling
+        scale = torch.full((query.shape[0],), scaling, dtype=torch.float32, device=query.device)
+        out, logits = rows.attend(query, scale, kwargs.get("softcap"), self.cache_static.active)
+        if self.evictor is not None:
+            self.evictor(module.layer_idx, rows, logits)
+        return out, None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """One decode step for every row: `tokens` `[R, 1]` -> the next-token logits `[R, V]`. Everything on the
+        device: writes, masks, eviction, positions and the bytes each row holds."""
+        cache = self.cache_static
+        logits = self.model(input_ids=tokens, position_ids=cache.position[:, None], past_key_values=cache,
+                            use_cache=True).logits[:, -1]
+        cache.position.add_(cache.active.long())
+        return logits
+
+    def _compiled(self):
+        if self.step_fn is None:
+            if not self.compile:
+                self.step_fn = self.step
+            else:
+                kwargs = {"backend": self.backend} if self.backend else {}
+                if self.backend is None and self.cache_static.position.is_cuda:
+                    kwargs["mode"] = "reduce-overhead"
+                self.step_fn = torch.compile(self.step, fullgraph=True, dynamic=False, **kwargs)
+        return self.step_fn
+
+    @torch.no_grad()
+    def _forward(self, stepping: list[tuple[Slot, Tensor]]) -> None:
+        cache = self.cache_static
+        tokens = torch.zeros(self.batch_size, 1, dtype=torch.long, device=cache.position.device)
+        for slot, token in stepping:
+            tokens[self.row_of[id(slot)]] = token[0]
+        AttentionInterface.register(self.static_name, self._attention)
+        AttentionMaskInterface.register(self.static_name, lambda *args, **kwargs: None)
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.static_name)
+        t0 = time.perf_counter()
+        try:
+            logits = self._compiled()(tokens)
+        finally:
+            self.model.set_attn_implementation(previous)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        seconds = time.perf_counter() - t0
+        for slot, _ in stepping:
+            row = self.row_of[id(slot)]
+            slot.logits = logits[row:row + 1]
+            slot.n_forward += 1
+            slot.decode_s += seconds
