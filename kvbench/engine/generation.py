@@ -69,6 +69,7 @@ class Generation:
     kv_bytes_decode_peak: int = 0  # the most K/V bytes held after a decode step (the compressed cache's if none)
     kv_bytes_decode_mean: float = 0.0  # their mean over the decode steps
     stop_reason: str = "max_new_tokens"  # eos, stop (a stop string or token), max_new_tokens
+    step: str = "eager"  # the decode step that ran: eager, static or captured (kvbench.engine.static)
 
     @property
     def kept_per_layer(self) -> list[float]:

@@ -211,7 +211,9 @@ class StaticDecoder(BatchedDecoder):
 
     def _finish(self, slot: Slot):
         self._give_back(slot)  # (the record reads the layers' bytes and the decode steps')
-        return super()._finish(slot)
+        generation = super()._finish(slot)
+        generation.step = "captured" if self.compile else "static"
+        return generation
 
     def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
         self._give_back(slot)

@@ -29,7 +29,7 @@ FIELDS: dict[str, tuple[tuple, bool]] = {
     "decode_s": (NUMBER, False), "decode_tok_s": (NUMBER, False), "question_s": (NUMBER, False),
     "peak_mem_bytes": (INT, False), "peak_kv_bytes": (INT, False), "kv_bytes_peak": (INT, False),
     "kv_bytes_mean": (NUMBER, False), "stop_reason": (TEXT, False), "e2e_s": (NUMBER, False),
-    "prefill_shared_by": (INT, False),
+    "prefill_shared_by": (INT, False), "step": (TEXT, False),
     "transfers": (DICT, False), "num_beams": (INT, False), "nll_sum": (NUMBER, False), "n_tokens": (INT, False),
     "evicts_in_stream": ((bool,), False), "error_type": (TEXT, False), "error": (TEXT, False), "where": (TEXT, True),
 }

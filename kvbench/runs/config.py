@@ -147,6 +147,7 @@ def setup(cfg: DictConfig):
 
     recompress.check(method, decode_compression(cfg), cfg.positions, cfg.generation.get("num_beams", 1),
                      getattr(dataset, "turns", 1))
+    check_step(cfg, method, dataset, adapter)
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
         cfg.budget = cfg.ratio = None
     if cfg.ratio is None:
@@ -208,3 +209,20 @@ def sample_seed(cfg: DictConfig, sample) -> int:
     from kvbench.data.base import sha256_text
 
     return cfg.seed + int(sha256_text(sample.id)[:8], 16)
+
+
+def check_step(cfg: DictConfig, method, dataset, adapter) -> None:
+    """step=static / captured: what the static decode step cannot run is refused here, before weights load."""
+    step = cfg.get("step", "eager")
+    if step == "eager":
+        return
+    from kvbench.engine.static import unsupported
+
+    reason = unsupported(method, cfg.positions, decode_compression(cfg).on, cfg.generation.get("num_beams", 1))
+    if reason is None and getattr(dataset, "turns", 1) > 1:
+        reason = f"a conversation (dataset.turns={dataset.turns}) feeds each turn on its cache"
+    if reason is None and adapter is not None and (adapter.replaces is not None or adapter.has_window_layers):
+        reason = f"{adapter.family}'s attention runs outside transformers' AttentionInterface or in sliding windows"
+    if reason is not None:
+        raise ValueError(f"step={step}: {reason}; use step=eager (docs/throughput.md#the-static-step)")
+

@@ -90,7 +90,7 @@ def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aw
         "host_kv_bytes": gen.host_kv_bytes,
         "effective_budget": gen.effective_budget, **gen.timings, "peak_mem_bytes": peak_mem_bytes(),
         "peak_kv_bytes": gen.peak_kv_bytes, "kv_bytes_peak": gen.kv_bytes_decode_peak,
-        "kv_bytes_mean": gen.kv_bytes_decode_mean, "stop_reason": gen.stop_reason,
+        "kv_bytes_mean": gen.kv_bytes_decode_mean, "stop_reason": gen.stop_reason, "step": gen.step,
         **({"transfers": gen.transfers} if gen.transfers is not None else {}),
     }
 

@@ -198,7 +198,8 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
         for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
                                                   sampling, cfg.positions,
                                                   compress_after=cfg.get("compress_after", "layer"),
-                                                  recompress=decode_compression(cfg)),
+                                                  recompress=decode_compression(cfg),
+                                                  step=cfg.get("step", "eager")),
                                  total=len(jobs), desc=desc):
             sample, ids = request.tag
             written.add(sample.id)
@@ -285,8 +286,9 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
             todo = [s for s in todo if "conversation" not in s.meta]
             for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
                                disable=cfg.batch_size > 1):
+                batched = cfg.batch_size > 1 or cfg.get("step", "eager") != "eager"  # (the engine's loop decodes)
                 record = guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg, spec, sampling,
-                                        defer=jobs.append if cfg.batch_size > 1 else None)
+                                        defer=jobs.append if batched else None)
                 if record is not None:
                     store.append(record)
                     store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts

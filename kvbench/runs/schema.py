@@ -40,6 +40,7 @@ class Run:
     limit: int | None
     shard: Any
     batch_size: int
+    step: Literal["eager", "static", "captured"]
     retry_failed: bool
     report: bool
     results_dir: str
