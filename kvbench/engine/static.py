@@ -34,7 +34,8 @@ from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.static import StaticRows, capacity_bucket
 from kvbench.engine.batching import BatchedDecoder, Slot
 from kvbench.engine.generation import EvictionHook
-from kvbench.methods.base import Kind, Method, reduce_groups
+from kvbench.engine.static_eviction import BudgetRule, static_form
+from kvbench.methods.base import Kind, Method
 
 
 def unsupported(method: Method, positions: str = "original", decode_compression: bool = False,
@@ -51,10 +52,8 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return f"{name} keeps layers with their own storage"
     if getattr(method, "retrieves", False):
         return f"{name} retrieves entries by the query each step"
-    if getattr(method, "logit_scale", None) is not None:
-        return f"{name} scales attention by a per-sequence temperature"
-    if method.kind is Kind.EVICTOR and method.evicts_while_decoding and not method.static_rule:
-        return f"{name}'s eviction rule keeps per-sample state"
+    if method.kind is Kind.EVICTOR and method.evicts_while_decoding and static_form(method) is None:
+        return f"{name}'s eviction rule decides across layers or keeps per-sample state"
     if model is not None:
         config = model.config.get_text_config()
         if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None)
@@ -95,28 +94,6 @@ class StaticCache:
         return 0
 
 
-class StaticEviction:
-    """A decode-time evictor inside the step: the step's logits `[R, H_q, C]` scored as `EvictionState.decode`
-    scores them, added to each slot's score (or replacing it), and, in rows holding more than the budget, the rule
-    of the method (`evict`) applied to the scores in cache order; the slot it drops is cleared for the next token."""
-
-    def __init__(self, hook: EvictionHook):
-        self.state, self.method, self.budget = hook.state, hook.state.method, hook.state.budget
-
-    def __call__(self, layer_idx: int, rows: StaticRows, logits: Tensor) -> None:
-        method, valid = self.method, rows.valid
-        row = method.row_score(logits[:, :, None], self.state, decoding=True)[:, :, 0]
-        row = reduce_groups(row, valid.shape[1], method.gqa_reduce)
-        scores = (rows.scores + row if method.keeps_history else row).masked_fill(~valid, 0.0)
-        order = rows.cache_order()
-        keep = method.evict(self.state, layer_idx, scores.gather(-1, order), prefill=False)
-        kept = torch.zeros_like(valid).scatter_(-1, order.gather(-1, keep), True)
-        over = valid.sum(dim=-1, keepdim=True) > self.budget
-        valid = torch.where(over, kept, valid)
-        rows.valid.copy_(valid)
-        rows.scores.copy_(scores.masked_fill(~valid, 0.0))
-
-
 class StaticDecoder(BatchedDecoder):
     """Continuous batching (`BatchedDecoder`'s loop: joins, token rules, stops, records) over the static step.
     `compile`: capture the step with `torch.compile(fullgraph=True)` (`backend`: inductor by default; on CUDA with
@@ -134,7 +111,7 @@ class StaticDecoder(BatchedDecoder):
         self.cache_static: StaticCache | None = None
         self.row_of: dict[int, int] = {}  # id(slot) -> its row
         self.slots_of: list[Slot | None] = [None] * self.batch_size
-        self.evictor: StaticEviction | None = None
+        self.evictor: BudgetRule | None = None
         self.step_fn = None
 
     # --- rows ---------------------------------------------------------------------------------------------------
@@ -142,12 +119,20 @@ class StaticDecoder(BatchedDecoder):
         if slot.request.beams is not None or slot.request.forced is not None:
             raise ValueError("step=static: beam search and teacher forcing decode with step=eager")
         hook, layers = slot.decode_hook, slot.run.cache.layers
-        if slot.input_hook is not None or slot.logit_scale is not None or (
+        if slot.input_hook is not None or (
                 hook is not None and not isinstance(hook, EvictionHook)):
             raise ValueError("step=static: this sample's method hooks the step; use step=eager")
         if not all(StaticRows.convertible(layer) for layer in layers):
             raise ValueError("step=static: a layer with its own storage; use step=eager")
         evicting = isinstance(hook, EvictionHook)
+        if evicting:
+            if self.evictor is None:
+                config = self.model.config.get_text_config()
+                self.evictor = static_form(hook.state.method)(hook.state.method, hook.state.budget, self.batch_size,
+                                                              len(layers), config.num_attention_heads,
+                                                              slot.run.logits.device)
+            elif hook.state.budget != self.evictor.budget:
+                raise ValueError("step=static: samples of one batch share one evictor budget; use step=eager")
         if self.cache_static is None:
             self._make_rows(slot, evicting)
         row = self.slots_of.index(None)
@@ -156,10 +141,7 @@ class StaticDecoder(BatchedDecoder):
                 StaticRows.layout(layer) != self._layout(rows) for layer, rows in zip(layers, self.cache_static.layers)):
             self._regrow(needs, layers)
         if evicting:
-            if self.evictor is None:
-                self.evictor = StaticEviction(hook)
-            elif hook.state.budget != self.evictor.budget:
-                raise ValueError("step=static: samples of one batch share one evictor budget; use step=eager")
+            self.evictor.join(row, hook.state, layers)
         for i, (layer, rows) in enumerate(zip(layers, self.cache_static.layers)):
             rows.take(row, layer, hook.state.scores.get(i) if evicting else None)
         cache = self.cache_static
@@ -170,11 +152,11 @@ class StaticDecoder(BatchedDecoder):
         self.slots_of[row], self.row_of[id(slot)] = slot, row
         return slot
 
-    @staticmethod
-    def _capacity(layer: KVLayer, slot: Slot, evicting: bool) -> int:
-        """An evictor's rows: its budget and the step's token; others: every entry and every token to decode."""
+    def _capacity(self, layer: KVLayer, slot: Slot, evicting: bool) -> int:
+        """An evictor's rows: what its rule holds and the step's token; others: every entry and every token to
+        decode."""
         if evicting:
-            return slot.decode_hook.state.budget + 1
+            return self.evictor.capacity(slot.decode_hook.state, layer.keys.shape[-2])
         return capacity_bucket(layer.decode_kv().keys.shape[-2] + slot.request.max_new_tokens)
 
     @staticmethod
@@ -235,7 +217,7 @@ class StaticDecoder(BatchedDecoder):
                 state.scores[i], state.layers[i] = scores, layer
             rows.valid[row] = False
         if state is not None:
-            state.step += slot.n_forward
+            self.evictor.leave(row, state)
         run_cache = slot.run.cache
         run_cache.decode_steps = slot.n_forward
         if slot.n_forward:
@@ -248,7 +230,10 @@ class StaticDecoder(BatchedDecoder):
     def _attention(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
         rows = self.cache_static.layers[module.layer_idx]
         scaling = kwargs.get("scaling") or module.scaling
-        scale = torch.full((query.shape[0],), scaling, dtype=torch.float32, device=query.device)
+        if self.evictor is not None:
+            scale = self.evictor.scale(module.layer_idx, rows, scaling)
+        else:
+            scale = torch.full((query.shape[0],), scaling, dtype=torch.float32, device=query.device)
         out, logits = rows.attend(query, scale, kwargs.get("softcap"), self.cache_static.active)
         if self.evictor is not None:
             self.evictor(module.layer_idx, rows, logits)
@@ -280,6 +265,8 @@ class StaticDecoder(BatchedDecoder):
         tokens = torch.zeros(self.batch_size, 1, dtype=torch.long, device=cache.position.device)
         for slot, token in stepping:
             tokens[self.row_of[id(slot)]] = token[0]
+        if self.evictor is not None:
+            self.evictor.before_step([self.row_of[id(slot)] for slot, _ in stepping], cache.layers)
         AttentionInterface.register(self.static_name, self._attention)
         AttentionMaskInterface.register(self.static_name, lambda *args, **kwargs: None)
         previous = self.model.config._attn_implementation

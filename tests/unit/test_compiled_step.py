@@ -8,8 +8,11 @@ op, so the suite checks the capture itself without paying for code generation (i
 graph on a GPU: tests/gpu)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import yaml
 import torch._dynamo
 from torch._dynamo.utils import counters
 
@@ -20,7 +23,8 @@ from kvbench.models import AttentionCapture
 from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
 
-CAPTURED = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv", "kvzip", "h2o", "tova")
+CAPTURED = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv", "kvzip", "h2o", "tova", "keyformer", "buzz",
+            "keyformer selection=code_frozen", "buzz logn=True", "streamingllm_rolling")
 LENGTHS, NEW = (150, 70, 120), (64, 10, 20)  # 64 steps for the first; the second leaves, the third joins its row
 FIELDS = ("token_ids", "kv_bytes", "kv_bytes_final", "kept_per_head", "kv_bytes_per_layer", "kv_bytes_per_layer_final",
           "peak_kv_bytes", "kv_bytes_decode_peak", "kv_bytes_decode_mean")
@@ -35,9 +39,13 @@ def model():
     return tiny_model("llama", layers=2)
 
 
-@pytest.mark.parametrize("name", CAPTURED)
-def test_the_static_step_compiles_once_and_decodes_as_the_eager_engine(model, name):
+@pytest.mark.parametrize("case", CAPTURED)
+def test_the_static_step_compiles_once_and_decodes_as_the_eager_engine(model, case):
+    name, *settings = case.split()
     method, budget = configured(name), None if name == "full" else 48
+    for setting in settings:  # a variant whose rule keeps its own device state (frozen key set, log n scale)
+        key, value = setting.split("=")
+        method = dataclasses.replace(method, **{key: yaml.safe_load(value)})
     with AttentionCapture(model, window=method.query_window) as capture:
         eager = {r.tag: g for r, g in generate_batched(model, None, method, capture, requests(budget), 1)}
         torch._dynamo.reset()
@@ -74,8 +82,8 @@ def test_a_sequence_beyond_the_bucket_gets_larger_rows_and_one_more_graph(model)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
-REFUSED = {"tailorkv": "own storage", "quest": "own storage", "pqcache": "own storage", "keyformer": "per-sample state",
-           "buzz": "per-sample state", "rkv": "compression while decoding"}
+REFUSED = {"tailorkv": "own storage", "quest": "own storage", "pqcache": "own storage",
+           "rkv": "compression while decoding"}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -84,7 +92,7 @@ def test_what_the_static_step_cannot_run_is_named(name):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["method=keyformer", "step=captured"], "per-sample state"),
+    (["method=keyformer", "method.score=shared", "step=captured"], "decides across layers"),
     (["method=snapkv", "step=static", "positions=shift"], "positions=shift"),
     (["method=snapkv", "step=static", "decode_compression.target=64"], "compression while decoding"),
     (["method=snapkv", "step=static", "generation.num_beams=2"], "beam search"),
