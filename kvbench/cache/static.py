@@ -115,12 +115,13 @@ class StaticRows:
             self.scores.scatter_(2, slot, 0.0)
 
     def attend(self, query: Tensor, scale: Tensor, softcap: float | None, active: Tensor) -> tuple[Tensor, Tensor]:
-        """`query` `[R, H_q, 1, D]` over every row's valid slots, fp32 (the engine's decode math): the output
-        `[R, 1, H_q, D]` in the query's dtype and the masked logits `[R, H_q, C]`. A free row attends its first
-        slot (its output is not used), never nothing. `scale` `[R]`: each row's softmax scale."""
+        """`query` `[R, H_q, 1, D]` over every row's valid slots: the output `[R, 1, H_q, D]` in the query's dtype
+        and the masked fp32 logits `[R, H_q, C]`. The two products read K and V once in their own dtype (fp32
+        accumulation), the softmax runs in fp32. A free row attends its first slot (its output is not used), never
+        nothing. `scale` `[R]`: each row's softmax scale."""
         r, h, c, d = self.keys.shape
-        q = query.float().reshape(r * h, -1, d)  # [R * H, G, D]: query head h * G + g reads stored head h
-        logits = torch.bmm(q, self.keys.float().reshape(r * h, c, d).transpose(1, 2)).view(r, h, -1, c)
+        q = query.to(self.keys.dtype).reshape(r * h, -1, d)  # [R * H, G, D]: query head h * G + g reads head h
+        logits = torch.bmm(q, self.keys.reshape(r * h, c, d).transpose(1, 2)).view(r, h, -1, c).float()
         logits = logits * scale.view(r, 1, 1, 1)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
@@ -128,6 +129,6 @@ class StaticRows:
         first[..., 0] = True
         valid = self.valid | (first & ~active.view(r, 1, 1))
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-        probs = logits.softmax(dim=-1).view(r * h, -1, c)
-        out = torch.bmm(probs, self.values.float().reshape(r * h, c, -1))
+        probs = logits.softmax(dim=-1).view(r * h, -1, c).to(self.values.dtype)
+        out = torch.bmm(probs, self.values.reshape(r * h, c, -1))
         return out.view(r, 1, -1, self.values.shape[-1]).to(query.dtype), logits.view(r, -1, c)

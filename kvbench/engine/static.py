@@ -113,6 +113,8 @@ class StaticDecoder(BatchedDecoder):
         self.slots_of: list[Slot | None] = [None] * self.batch_size
         self.evictor: BudgetRule | None = None
         self.step_fn = None
+        self.greedy_of: dict[int, Tensor] = {}  # id(slot) -> its row of the last step's greedy tokens
+        self.greedy: Tensor | None = None
 
     # --- rows ---------------------------------------------------------------------------------------------------
     def _into_rows(self, slot: Slot) -> Slot:
@@ -150,6 +152,7 @@ class StaticDecoder(BatchedDecoder):
         cache.held_peak[row] = 0
         cache.held_sum[row] = 0
         self.slots_of[row], self.row_of[id(slot)] = slot, row
+        self.greedy_of.pop(id(slot), None)  # (an id the last step's rows may still name)
         return slot
 
     def _capacity(self, layer: KVLayer, slot: Slot, evicting: bool) -> int:
@@ -204,6 +207,7 @@ class StaticDecoder(BatchedDecoder):
         """The slot's layers as plain layers again (its cache lives on: a record, a next turn), its evictor's scores
         and step count, the bytes it held while decoding; its row is free."""
         row = self.row_of.pop(id(slot), None)
+        self.greedy_of.pop(id(slot), None)
         if row is None:
             return
         cache, layers = self.cache_static, slot.run.cache.layers
@@ -239,32 +243,37 @@ class StaticDecoder(BatchedDecoder):
             self.evictor(module.layer_idx, rows, logits)
         return out, None
 
-    def step(self, tokens: Tensor) -> Tensor:
-        """One decode step for every row: `tokens` `[R, 1]` -> the next-token logits `[R, V]`. Everything on the
-        device: writes, masks, eviction, positions and the bytes each row holds."""
+    def step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One decode step for every row: `tokens` `[R, 1]` -> the next-token logits `[R, V]` and the greedy token
+        `[R, 1]`. Everything on the device: writes, masks, eviction, positions and the bytes each row holds."""
         cache = self.cache_static
         logits = self.model(input_ids=tokens, position_ids=cache.position[:, None], past_key_values=cache,
                             use_cache=True).logits[:, -1]
         cache.position.add_(cache.active.long())
-        return logits
+        return logits, logits.argmax(dim=-1, keepdim=True)
 
     def _compiled(self):
+        """The step as it runs: eager (`step=static`); on CUDA, recorded once into a CUDA graph and replayed (or
+        compiled by `backend` first); elsewhere `torch.compile(fullgraph=True)` (inductor unless `backend`)."""
         if self.step_fn is None:
             if not self.compile:
                 self.step_fn = self.step
+            elif self.cache_static.position.is_cuda and self.backend is None:
+                self.step_fn = GraphStep(self.step, self.batch_size, self.cache_static.position.device)
             else:
                 kwargs = {"backend": self.backend} if self.backend else {}
-                if self.backend is None and self.cache_static.position.is_cuda:
-                    kwargs["mode"] = "reduce-overhead"
                 self.step_fn = torch.compile(self.step, fullgraph=True, dynamic=False, **kwargs)
         return self.step_fn
 
     @torch.no_grad()
     def _forward(self, stepping: list[tuple[Slot, Tensor]]) -> None:
         cache = self.cache_static
-        tokens = torch.zeros(self.batch_size, 1, dtype=torch.long, device=cache.position.device)
-        for slot, token in stepping:
-            tokens[self.row_of[id(slot)]] = token[0]
+        if all(token is self.greedy_of.get(id(slot)) for slot, token in stepping):
+            tokens = self.greedy  # every row took the step's own greedy token: no copy at all
+        else:
+            tokens = torch.zeros(self.batch_size, 1, dtype=torch.long, device=cache.position.device)
+            for slot, token in stepping:
+                tokens[self.row_of[id(slot)]] = token[0]
         if self.evictor is not None:
             self.evictor.before_step([self.row_of[id(slot)] for slot, _ in stepping], cache.layers)
         AttentionInterface.register(self.static_name, self._attention)
@@ -273,14 +282,58 @@ class StaticDecoder(BatchedDecoder):
         self.model.set_attn_implementation(self.static_name)
         t0 = time.perf_counter()
         try:
-            logits = self._compiled()(tokens)
+            logits, self.greedy = self._compiled()(tokens)
         finally:
             self.model.set_attn_implementation(previous)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - t0
+        self.greedy_of = {}
         for slot, _ in stepping:
             row = self.row_of[id(slot)]
             slot.logits = logits[row:row + 1]
+            self.greedy_of[id(slot)] = self.greedy[row:row + 1]
             slot.n_forward += 1
             slot.decode_s += seconds
+
+    def _choose(self, slot: Slot) -> Tensor | None:
+        """The step's greedy token where the eager rule would pick the argmax of these logits (greedy, no forced
+        token, no masked ends); otherwise the eager rule."""
+        request, greedy = slot.request, self.greedy_of.get(id(slot))
+        plain = (greedy is not None and not slot.decoding.sampling.do_sample and request.on_logits is None
+                 and request.forced is None and request.beams is None and slot.t < request.max_new_tokens
+                 and (slot.t >= request.min_new_tokens or not (self.eos_ids or request.stop_token_ids)))
+        if plain:
+            return greedy
+        self.greedy_of.pop(id(slot), None)
+        return super()._choose(slot)
+
+
+class GraphStep:
+    """The static step recorded into one CUDA graph and replayed: its first call runs the step eagerly (the warm-up:
+    kernels chosen, workspaces made) and records it, later calls copy the tokens in and replay. Every buffer the step
+    reads or writes keeps its address while the rows do (larger rows make a new `GraphStep`)."""
+
+    def __init__(self, step, rows: int, device: torch.device):
+        self.step, self.device = step, device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[Tensor, Tensor] | None = None
+
+    def __call__(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        if tokens is not self.tokens:
+            self.tokens.copy_(tokens)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits, greedy = self.step(self.tokens)  # the real first step, and the warm-up
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        first = (logits.clone(), greedy.clone())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: the rows are not written twice
+            self.out = self.step(self.tokens)
+        return first
+

@@ -43,7 +43,8 @@ class RollingWindow(DecodingMethod):
         if n <= state.budget:
             return None
         recent = state.budget - self.n_sink
-        idx = torch.cat([torch.arange(self.n_sink), torch.arange(n - recent, n)]).to(scores.device)
+        dev = scores.device  # (made there: no host-to-device copy inside a captured step)
+        idx = torch.cat([torch.arange(self.n_sink, device=dev), torch.arange(n - recent, n, device=dev)])
         return idx.expand(b, h, state.budget)
 
 
