@@ -141,6 +141,23 @@ def test_kvbench_keeps_what_kvpress_keeps(oracle, name):
                            f"e.g. {wrong[:3]}")
 
 
+def test_the_goldens_hold_what_they_test(oracle):
+    """PyramidKV's goldens hold a pyramid and kvpress's uniform fallback; AdaKV's and KVzip's, heads of different
+    lengths; Knorm's, the few rows cut on a tie."""
+    _, goldens, config, prompts = oracle
+    heads = config.num_key_value_heads
+
+    def sizes(case):  # kept per (layer, head)
+        n = len(prompts[case["prompt"]])
+        return [[len(h) for h in golden_kept(layer, heads, n)] for layer in case["kept"]]
+
+    layer_sizes = [{row[0] for row in sizes(case)} for case in goldens["pyramidkv"]["cases"]]
+    assert any(len(s) > 1 for s in layer_sizes) and any(len(s) == 1 for s in layer_sizes)
+    for name in ("adakv", "kvzip"):
+        assert all(len({k for row in sizes(case) for k in row}) > 1 for case in goldens[name]["cases"])
+    assert 0 < sum(len(case["tied"]) for case in goldens["knorm"]["cases"]) < 10
+
+
 @pytest.mark.parametrize("name", list(DEFAULT_READINGS))
 def test_the_default_reading_is_not_kvpress(oracle, name):
     """Each switch matters: without it kvbench keeps other entries than kvpress on a golden case of prompt 0."""
