@@ -7,7 +7,7 @@ kvpress 0.5.5, transformers 5.2.0, torch 2.13.0+cpu, fp32 weights, one thread):
     <kvpress venv>/bin/python scripts/make_kvpress_goldens.py \
         --essays "$(.venv/bin/python -c 'from kvbench.data.niah import essays_dir; print(essays_dir())')"
 
-It imports nothing of kvbench. The prompts are the first 192, 224 and 256 tokens of the first three Paul Graham
+It imports nothing of kvbench. The prompts are the first 192 and 256 tokens of the first two Paul Graham
 essays (sorted file names; their token ids go into prompts.json), the model the converted embedded SmolLM2 folder
 (`kvbench.models.embedded.embedded_model_dir()`, the one bench_memory's --kvpress-python loads). Each press runs at
 each ratio inside `with press(model): model(ids, past_key_values=DynamicCache())`, as kvpress's pipeline prefills.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = Path.home() / ".cache/kvbench/models/SmolLM2-135M-Instruct.Q4_1-v0.1.2"
-LENGTHS = (192, 224, 256)  # multiples of 4: n * (1 - r) is an integer for r = 0.25, 0.5, 0.75 (short: the test
-#                             prefills each in kvbench, and the suite's time is counted)
+LENGTHS = (192, 256)  # multiples of 4: n * (1 - r) is an integer for r = 0.25, 0.5, 0.75 (two short ones: the
+#                        test prefills and reconstructs (KVzip) each in kvbench, and the suite's time is counted)
 RATIOS = (0.25, 0.5)  # kvpress's leaderboard ratios that leave SnapKV's window 64 inside the budget here
 
 

@@ -1,5 +1,5 @@
 """kvbench's methods against kvpress 0.5.5 itself: the entries each press keeps per layer and KV head, on the embedded
-model, 3 prompts and 2-3 ratios (tests/fixtures/kvpress, made by scripts/make_kvpress_goldens.py in kvpress's venv).
+model, 2 prompts and 2-3 ratios (tests/fixtures/kvpress, made by scripts/make_kvpress_goldens.py in kvpress's venv).
 
 Each method runs with kvpress's defaults set (ratio r -> budget int(n (1 - r)), as kvpress's n_kept) through the
 engine (`prepare` on one shared prefill per prompt, as the grid launcher runs it). Ties: a (layer, head) row whose
@@ -132,7 +132,7 @@ def mismatches(kept: list[list[set[int]]], case: dict, n: int) -> list[str]:
 def test_kvbench_keeps_what_kvpress_keeps(oracle, name):
     runs, goldens, config, prompts = oracle
     cases = goldens[name]["cases"]
-    assert len(cases) >= 6 and goldens[name]["kvpress"] == "0.5.5"
+    assert len(cases) >= 4 and goldens[name]["kvpress"] == "0.5.5"
     for case in cases:
         kept = runs[name, case["prompt"], case["ratio"]]
         assert len(kept) == config.num_hidden_layers and all(len(h) == config.num_key_value_heads for h in kept)
