@@ -13,6 +13,8 @@ Defaults and switches:
   head, H_q heads stored), for rebuilding its tables.
 - `allocation="kvpress"` is kvpress's AdaKVPress rule instead: each head's top int(alpha * n_keep) entries (window
   first, as its padded window scores win) are protected, then the layer's H * n_keep entries are a global top-k.
+  With `window=64 kernel=5 pooling=avg` the kept entries equal `AdaKVPress(SnapKVPress())`'s unmasked ones
+  (tests/unit/test_kvpress_oracle.py).
 - Budgets are computed per sample (the official code froze Ada-Pyramid's layer budgets from the first sample).
 - Ada-Pyramid's layer budgets follow the official `AdaptiveSnapKVCluster` (`ada_pyramid_budgets`): PyramidKV's
   integer schedule *without* its uniform regime for B <= n < 2(B - w): the bottom layer is clamped to n - w and the

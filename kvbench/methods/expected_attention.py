@@ -19,7 +19,8 @@ What kvbench does differently, because of what its capture records:
   back into pre-RoPE queries with the layer's rotary angles (`LayerView.rotary`, read by the capture from the (cos,
   sin) the model rotates with; exact up to fp32) and takes the statistics over those w positions (sinks still
   excluded). Default `window=128`, at least the head dim of the usual models, so Sigma has full rank; a larger window
-  costs H_q x w x D per layer at prefill.
+  costs H_q x w x D per layer at prefill. A window at least the prompt's length takes every query after the sinks,
+  as kvpress: the kept entries then equal `ExpectedAttentionPress()`'s (tests/unit/test_kvpress_oracle.py).
 - The future positions are n, n+1, ..., n+511 from the prompt length n (prefill from position 0), as kvpress.
 - The softmax scale is the model's (`view.scaling`) where kvpress hard-codes 1/sqrt(d); they agree on the usual
   models (not on Gemma's query_pre_attn_scalar). ALiBi (MPT) and soft caps (Gemma 2) are ignored, as in kvpress;

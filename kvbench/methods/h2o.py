@@ -21,6 +21,11 @@ Variants (`variant`):
   cache grows (KVCache-Factory's 2026 HEAD scoring with kvbench's GQA reduction).
 - `recent_ratio=0.5`: H2O's own default splits the budget equally (hh_size = recent_size); Keyformer's tables used
   0.3. `recent_size` sets it in entries instead.
+- `normalize="observed"` (with `variant=prefill_only`): kvpress's `ObservedAttentionPress`: each key's column sum
+  divided by the number of prompt queries that saw it (n - j for key j under the causal mask), per query head,
+  before the group mean; with `recent_size=0` the kept entries equal ObservedAttentionPress's (kvpress computes
+  them from eager attention; tests/unit/test_kvpress_oracle.py). Default `none`: H2O's plain sums, which favour
+  early keys (seen by more queries).
 - GQA: probabilities are averaged over the query heads of each KV group (`gqa_reduce`); H2O itself is MHA-only.
 """
 from __future__ import annotations
@@ -28,12 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import torch
 from torch import Tensor
 
 from kvbench.methods.decoding import DecodingMethod, EvictionState, heavy_recent_keep
 from kvbench.registry import METHODS
 
 VARIANTS = ("decode", "prefill_only", "kvcache_factory")
+NORMALIZE = ("none", "observed")
 
 
 @METHODS.register("h2o")
@@ -43,6 +50,7 @@ class H2O(DecodingMethod):
     recent_size: int | None = None  # absolute recent window (overrides recent_ratio)
     variant: Literal["decode", "prefill_only", "kvcache_factory"] = "decode"
     granularity: Literal["kv_head", "query_head"] = "kv_head"  # query_head: kvcache_factory only
+    normalize: Literal["none", "observed"] = "none"  # observed: sums / queries that saw each key (prefill_only)
 
     together: ClassVar[bool] = True  # softmax rows and a top-k by budget: samples of one budget evict in one call
     static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
@@ -56,6 +64,11 @@ class H2O(DecodingMethod):
             raise ValueError(f"h2o: granularity={self.granularity!r} is not one of kv_head, query_head")
         if self.granularity == "query_head" and self.variant != "kvcache_factory":
             raise ValueError("h2o: granularity=query_head needs variant=kvcache_factory (a one-shot selection)")
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"h2o: normalize={self.normalize!r} is not one of {', '.join(NORMALIZE)}")
+        if self.normalize == "observed" and self.variant != "prefill_only":
+            raise ValueError("h2o: normalize=observed needs variant=prefill_only (kvpress's one-shot "
+                             "ObservedAttentionPress, causal prompt rows)")
 
     @property
     def evicts_while_decoding(self) -> bool:
@@ -74,6 +87,9 @@ class H2O(DecodingMethod):
         return self.recent(budget) if self.variant == "kvcache_factory" else None
 
     def prefill_scores(self, column_sums: Tensor, n_kv_heads: int) -> Tensor:
+        if self.normalize == "observed":  # key j was seen by the n - j prompt queries at or after it
+            n = column_sums.shape[-1]
+            column_sums = column_sums / torch.arange(n, 0, -1, device=column_sums.device, dtype=column_sums.dtype)
         if self.granularity == "query_head":
             return column_sums  # one selection per query head; the cache then holds H_q heads
         return super().prefill_scores(column_sums, n_kv_heads)

@@ -25,6 +25,10 @@ Where kvbench differs, and why:
   kvpress keeps the first `n_sink` tokens of the chat template's prefix and repeats the rest of the prompt.
   kvbench's prompt has no separate system prompt, so its first `n_sink` entries play that part: kept, in every
   softmax, not repeated; the chunks cover the rest. Sinks count inside the budget (kvbench's budget semantics).
+  `sinks="repeated"` is kvpress on a tokenizer without a chat template (no prefix): the repeat starts at position
+  0, so the first chunk's softmax has no sink keys and the sinks are scored like any entry (still always kept);
+  with it and `chunk_size=2048` the kept entries equal KVzipPress's (tests/unit/test_kvpress_oracle.py; one-chunk
+  prompts: kvpress's later-chunk prompt also lacks the authors' trailing space, kvbench keeps it).
 - Budget. `budget=B` keeps exactly B x layers x KV heads entries (mean B per head; a head may keep only its sinks
   or everything). The authors keep the entries strictly above the (ratio x N)-th score, kvpress drops exactly
   int(ratio x N); `ratio=r` maps to a budget like for every method.
@@ -43,7 +47,7 @@ and the K/V held at the peak 2x the full cache (the reconstruction's K/V on top 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -73,6 +77,7 @@ class KVzip(Method):
     chunk_size: int = 2000  # context tokens repeated per reconstruction prefill
     prev_postfix_size: int = 8  # the previous chunk's last tokens, quoted in the next prompt
     n_sink: int = 4  # first entries: always kept, in every score's softmax, never repeated; inside the budget
+    sinks: Literal["apart", "repeated"] = "apart"  # repeated: kvpress without a chat template (repeat from 0)
     chat_template: bool = False  # the model config's: the suffix comes from the tokenizer's chat template
     prompt_ids: list | None = None  # [first prompt, next prompt, suffix] token ids; None: `prepare` tokenizes them
     row_block: ClassVar[int] = 512  # query rows scored at once (memory rows x keys per head)
@@ -84,6 +89,8 @@ class KVzip(Method):
         if self.prev_postfix_size < 0 or self.n_sink < 0:
             raise ValueError(f"kvzip: prev_postfix_size={self.prev_postfix_size} and n_sink={self.n_sink} must "
                              "be >= 0")
+        if self.sinks not in ("apart", "repeated"):
+            raise ValueError(f"kvzip: sinks={self.sinks!r} is not one of apart, repeated")
         if self.prompt_ids is not None and (len(self.prompt_ids) != 3 or not all(self.prompt_ids[:2])):
             raise ValueError(f"kvzip: prompt_ids={self.prompt_ids!r} must be [first prompt ids, next prompt ids, "
                              "suffix ids] (the prompts non-empty), or null to tokenize them")
@@ -110,7 +117,7 @@ class KVzip(Method):
         first, following, suffix = (torch.tensor(ids, dtype=context_ids.dtype, device=context_ids.device)
                                     for ids in self.prompt_ids)
         ids, n = context_ids[0], context_ids.shape[1]
-        starts = range(min(self.n_sink, n), n, self.chunk_size)
+        starts = range(0 if self.sinks == "repeated" else min(self.n_sink, n), n, self.chunk_size)
         inputs = []
         for start in starts:
             end = min(start + self.chunk_size, n)

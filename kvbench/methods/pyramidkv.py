@@ -9,6 +9,12 @@ integer schedule (`pyramid_budgets`), with these quirks and switches:
 - Regimes: no compression when n < B; uniform SnapKV when B <= n < 2(B - window); the pyramid otherwise.
 - `schedule="adakv"`: the schedule of FFY0/AdaKV's code (its "Pyramid" rows): the same integer step, but the bottom
   layer is clamped to n - w and the pyramid kept where PyramidKV goes uniform (`ada_pyramid_budgets`).
+- `schedule="kvpress"`: kvpress 0.5.5's `PyramidKVPress.get_layer_budget` (`kvpress_pyramid_budgets`): float
+  bounds from c = B (kvpress: n (1 - r), equal when that is an integer), top layer c / beta, bottom 2c - top,
+  clamped to n - w like the reference, each layer's total (window inside) rounded half to even, and uniform B
+  whenever the bounds do not satisfy n >= bottom >= top >= w (always the case at kvpress's window 64 unless
+  B >= 64 beta). kvpress's defaults are `window=64 kernel=5 pooling=avg`; with the same window, kernel and pooling
+  the kept entries equal PyramidKVPress's (tests/unit/test_kvpress_oracle.py, at window 4 so the pyramid occurs).
 - `granularity="query_head"` is the paper-era layout (KV repeated per query head before selection); see SnapKV.
 """
 from __future__ import annotations
@@ -59,22 +65,47 @@ def ada_pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int
     return [k_max - layer * step + window for layer in range(n_layers)]
 
 
+def kvpress_pyramid_budgets(prompt_len: int, n_layers: int, budget: int, window: int, beta: int) -> list[int]:
+    """Entries kept per head in each layer (window included), bottom layer first, as kvpress 0.5.5's
+    `PyramidKVPress.get_layer_budget` computes them with n (1 - r) = `budget`: float bounds, Python's round."""
+    n = prompt_len
+    if n <= budget:
+        return [n] * n_layers
+    top = budget / beta
+    bottom = 2 * budget - top
+    if bottom >= n - window:
+        bottom = n - window
+        top = 2 * budget - bottom
+    if not n >= bottom >= top >= window:
+        return [budget] * n_layers
+    step = (bottom - top) / (n_layers - 1) if n_layers > 1 else 0.0
+    return [round(bottom - layer * step) for layer in range(n_layers)]
+
+
+SCHEDULES = ("pyramidkv", "adakv", "kvpress")
+
+
 @METHODS.register("pyramidkv")
 @dataclass
 class PyramidKV(WindowScorer):
     window: int = 8
     beta: int = 20  # top layer gets (B - window) / beta selected entries
     exact: bool = False  # True: budget-matched schedule (mean kept == B exactly)
-    schedule: Literal["pyramidkv", "adakv"] = "pyramidkv"  # adakv: FFY0/AdaKV's schedule (no uniform regime)
+    schedule: Literal["pyramidkv", "adakv", "kvpress"] = "pyramidkv"  # adakv: FFY0/AdaKV's (no uniform regime);
+    #                                                                 kvpress: PyramidKVPress's float schedule
 
     def __post_init__(self):
         super().__post_init__()
         if self.beta < 1:
             raise ValueError(f"pyramidkv: beta={self.beta} must be >= 1")
-        if self.schedule not in ("pyramidkv", "adakv"):
-            raise ValueError(f"pyramidkv: schedule={self.schedule!r} is not one of pyramidkv, adakv")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pyramidkv: schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.schedule == "kvpress" and self.exact:
+            raise ValueError("pyramidkv: exact=true is a schedule of its own; use it with schedule=pyramidkv")
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        if self.schedule == "kvpress":
+            return kvpress_pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta)
         if self.schedule == "adakv" and not self.exact:
             return ada_pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta)
         return pyramid_budgets(prompt_len, n_layers, budget, self.window, self.beta, self.exact)

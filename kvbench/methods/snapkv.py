@@ -8,7 +8,8 @@ Defaults follow the reference scripts: window 32, max-pool 7. Quirks and their s
   each query head keeps its own set and the cache holds H_q heads (n_rep x the memory). Default `kv_head`
   (GQA-native): scores are reduced over the query heads of a group (`gqa_reduce`, mean as KVCache-Factory's
   2026 `kv_head` mode) before pooling, and the cache holds H_kv heads.
-- `pooling="avg", kernel=5` reproduces kvpress's `SnapKVPress` (which differs from the reference).
+- `pooling="avg", kernel=5` (with `window=64`) reproduces kvpress's `SnapKVPress` (which differs from the
+  reference): the same kept entries (tests/unit/test_kvpress_oracle.py).
 - PyramidKV's LongBench scripts used `window=8` for SnapKV; set `method.window=8` to rebuild those tables.
 - No compression when the prompt is not longer than the budget (reference behaviour).
 """

@@ -15,8 +15,11 @@ Heads (`selection`):
   variant the reference does not have.
 Differences from the reference, all small: probabilities stay fp32 (the reference averages them after casting to
 the model dtype); kvpress additionally always keeps the last prompt token at prefill, TOVA does not and neither does
-kvbench. The prefill row comes from the capture's chunked prefill scoring (cost as H2O's), keeping only the last
-prompt query's row: the one row whose causal mask lets it see the last key.
+kvbench by default: `keep_last=true` is kvpress's `TOVAPress` (the last prompt entry kept, the other budget - 1 by
+the row over the earlier keys), applied where kvbench evicts prefill-like (the prompt, a chunk fed on top), not at
+decode steps (kvpress compresses only the prefill); with it the kept entries equal TOVAPress's
+(tests/unit/test_kvpress_oracle.py). The prefill row comes from the capture's chunked prefill scoring (cost as
+H2O's), keeping only the last prompt query's row: the one row whose causal mask lets it see the last key.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ SELECTIONS = ("layer", "kv_head")
 @dataclass
 class TOVA(DecodingMethod):
     selection: Literal["layer", "kv_head"] = "layer"  # layer: one set from the all-head mean (the reference)
+    keep_last: bool = False  # True: kvpress's TOVAPress, the last prompt entry always kept at prefill
 
     keeps_history: ClassVar[bool] = False  # each step's attention row replaces the scores
     static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
@@ -56,6 +60,8 @@ class TOVA(DecodingMethod):
         b, h, n = scores.shape
         if n <= state.budget:
             return None
+        if prefill and self.keep_last:  # kvpress: the last entry scores above every other
+            scores = torch.cat([scores[..., :-1], scores.new_full((b, h, 1), float("inf"))], dim=-1)
         if self.selection == "layer":  # mean of the group means = mean over every query head (equal groups)
             keep = scores.mean(dim=1, keepdim=True).topk(state.budget, dim=-1).indices
             return keep.sort(dim=-1).values.expand(b, h, state.budget)
