@@ -1,0 +1,148 @@
+"""LongBench v2, ZeroSCROLLS and LooGLE (issue 35): prompts byte for byte against the reference files, the loaders on
+their look-alike fixtures, the scorers against values the reference code computed (tests/fixtures/*_golden.json say
+how), the download script's files, one-line refusals, and one run end to end on the tiny random model."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.data.longbench_v2 import (COT_ANSWER_TEMPLATE, TEMPLATE_0SHOT, TEMPLATE_COT, LongBenchV2,
+                                       cot_answer_prompt, result_table)
+from kvbench.metrics.longbench_v2 import extract_answer, kvpress_match
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def script(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+# --- LongBench v2 ---------------------------------------------------------------------------------------------------
+def test_longbench_v2_templates_are_the_upstream_files():
+    """sha256 of THUDM/LongBench @ 2e00731 prompts/0shot.txt, 0shot_cot.txt, 0shot_cot_ans.txt (read with git show)."""
+    assert sha(TEMPLATE_0SHOT) == "68a162252bc9ff71d5d7abca3d69bb31aac3c35f832d657a2866f2018b8a6950"
+    assert sha(TEMPLATE_COT) == "6cc33d92fd8f611662b756c1f10f302c541ca005b58c46d5f3188ac3a939bfe8"
+    assert sha(COT_ANSWER_TEMPLATE) == "85ec59df4ac0e27aabbc619a7ca5cf3ae1787dd5a76cf51a18944eb52c91955f"
+
+
+def test_longbench_v2_extraction_equals_the_reference_on_goldens():
+    cases = json.loads((FIXTURES / "longbench_v2_golden.json").read_text(encoding="utf-8"))["cases"]
+    assert len(cases) >= 15 and {c["judge"] for c in cases} == {True, False}
+    assert any(c["judge"] != c["kvpress"] for c in cases)  # the two judges differ on some
+    for c in cases:
+        assert extract_answer(c["response"]) == c["pred"], c
+        assert kvpress_match(c["response"], c["answer"]) == c["kvpress"], c
+
+
+def test_longbench_v2_builds_the_fixture(smollm2_tokenizer):
+    samples = LongBenchV2(root=str(FIXTURES / "longbench_v2")).build(smollm2_tokenizer, 100_000)
+    first = samples[0]
+    assert [s.id for s in samples] == [f"longbench_v2-66f0a1b2c3d4e5f6a7b8c9d{i}" for i in range(3)]
+    assert first.prompt.startswith("Please read the following text and answer the question below.\n\n<text>\nThe "
+                                   "lighthouse")  # the document stripped, as pred.py
+    assert "question: Which colour was the lighthouse painted after the storm?\nChoices:\n(A) Red\n(B) White\n" \
+           in first.prompt and first.answers == ["C"] and first.max_new_tokens == 128
+    assert first.meta["difficulty"] == "easy" and first.meta["length"] == "short"
+    assert first.prompt[first.context_end:].startswith("What is the correct answer")
+    question = smollm2_tokenizer.decode(first.input_ids[first.context_tokens:])  # "\n\n" is one token: the question's
+    assert question.startswith("\n\nWhat is the correct") and "lighthouse on" not in question
+    # chat template on: the user turn of SmolLM2's template; the split stays inside it
+    chat = LongBenchV2(root=str(FIXTURES / "longbench_v2"), prompt="cot").build(smollm2_tokenizer, 100_000, True)[0]
+    assert chat.prompt.endswith("Let’s think step by step:<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.max_new_tokens == 1024 and chat.prompt[chat.context_end:].startswith("What is the correct answer")
+    # a middle cut keeps ids[:max // 2] + ids[-max // 2:] (floor: one more at the end for an odd limit)
+    cut = LongBenchV2(root=str(FIXTURES / "longbench_v2")).build(smollm2_tokenizer, 41)[0]
+    full_ids = smollm2_tokenizer.encode(LongBenchV2(root=str(FIXTURES / "longbench_v2")).build(
+        smollm2_tokenizer, 100_000)[0].prompt)
+    expected = smollm2_tokenizer.decode(full_ids[:20] + full_ids[-21:], skip_special_tokens=True)
+    assert cut.meta["truncated"] and cut.prompt == expected
+
+
+def test_longbench_v2_cot_answer_prompt_is_preds_second_question():
+    record = json.loads((FIXTURES / "longbench_v2" / "data.jsonl").read_text().splitlines()[1])
+    text = cot_answer_prompt(record, "  The reports agree on 1923.\n")
+    assert "The text is too long and omitted here." in text and "Report one" not in text
+    assert "Let’s think step by step: The reports agree on 1923.\n\nBased on the above" in text
+
+
+def test_longbench_v2_kvpress_reading(smollm2_tokenizer):
+    sample = LongBenchV2(root=str(FIXTURES / "longbench_v2"), prompt="kvpress").build(smollm2_tokenizer, 100_000)[0]
+    assert sample.max_new_tokens == 16
+    assert sample.prompt.startswith("<|im_start|>Please read the following text and answer the question below.\n"
+                                    "<text>\n\nThe lighthouse")  # bos + context, nothing stripped
+    assert sample.prompt.endswith("\"The correct answer is (insert answer here).\n")  # question + "\n" + no prefix
+    context_ids = smollm2_tokenizer.encode(sample.prompt[:sample.context_end], add_special_tokens=False)
+    assert list(sample.input_ids[:sample.context_tokens]) == context_ids  # two pieces, each tokenized alone
+    ds = LongBenchV2(prompt="kvpress")
+    assert ds.score(sample, "The correct answer is (A). No: The correct answer is (C)") == {"accuracy": 1.0}
+    assert LongBenchV2().score(sample, "The correct answer is (A). No: The correct answer is (C)") == {
+        "accuracy": 0.0, "answered": 1.0}
+
+
+def test_longbench_v2_result_table_is_result_py():
+    recs = [{"scores": {"accuracy": a}, "meta": {"difficulty": d, "length": n}}
+            for a, d, n in [(1.0, "easy", "short"), (0.0, "hard", "short"), (1.0, "hard", "medium"),
+                            (0.0, "hard", "long"), (1.0, "easy", "long"), (1.0, "hard", "long")]]
+    table = result_table(recs)
+    assert table["scores"] == {"Overall": 66.7, "Easy": 100.0, "Hard": 50.0, "Short": 50.0, "Medium": 100.0,
+                               "Long": 66.7}
+    assert table["n"]["Hard"] == 4 and result_table(recs[:1])["scores"]["Hard"] is None
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LongBenchV2(prompt="cot2"), "longbench_v2: Unknown prompt 'cot2'"),
+    (lambda: LongBenchV2(difficulty=["medium"]), "longbench_v2: difficulty has 'medium'; use some of easy, hard"),
+    (lambda: LongBenchV2(root="/nonexistent").check(), "longbench_v2: /nonexistent/ lacks data.jsonl; run `python "),
+])
+def test_bad_input_is_one_line(make, message):
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        make()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_download_script_writes_what_the_builders_read(tmp_path, monkeypatch, smollm2_tokenizer):
+    dl = script("download_long_context")
+    records = [json.loads(line) for line in (FIXTURES / "longbench_v2" / "data.jsonl").read_text().splitlines()]
+    asked = []
+    monkeypatch.setattr(dl, "resolve_revision", lambda repo, revision: "c0ffee" + "0" * 34)
+    monkeypatch.setattr(dl, "load_files", lambda builder, files, split: asked.append((builder, files, split))
+                        or [{**r, "extra": 1} for r in records])
+    assert dl.main(["longbench_v2", "--out", str(tmp_path)]) == 0
+    assert asked == [("json", "hf://datasets/THUDM/LongBench-v2@c0ffee" + "0" * 34 + "/data.json", "train")]
+    built = LongBenchV2(root=str(tmp_path / "longbench_v2")).build(smollm2_tokenizer)
+    assert [s.answers for s in built] == [["C"], ["B"], ["D"]]
+    provenance = json.loads((tmp_path / "longbench_v2" / "provenance.json").read_text())
+    assert provenance["revision"] == "main" and provenance["resolved_revision"].startswith("c0ffee")
+    assert provenance["rows"] == {"data": 3} and set(provenance["files"]) == {"data.jsonl"}
+
+
+def test_longbench_v2_runs_end_to_end_and_the_report_scores_it(tmp_path):
+    from kvbench.report.__main__ import main as report_main
+    from tests.unit.test_cli import records, run_here
+
+    run_dir = run_here("model=tiny_llama", "dataset=longbench_v2", f"dataset.root={FIXTURES / 'longbench_v2'}",
+                       "dataset.max_new_tokens=4", "method=snapkv", "budget=64", "query=agnostic", "report=false",
+                       results=tmp_path / "results")
+    recs = records(run_dir)
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert len(recs) == 3 and scores["primary_metric"] == "accuracy"
+    assert all(set(r["scores"]) == {"accuracy", "answered"} and r["new_tokens"] <= 4 for r in recs)
+    assert scores["longbench_v2"]["n"] == {"Overall": 3, "Easy": 1, "Hard": 2, "Short": 1, "Medium": 1, "Long": 1}
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["dataset"] == "longbench_v2" and manifest["dataset_provenance"]["revision"] == "fixture"
+    assert report_main([str(tmp_path / "results"), "--out", str(tmp_path / "report")]) == 0
+    table = (tmp_path / "report" / "query-agnostic" / "longbench_v2_table.md").read_text()
+    assert "| Overall | Easy | Hard | Short | Medium | Long |" in table and "| SnapKV | 64 | agnostic | 3 |" in table
