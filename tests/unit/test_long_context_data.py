@@ -146,3 +146,59 @@ def test_longbench_v2_runs_end_to_end_and_the_report_scores_it(tmp_path):
     assert report_main([str(tmp_path / "results"), "--out", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "query-agnostic" / "longbench_v2_table.md").read_text()
     assert "| Overall | Easy | Hard | Short | Medium | Long |" in table and "| SnapKV | 64 | agnostic | 3 |" in table
+
+
+# --- ZeroSCROLLS ----------------------------------------------------------------------------------------------------
+def test_zero_scrolls_metrics_equal_the_reference_on_goldens():
+    from kvbench.metrics import zero_scrolls as zs
+
+    golden = json.loads((FIXTURES / "zero_scrolls_golden.json").read_text(encoding="utf-8"))
+    fns = {**zs.SCORERS, "exact_match": zs.exact_match}
+    for metric, cases in golden.items():
+        if metric == "how":
+            continue
+        for c in cases:
+            assert zs.best_over_references(fns[metric], c["prediction"], c["references"]) == pytest.approx(
+                c["value"], abs=1e-12), (metric, c)
+
+
+def test_zero_scrolls_builds_the_fixture_both_ways(smollm2_tokenizer):
+    from kvbench.data.zero_scrolls import ZeroScrolls
+
+    root = str(FIXTURES / "zero_scrolls")
+    samples = ZeroScrolls(root=root).build(smollm2_tokenizer, 100_000)
+    assert len(samples) == 10 and {s.meta["task"] for s in samples} == set(ZeroScrolls().tasks)
+    qasper = next(s for s in samples if s.meta["task"] == "qasper")
+    assert qasper.answers == ["12,000 Welsh sentences", "12,000"] and qasper.max_new_tokens == 128
+    record = json.loads((FIXTURES / "zero_scrolls" / "qasper_validation.jsonl").read_text().splitlines()[0])
+    assert qasper.prompt == record["input"] and qasper.context_end == record["document_end_index"]
+    assert smollm2_tokenizer.decode(qasper.input_ids[qasper.context_tokens:]).lstrip().startswith("Question:")
+    # the reference's cut: the head of the text before the query, then separator + query, `limit` tokens in all
+    cut = ZeroScrolls(root=root, tasks=["qasper"]).build(smollm2_tokenizer, 30)[0]
+    tail = smollm2_tokenizer(record["truncation_seperator"] + record["input"][record["query_start_index"]:],
+                             add_special_tokens=False).input_ids
+    assert len(cut.input_ids) == 30 and list(cut.input_ids[-len(tail):]) == tail and cut.meta["truncated"]
+    # kvpress: context / question / stripped answer prefix, two pieces
+    kv = ZeroScrolls(root=root, tasks=["qasper"], protocol="kvpress").build(smollm2_tokenizer, 100_000, True)[0]
+    assert kv.prompt.endswith("How many sentences are used for training?<|im_end|>\n<|im_start|>assistant\nAnswer:")
+    assert kv.prompt[:kv.context_end].endswith("Corpus of Welsh Tides.")
+
+
+def test_zero_scrolls_scores_and_summary():
+    from kvbench.data.base import Sample
+    from kvbench.data.zero_scrolls import ZeroScrolls
+
+    ds = ZeroScrolls()
+    gov = Sample("g", "", ["the board approved a fee rise"], 8, meta={"task": "gov_report"})
+    s = ds.score(gov, "The board approved a fee rise.")
+    assert s["rouge1"] == s["rouge2"] == s["rougeL"] == 1.0 and s["zero_scrolls"] == pytest.approx(1.0)
+    half = ds.score(gov, "the board approved")  # r1 = r2-ish partial: geometric mean of the three F-measures
+    assert half["zero_scrolls"] == pytest.approx((half["rouge1"] * half["rouge2"] * half["rougeL"]) ** (1 / 3))
+    sort = Sample("b", "", ["2, 1, 3"], 8, meta={"task": "book_sum_sort"})
+    assert ds.score(sort, "1, 2, 3") == {"zero_scrolls": pytest.approx(2 / 3)}
+    recs = [{"meta": {"task": "gov_report"}, "scores": {"zero_scrolls": 0.0, "rouge1": r1, "rouge2": r2, "rougeL": rl}}
+            for r1, r2, rl in [(0.5, 0.2, 0.4), (0.3, 0.1, 0.2)]]
+    recs.append({"meta": {"task": "quality"}, "scores": {"zero_scrolls": 1.0}})
+    out = ds.summarize(recs)["zero_scrolls"]
+    assert out["tasks"]["gov_report"] == pytest.approx(100 * (0.4 * 0.15 * 0.3) ** (1 / 3))
+    assert out["avg"] == pytest.approx((out["tasks"]["gov_report"] + 100) / 2)
