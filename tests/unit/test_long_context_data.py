@@ -202,3 +202,102 @@ def test_zero_scrolls_scores_and_summary():
     out = ds.summarize(recs)["zero_scrolls"]
     assert out["tasks"]["gov_report"] == pytest.approx(100 * (0.4 * 0.15 * 0.3) ** (1 / 3))
     assert out["avg"] == pytest.approx((out["tasks"]["gov_report"] + 100) / 2)
+
+
+# --- LooGLE ---------------------------------------------------------------------------------------------------------
+def test_loogle_and_kvpress_templates_are_the_upstream_ones():
+    """sha256 of json.dumps(sort_keys=True) of bigai-nlco/LooGLE @ 6734382 config/task2prompt.json as parsed, of
+    kvpress @ 8bb29b9 loogle/create_huggingface_dataset.py's three template dicts, and of its LongBench-v2 templates."""
+    from kvbench.data.longbench_v2 import KVPRESS_CONTEXT, KVPRESS_QUESTION
+    from kvbench.data.loogle import KVPRESS, TASK2MAXLEN, TASK2PROMPT
+
+    assert sha(json.dumps(TASK2PROMPT, sort_keys=True)) == (
+        "b688e103dc3f6425533e61e5e7ba3a4f6368d701942c2fe4c788b2487d8c327e")
+    kv = [{t: v[i] for t, v in KVPRESS.items()} for i in range(3)]
+    assert sha(json.dumps(kv, sort_keys=True)) == "a034a19b11f4aa29c23a35bc1e1b7fa97ac653777c4e2544bf77475da7835a3d"
+    assert sha(KVPRESS_CONTEXT + KVPRESS_QUESTION) == (
+        "e3a01ce739a6356f733557988a7009276cf637d87a323180381809e41711b377")
+    assert TASK2MAXLEN == {"shortdep_qa": 300, "longdep_qa": 500, "longdep_summarization": 500, "shortdep_cloze": 50}
+
+
+def test_loogle_metrics_equal_the_reference_on_goldens():
+    from kvbench.metrics.loogle import cloze_matches, generation_scores
+
+    golden = json.loads((FIXTURES / "loogle_golden.json").read_text(encoding="utf-8"))
+    for c in golden["generation"]:
+        got = generation_scores(c["reference"], c["prediction"])
+        assert got == pytest.approx({k: c[k] for k in got}, abs=1e-12), c
+    for c in golden["cloze"]:
+        exact, n_exact, partial, n_partial = cloze_matches(c["reference"], c["prediction"])
+        assert [exact, n_exact] == c["exact"] and [partial, n_partial] == c["partial"], c
+        exact, n_exact, partial, n_partial = cloze_matches(c["reference"], c["prediction"], kvpress=True)
+        assert [exact, n_exact] == c["kvpress_exact"] and [partial, n_partial] == c["kvpress_partial"], c
+    assert generation_scores("Tobias Wren", "") == generation_scores("Tobias Wren", "None")  # automatic_eval.py
+
+
+def test_loogle_builds_the_fixture_and_scores(smollm2_tokenizer):
+    from kvbench.data.loogle import LooGLE
+
+    samples = LooGLE(root=str(FIXTURES / "loogle")).build(smollm2_tokenizer, 100_000)
+    assert [s.id for s in samples] == ["shortdep_qa-0-0", "shortdep_qa-0-1", "longdep_qa-0-0", "shortdep_cloze-0-0",
+                                       "longdep_summarization-0"]
+    qa, cloze, summary = samples[0], samples[3], samples[4]
+    assert qa.prompt.startswith("Please answer the question based on the long texts below. \nMarrow Point")
+    assert qa.prompt.endswith("\nQuestion: Who kept the lighthouse for forty years?\nAnswer: ")
+    assert qa.prompt[qa.context_end:].startswith("\nQuestion:") and qa.max_new_tokens == 300
+    assert "for example: {'<mask-0>': 'Bob'," in cloze.prompt and cloze.prompt.endswith("masked entities? \nAnswer:")
+    assert json.loads(cloze.answers[0]) == {"<mask-0>": "Marrow Point", "<mask-1>": "Ada Voss"}
+    assert summary.prompt.endswith("\n Summarization: ") and summary.answers[0].startswith("A note on")
+    ds = LooGLE()
+    scores = ds.score(cloze, "{'<mask-0>': 'Marrow Point', '<mask-1>': 'Voss'}")
+    assert scores["loogle"] == scores["exact_match"] == 0.5 and scores["partial_match"] == 1.0
+    assert ds.score(qa, "Ada Voss")["loogle"] == 1.0  # ROUGE-L recall
+    recs = [{"meta": {"task": "shortdep_cloze"}, "scores": ds.score(cloze, p)}
+            for p in ("{'<mask-0>': 'Marrow Point', '<mask-1>': 'Voss'}", "no dict")]
+    assert ds.summarize(recs)["loogle"]["tasks"]["shortdep_cloze"] == {"exact_match": 0.25, "partial_match": 0.5}
+    kv = LooGLE(root=str(FIXTURES / "loogle"), tasks=["shortdep_cloze"], protocol="kvpress").build(
+        smollm2_tokenizer, 100_000, True)[0]
+    assert kv.prompt.endswith("What are the masked entities?\n<|im_end|>\n<|im_start|>assistant\nAnswer:")
+    assert LooGLE(protocol="kvpress").score(kv, "no dict")["exact_masks"] == 1.0  # kvpress counts 1 mask
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: __import__("kvbench.data.loogle", fromlist=["x"]).LooGLE(tasks=["shortdep"]),
+     "loogle: Unknown task 'shortdep'. Did you mean: shortdep_qa?"),
+    (lambda: __import__("kvbench.data.zero_scrolls", fromlist=["x"]).ZeroScrolls(tasks=["qasperr"]),
+     "zero_scrolls: Unknown task 'qasperr'. Did you mean: qasper?"),
+    (lambda: __import__("kvbench.data.zero_scrolls", fromlist=["x"]).ZeroScrolls(root="/nonexistent").check(),
+     "zero_scrolls: /nonexistent/ lacks gov_report_validation.jsonl"),
+])
+def test_loogle_and_zero_scrolls_refuse_in_one_line(make, message):
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        make()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_download_script_reads_the_parquet_exports_at_the_pinned_commit(tmp_path, monkeypatch, smollm2_tokenizer):
+    from kvbench.data.loogle import LooGLE
+    from kvbench.data.zero_scrolls import ZeroScrolls
+
+    dl = script("download_long_context")
+    commit = "c0ffee" + "0" * 34
+    asked = []
+
+    def fixture_rows(builder, files, split):
+        asked.append((builder, files, split))
+        name, task = ("zero_scrolls", files.split("/")[-3]) if "zero_scrolls" in files else ("loogle",
+                                                                                            files.split("/")[-3])
+        stem = f"{task}_validation" if name == "zero_scrolls" else task
+        return [json.loads(line) for line in (FIXTURES / name / f"{stem}.jsonl").read_text().splitlines()]
+
+    monkeypatch.setattr(dl, "resolve_revision", lambda repo, revision: commit)
+    monkeypatch.setattr(dl, "load_files", fixture_rows)
+    assert dl.main(["zero_scrolls", "loogle", "--out", str(tmp_path)]) == 0
+    assert ("parquet", f"hf://datasets/tau/zero_scrolls@{commit}/qasper/validation/*.parquet", "validation") in asked
+    assert ("parquet", f"hf://datasets/bigainlco/LooGLE@{commit}/shortdep_cloze/test/*.parquet", "test") in asked
+    zs = ZeroScrolls(root=str(tmp_path / "zero_scrolls"), tasks=["qasper"]).build(smollm2_tokenizer, 100_000)
+    assert zs[0].answers == ["12,000 Welsh sentences", "12,000"]
+    assert len(LooGLE(root=str(tmp_path / "loogle")).build(smollm2_tokenizer, 100_000)) == 5
+    provenance = json.loads((tmp_path / "loogle" / "provenance.json").read_text())
+    assert provenance["revision"] == "refs/convert/parquet" and provenance["resolved_revision"] == commit
+    assert provenance["rows"]["shortdep_qa"] == 1 and len(provenance["files"]) == 4
