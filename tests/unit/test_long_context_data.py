@@ -301,3 +301,16 @@ def test_download_script_reads_the_parquet_exports_at_the_pinned_commit(tmp_path
     provenance = json.loads((tmp_path / "loogle" / "provenance.json").read_text())
     assert provenance["revision"] == "refs/convert/parquet" and provenance["resolved_revision"] == commit
     assert provenance["rows"]["shortdep_qa"] == 1 and len(provenance["files"]) == 4
+
+
+def test_scores_json_averages_each_metric_over_the_samples_that_have_it():
+    """LooGLE's cloze samples have match scores, its QA samples BLEU/ROUGE: each mean is over its own samples."""
+    from kvbench.runs.store import aggregate
+
+    base = {"kv_bytes": 1, "full_kv_bytes": 2, "effective_budget": 8, "prefill_s": 0.1, "decode_tok_s": 5.0}
+    recs = [{**base, "id": "a", "score": 0.5, "scores": {"loogle": 0.5, "rougeL": 0.5}},
+            {**base, "id": "b", "score": 0.25, "scores": {"loogle": 0.25, "exact_match": 0.25}},
+            {**base, "id": "c", "score": 1.0, "scores": {"loogle": 1.0, "rougeL": 1.0}}]
+    out = aggregate(recs)
+    assert out["metrics"] == {"loogle": pytest.approx(1.75 / 3), "rougeL": 0.75, "exact_match": 0.25}
+    assert out["stats"]["rougeL"]["n"] == 2 and out["stats"]["exact_match"]["n"] == 1
