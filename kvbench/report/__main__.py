@@ -43,20 +43,28 @@ from kvbench.report.tables import summary_table, to_markdown, write_tables
 # dataset families whose tables live in one shared module (cnn_dailymail -> "cnn", lost_in_the_middle -> "lost")
 SEED_FAMILIES = {"cnn": "seed_tasks", "xsum": "seed_tasks", "lost": "seed_tasks", "wikitext": "seed_tasks",
                  "infinitebench": "seed_tasks"}
+# datasets that are a family of their own whatever their first word (longbench_v2 is not LongBench v1)
+WHOLE_NAMES = {"longbench_v2": "long_context", "zero_scrolls": "long_context", "loogle": "long_context"}
+
+
+def family(dataset: str) -> str:
+    """The dataset's family: its own entry in WHOLE_NAMES, else its name up to the first underscore."""
+    return WHOLE_NAMES.get(dataset, dataset.split("_")[0])
 
 
 def benchmark_reports(df, out: Path, **options) -> list[Path]:
     """Benchmark-specific layouts: for each dataset family in the runs (`longbench`, `ruler`, ...), a module
     `kvbench.report.<family>` with `write_reports(df, out) -> list[Path]` adds its paper tables and figures.
-    The family is the dataset name up to the first underscore (`longbench_e` -> `longbench`)."""
+    The family is the dataset name up to the first underscore (`longbench_e` -> `longbench`), or WHOLE_NAMES'."""
     written: list[Path] = []
-    for family in sorted({str(d).split("_")[0] for d in df["dataset"].dropna().unique()}):
+    families = df["dataset"].astype(str).map(family)
+    for name in sorted(set(families[df["dataset"].notna()])):
         try:
-            module = importlib.import_module(f"kvbench.report.{SEED_FAMILIES.get(family, family)}")
+            module = importlib.import_module(f"kvbench.report.{SEED_FAMILIES.get(name, name)}")
         except ModuleNotFoundError:
             continue
         accepted = inspect.signature(module.write_reports).parameters  # families without stderr/compare still work
-        written += module.write_reports(df[df["dataset"].astype(str).str.split("_").str[0] == family], out,
+        written += module.write_reports(df[families == name], out,
                                         **{k: v for k, v in options.items() if k in accepted})
     return written
 

@@ -221,6 +221,8 @@ RANGES: dict[str, Range] = {
     "num_fewshot": at_least(0, "examples before the question"),
     "fewshot_seed": at_least(0),
     "Gsm8k.protocol": Range(note="lm-eval's task"),
+    "LongBenchV2.difficulty": one_of("easy", "hard", note="questions kept"),
+    "LongBenchV2.lengths": one_of("short", "medium", "long", note="questions kept"),
 }
 
 

@@ -294,12 +294,16 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
     def mean(key: str) -> float:
         return sum(r[key] for r in records) / len(records)
 
+    def metric_mean(m: str) -> float:  # over the records that have it (LooGLE: cloze and QA metrics differ)
+        values = [r["scores"][m] for r in records if m in r.get("scores", {})]
+        return sum(values) / len(values)
+
     metrics = sorted({m for r in records for m in r.get("scores", {})})
     stats = metric_stats(records, corpus_metrics)
     full = mean("full_kv_bytes")
     return {
         "n": len(records), "n_failed": 0, "failures_counted_as": FAILURES_COUNTED_AS,
-        "metrics": {m: sum(r["scores"][m] for r in records) / len(records) for m in metrics}
+        "metrics": {m: metric_mean(m) for m in metrics}
         | {m: s["mean"] for m, s in stats.items() if m not in metrics},
         "stats": stats,
         "kv_bytes_mean": mean("kv_bytes"),
