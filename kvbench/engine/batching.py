@@ -572,18 +572,12 @@ class PrefilledOnce(BatchedDecoder):
 def generate_batched(model, tokenizer, method: Method, capture: AttentionCapture, requests: Iterable[Request],
                      batch_size: int, sampling: Sampling = Sampling(), positions: str = "original",
                      eos_ids: set[int] | None = None, compress_after: str = "layer",
-                     recompress: DecodeCompression = DecodeCompression(), step: str = "eager",
+                     recompress: DecodeCompression = DecodeCompression(),
                      ) -> Iterator[tuple[Request, Generation | Exception]]:
     """`generate` for many prompts, `batch_size` decoding at once; yields (request, generation) in completion
-    order, or (request, exception) for a sample that failed. `capture` must be active on `model`. `step`: eager
-    (this module), static or captured (`kvbench.engine.static`)."""
-    args = (model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids, compress_after, recompress)
-    if step == "eager":
-        decoder = BatchedDecoder(*args)
-    else:
-        from kvbench.engine.static import StaticDecoder
-
-        decoder = StaticDecoder(*args, compile=step == "captured")
+    order, or (request, exception) for a sample that failed. `capture` must be active on `model`."""
+    decoder = BatchedDecoder(model, tokenizer, method, capture, batch_size, sampling, positions, eos_ids,
+                             compress_after, recompress)
     yield from decoder.run(requests)
 
 

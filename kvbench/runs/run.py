@@ -187,7 +187,7 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
     batching loop itself raise, the samples it had not finished get failure records."""
     from tqdm import tqdm
 
-    from kvbench.engine.batching import Request, generate_batched
+    from kvbench.engine.batching import BatchedDecoder, Request
     from kvbench.runs.failures import fail_remaining
 
     device = next(model.parameters()).device
@@ -195,12 +195,16 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
                 for s, ids, budget, q in jobs]
     written: set[str] = set()
     try:
-        for request, gen in tqdm(generate_batched(model, tokenizer, method, capture, requests, cfg.batch_size,
-                                                  sampling, cfg.positions,
-                                                  compress_after=cfg.get("compress_after", "layer"),
-                                                  recompress=decode_compression(cfg),
-                                                  step=cfg.get("step", "eager")),
-                                 total=len(jobs), desc=desc):
+        step = cfg.get("step", "eager")
+        if step == "eager":
+            kind, extra = BatchedDecoder, {}
+        else:  # the static step (kvbench.engine.static); `setup` refused what it cannot run
+            from kvbench.engine.static import StaticDecoder
+
+            kind, extra = StaticDecoder, {"compile": step == "captured"}
+        decoder = kind(model, tokenizer, method, capture, cfg.batch_size, sampling, cfg.positions,
+                       compress_after=cfg.get("compress_after", "layer"), recompress=decode_compression(cfg), **extra)
+        for request, gen in tqdm(decoder.run(requests), total=len(jobs), desc=desc):
             sample, ids = request.tag
             written.add(sample.id)
             yield generated_record(dataset, sample, ids, request.budget, gen, cfg.get("query", "aware"),

@@ -173,8 +173,10 @@ def model_forward_calls(root: Path) -> list[str]:
     return found
 
 
-def test_the_model_runs_in_two_places_prefill_and_the_step():
-    """One engine: the prefill (engine/generation.py) and the decode step (engine/batching.py) are the only model
-    forwards; beams, streams and lm-eval are sequences of the step."""
+def test_the_model_runs_in_three_places_prefill_and_the_two_forms_of_the_step():
+    """One engine: the prefill (engine/generation.py), the decode step (engine/batching.py) and its fixed-shape form
+    (engine/static.py, the same loop over static rows) are the only model forwards; beams, streams and lm-eval are
+    sequences of the step."""
     modules = sorted(site.split(":")[0] for site in model_forward_calls(PACKAGE))
-    assert modules == ["kvbench.engine.batching", "kvbench.engine.generation"], model_forward_calls(PACKAGE)
+    assert modules == ["kvbench.engine.batching", "kvbench.engine.generation", "kvbench.engine.static"], \
+        model_forward_calls(PACKAGE)
