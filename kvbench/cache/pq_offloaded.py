@@ -41,6 +41,7 @@ from torch import Tensor
 from kvbench.cache import pq
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.ledger import TransferLedger
+from kvbench.cache.ranking import top_first
 
 MOVES = {"pq_codes": "h2d", "pq_centroids": "h2d", "topk_keys": "h2d", "topk_values": "h2d",
          "window_keys": "d2h", "window_values": "d2h"}
@@ -124,7 +125,7 @@ class PQOffloadedLayer(KVLayer):
         centroids = self.ledger.copy(self.centroids, self.device, "pq_centroids")
         logits = pq.approximate_logits(query, centroids, codes)  # [B, H, G, N]
         weight = (logits / math.sqrt(query.shape[-1])).softmax(dim=-1).sum(dim=2)  # [B, H, N]
-        top = weight.topk(min(self.n_topk, self.n_cand), dim=-1).indices
+        top = top_first(weight, min(self.n_topk, self.n_cand))  # (ties: the earlier candidate)
         if self.selections is not None:
             self.selections.append((top.sort(dim=-1).values + self.sink).cpu())
         fetched_k = self.ledger.transfer(self.host_keys, top, self.device, "topk_keys")

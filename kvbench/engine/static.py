@@ -30,11 +30,16 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvbench.cache import static_retrieval
 from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.ledger import StepStart
 from kvbench.cache.static import StaticRows, capacity_bucket
 from kvbench.engine.batching import BatchedDecoder, Slot
 from kvbench.engine.generation import EvictionHook
 from kvbench.methods.base import Kind, Method, reduce_groups
+
+
+RETRIEVAL = ("quest", "pqcache")  # storage methods whose layers have static rows (kvbench.cache.static_retrieval)
 
 
 def unsupported(method: Method, positions: str = "original", decode_compression: bool = False,
@@ -47,7 +52,7 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return "positions=shift re-rotates keys to their slots"
     if decode_compression or method.own_decode_compression(1) is not None:
         return "compression while decoding rebuilds the layers"
-    if method.kind is Kind.STORAGE:
+    if method.kind is Kind.STORAGE and name not in RETRIEVAL:
         return f"{name} keeps layers with their own storage"
     if getattr(method, "retrieves", False):
         return f"{name} retrieves entries by the query each step"
@@ -80,7 +85,7 @@ class StaticCache:
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         self.layers[layer_idx].write(key_states, value_states, self.position, self.active)
         if layer_idx == len(self.layers) - 1:  # once every layer holds its token, as the eager cache counts
-            held = sum(rows.valid.sum(dim=(1, 2)) * rows.per_entry_bytes() for rows in self.layers)
+            held = sum(static_retrieval.held_nbytes(rows) for rows in self.layers)
             self.held_peak.copy_(torch.maximum(self.held_peak, held))
             self.held_sum.add_(held * self.active.long())
         return key_states, value_states  # placeholders: the attention reads the rows
@@ -142,10 +147,12 @@ class StaticDecoder(BatchedDecoder):
         if slot.request.beams is not None or slot.request.forced is not None:
             raise ValueError("step=static: beam search and teacher forcing decode with step=eager")
         hook, layers = slot.decode_hook, slot.run.cache.layers
+        if isinstance(slot.input_hook, StepStart):  # (retrieval: its ledger's steps are settled as it leaves)
+            slot.input_hook = self.capture.input_hook = None
         if slot.input_hook is not None or slot.logit_scale is not None or (
                 hook is not None and not isinstance(hook, EvictionHook)):
             raise ValueError("step=static: this sample's method hooks the step; use step=eager")
-        if not all(StaticRows.convertible(layer) for layer in layers):
+        if not all(static_retrieval.convertible(layer) for layer in layers):
             raise ValueError("step=static: a layer with its own storage; use step=eager")
         evicting = isinstance(hook, EvictionHook)
         if self.cache_static is None:
@@ -153,7 +160,8 @@ class StaticDecoder(BatchedDecoder):
         row = self.slots_of.index(None)
         needs = [self._capacity(layer, slot, evicting) for layer in layers]
         if any(n > rows.capacity for n, rows in zip(needs, self.cache_static.layers)) or any(
-                StaticRows.layout(layer) != self._layout(rows) for layer, rows in zip(layers, self.cache_static.layers)):
+                StaticRows.layout(layer) != self._layout(rows) or not static_retrieval.takes(rows, layer)
+                for layer, rows in zip(layers, self.cache_static.layers)):
             self._regrow(needs, layers)
         if evicting:
             if self.evictor is None:
@@ -175,6 +183,8 @@ class StaticDecoder(BatchedDecoder):
         """An evictor's rows: its budget and the step's token; others: every entry and every token to decode."""
         if evicting:
             return slot.decode_hook.state.budget + 1
+        if static_retrieval.convertible(layer) and not StaticRows.convertible(layer):
+            return static_retrieval.capacity(layer, slot.request.max_new_tokens)
         return capacity_bucket(layer.decode_kv().keys.shape[-2] + slot.request.max_new_tokens)
 
     @staticmethod
@@ -187,7 +197,9 @@ class StaticDecoder(BatchedDecoder):
         self.cache_static = StaticCache(rows, self.batch_size, device)
         self.step_fn = None
 
-    def _new_rows(self, layer: KVLayer, capacity: int, scored: bool) -> StaticRows:
+    def _new_rows(self, layer: KVLayer, capacity: int, scored: bool, old: StaticRows | None = None) -> StaticRows:
+        if (rows := static_retrieval.new_rows(layer, old, self.batch_size, capacity)) is not None:
+            return rows
         heads, dim, repeat = StaticRows.layout(layer)
         return StaticRows(self.batch_size, heads, capacity, dim, layer.keys.dtype, layer.keys.device, repeat, scored)
 
@@ -197,15 +209,17 @@ class StaticDecoder(BatchedDecoder):
         old = self.cache_static.layers
         for i, (need, layer) in enumerate(zip(needs, layers)):
             rows = old[i]
-            if need <= rows.capacity and StaticRows.layout(layer) == self._layout(rows):
+            if need <= rows.capacity and StaticRows.layout(layer) == self._layout(rows) and \
+                    static_retrieval.takes(rows, layer):
                 continue
             if any(s is not None for s in self.slots_of) and StaticRows.layout(layer) != self._layout(rows):
                 raise ValueError("step=static: samples whose layers hold different head layouts; use step=eager")
-            bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None)
+            bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None, rows)
             c = rows.capacity
             for name in ("keys", "values", "positions", "valid", "scores"):
                 if getattr(rows, name) is not None:
                     getattr(bigger, name)[:, :, :c] = getattr(rows, name)
+            static_retrieval.carry(rows, bigger)
             old[i] = bigger
         self.step_fn = None
 
@@ -225,6 +239,7 @@ class StaticDecoder(BatchedDecoder):
         cache, layers = self.cache_static, slot.run.cache.layers
         cache.active[row] = False
         state = slot.decode_hook.state if isinstance(slot.decode_hook, EvictionHook) else None
+        static_retrieval.settle_ledger(slot.run.ledger, cache.layers, row, layers, slot.n_forward)
         for i, rows in enumerate(cache.layers):
             layer, scores = rows.give_back(row, layers[i])
             layer.seen_tokens = layers[i].seen_tokens + slot.n_forward
