@@ -131,8 +131,8 @@ class PagedRows(RetrievalRows):
         self.reads = torch.zeros(rows, capacity, dtype=torch.long, device=device)
 
     def takes(self, layer: KVLayer) -> bool:
-        return (type(layer) is KVLayer or isinstance(layer, PagedLayer) and layer.page_size == self.page_size
-                and layer.keep_last == self.keep_last)
+        return type(layer) is KVLayer or (isinstance(layer, PagedLayer) and layer.page_size == self.page_size
+                                          and layer.keep_last == self.keep_last)
 
     def take(self, row: int, layer: KVLayer, scores: Tensor | None = None) -> None:
         super().take(row, layer)
@@ -249,8 +249,8 @@ class PQRows(RetrievalRows):
         self.sink, self.recent, self.n_topk = (torch.zeros(rows, dtype=torch.long, device=device) for _ in range(3))
 
     def takes(self, layer: KVLayer) -> bool:
-        return type(layer) is KVLayer or isinstance(layer, PQOffloadedLayer) and layer.codes.shape[2] == \
-            self.codes.shape[2] and layer.centroids.shape[3] == self.centroids.shape[3]
+        return type(layer) is KVLayer or (isinstance(layer, PQOffloadedLayer) and layer.codes.shape[2] ==
+                                          self.codes.shape[2] and layer.centroids.shape[3] == self.centroids.shape[3])
 
     def take(self, row: int, layer: KVLayer, scores: Tensor | None = None) -> None:
         self.codes[row], self.centroids[row] = 0, 0
@@ -385,13 +385,11 @@ def takes(rows: StaticRows, layer: KVLayer) -> bool:
 def new_rows(layer: KVLayer, old: StaticRows | None, rows: int, capacity: int) -> StaticRows | None:
     """Rows for `layer` (of `old`'s kind where `old` takes it), or None where plain `StaticRows` do."""
     kind = old if isinstance(old, RetrievalRows) and old.takes(layer) else layer
-    heads, dim, dtype, device = layer.keys.shape[1], layer.keys.shape[-1], layer.keys.dtype, layer.keys.device
-    if isinstance(kind, PagedRows) or isinstance(kind, PagedLayer):
-        return PagedRows(rows, heads, capacity, dim, dtype, device, kind.page_size, kind.keep_last)
-    if isinstance(kind, PQRows):
-        return PQRows(rows, heads, capacity, dim, dtype, device, kind.codes.shape[2], kind.centroids.shape[3])
-    if isinstance(kind, PQOffloadedLayer):
-        return PQRows(rows, heads, capacity, dim, dtype, device, kind.codes.shape[2], kind.centroids.shape[3])
+    shape = (rows, layer.keys.shape[1], capacity, layer.keys.shape[-1], layer.keys.dtype, layer.keys.device)
+    if isinstance(kind, (PagedRows, PagedLayer)):
+        return PagedRows(*shape, kind.page_size, kind.keep_last)
+    if isinstance(kind, (PQRows, PQOffloadedLayer)):
+        return PQRows(*shape, kind.codes.shape[2], kind.centroids.shape[3])  # (partitions, centroids)
     return None
 
 

@@ -11,11 +11,13 @@ sequence (stop strings, EOS and lengths are checked there, as in `kvbench.engine
 a GPU); on the CPU the same step runs eagerly unless `compile` is asked for.
 
 What moves in: dense layers (selectors: full, StreamingLLM, SnapKV, PyramidKV, ...), per-head variable layers
-(Ada-KV, KVzip: per-head validity over a padded capacity) and decode-time evictors whose rule reads of the per-sample
-state only its budget (H2O, TOVA, the rolling windows). What does not (`unsupported` says why, and such runs decode
-eagerly): beam search, teacher forcing, pos-shift, compression while decoding, sliding-window or replaced attention,
-ALiBi, layers with their own storage (TailorKV, Quest, PQCache), evictors with per-sample state in their rule
-(Keyformer's noise and schedule, BUZZ's sample count) and attention temperatures (BUZZ's log n).
+(Ada-KV, KVzip: per-head validity over a padded capacity), decode-time evictors whose rule reads of the per-sample
+state only its budget (H2O, TOVA, the rolling windows) and retrieval layers (Quest's pages, PQCache's codes: rows of
+their own, `kvbench.cache.static_retrieval`, the retrieval a mask chosen on the device). What does not
+(`unsupported` says why, and such runs decode eagerly): beam search, teacher forcing, pos-shift, compression while
+decoding, sliding-window or replaced attention, ALiBi, TailorKV's quantized and offloaded layers, evictors with
+per-sample state in their rule (Keyformer's noise and schedule, BUZZ's sample count) and attention temperatures
+(BUZZ's log n).
 
 Equality with the eager step: the same entries are attended with the same math (fp32 logits and softmax, the
 engine's decode attention), in slot order rather than cache order, so sums round differently (~1e-7 in fp32) and a
