@@ -9,7 +9,8 @@ plus the newest. Each decode step (`decode_kv`):
    step, `prefetch_codebook`);
 2. approximates each query head's logits over the candidates from the codes, takes a softmax with scale 1/sqrt(D)
    per query head and sums it over the heads of each KV group (the reference's GQA reduction), and fetches the
-   top-`n_topk` candidates' K and V rows from the host;
+   top-`n_topk` candidates' K and V rows from the host (among equal weights the earlier candidate: keys of the same
+   codes weigh the same, `kvbench.cache.ranking`);
 3. attention runs exactly over sinks + fetched rows + window (`kvbench.attention.decode`).
 
 When a token is appended (`update`) and the window already holds `recent + 1` tokens, its oldest token leaves: its

@@ -26,17 +26,20 @@ def model():
     return tiny_model("llama", layers=2)
 
 
-def run_both(model, method, lengths, new, batch_size, **static):
-    """Each prompt through the eager engine at batch 1 and through the static step at `batch_size`; both in
-    request order."""
+def run_both(model, method, lengths, new, batch_sizes, **static):
+    """Each prompt through the eager engine at batch 1, then through the static step at each of `batch_sizes`:
+    the eager generations and, per batch size, the static ones, in request order."""
     prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
     with AttentionCapture(model, window=method.query_window) as capture:
         def requests():
             return [Request(ids, BUDGET, k, seed=100 + i, tag=i) for i, (ids, k) in enumerate(zip(prompts, new))]
         eager = {r.tag: g for r, g in generate_batched(model, None, method, capture, requests(), 1)}
-        decoder = StaticDecoder(model, None, method, capture, batch_size, eos_ids=set(), **static)
-        done = {r.tag: g for r, g in decoder.run(requests())}
-    return [eager[i] for i in range(len(prompts))], [done[i] for i in range(len(prompts))]
+        runs = []
+        for batch_size in batch_sizes:
+            decoder = StaticDecoder(model, None, method, capture, batch_size, eos_ids=set(), **static)
+            done = {r.tag: g for r, g in decoder.run(requests())}
+            runs.append([done[i] for i in range(len(prompts))])
+    return [eager[i] for i in range(len(prompts))], runs
 
 
 def assert_same_records(eager, static):
@@ -52,8 +55,8 @@ def test_captured_once_and_equal_to_eager(model, name):
     break; every record field equals the eager engine's (batch 1)."""
     torch._dynamo.reset()
     counters.clear()
-    eager, static = run_both(model, configured(name), [150, 70, 120], [64, 10, 20], 2, compile=True,
-                             backend="eager")
+    eager, (static,) = run_both(model, configured(name), [150, 70, 120], [64, 10, 20], [2], compile=True,
+                                backend="eager")
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 1
     assert [len(g.token_ids) for g in static] == [64, 10, 20]
@@ -72,9 +75,8 @@ def test_batch_n_equals_batch_1_and_eager(model, name, options, lengths):
     method = configured(name)
     for key, value in options.items():
         setattr(method, key, value)
-    new = [12, 4, 9, 12][:len(lengths)]
-    for batch_size in (1, 3):
-        eager, static = run_both(model, method, lengths, new, batch_size)
+    eager, runs = run_both(model, method, lengths, [12, 4, 9, 12][:len(lengths)], [1, 3])
+    for static in runs:
         assert_same_records(eager, static)
 
 
