@@ -34,6 +34,7 @@ from torch import Tensor
 
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.ledger import TransferLedger
+from kvbench.cache.ranking import top_first
 
 READS = {"page_metadata": "read", "page_keys": "read", "page_values": "read"}
 
@@ -106,7 +107,8 @@ class PagedLayer(KVLayer):
                         self.positions[batch, head, slots])
 
     def select_pages(self, query: Tensor) -> Tensor:
-        """Page indices `[B, H_q, k]` each query head attends, unsorted."""
+        """Page indices `[B, H_q, k]` each query head attends, best bound first (ties: the earlier page,
+        `kvbench.cache.ranking`)."""
         b, h_kv, _, d = self.page_min.shape
         n_pages = self.page_min.shape[2]
         q = query.float().reshape(b, h_kv, -1, d)  # [B, H_kv, G, D]
@@ -114,8 +116,8 @@ class PagedLayer(KVLayer):
                  + q.clamp(max=0) @ self.page_min.float().transpose(-1, -2))  # [B, H_kv, G, pages]
         bound = bound.reshape(b, -1, n_pages)
         if not self.keep_last:
-            return bound.topk(min(max(3, self.page_budget), n_pages), dim=-1).indices
-        top = bound[..., :-1].topk(self.page_budget - 1, dim=-1).indices
+            return top_first(bound, min(max(3, self.page_budget), n_pages))
+        top = top_first(bound[..., :-1], self.page_budget - 1)
         last = torch.full_like(top[..., :1], n_pages - 1)
         return torch.cat([top, last], dim=-1)
 

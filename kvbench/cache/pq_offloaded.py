@@ -9,7 +9,8 @@ plus the newest. Each decode step (`decode_kv`):
    step, `prefetch_codebook`);
 2. approximates each query head's logits over the candidates from the codes, takes a softmax with scale 1/sqrt(D)
    per query head and sums it over the heads of each KV group (the reference's GQA reduction), and fetches the
-   top-`n_topk` candidates' K and V rows from the host;
+   top-`n_topk` candidates' K and V rows from the host (among equal weights the earlier candidate: keys of the same
+   codes weigh the same, `kvbench.cache.ranking`);
 3. attention runs exactly over sinks + fetched rows + window (`kvbench.attention.decode`).
 
 When a token is appended (`update`) and the window already holds `recent + 1` tokens, its oldest token leaves: its
@@ -41,6 +42,7 @@ from torch import Tensor
 from kvbench.cache import pq
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.ledger import TransferLedger
+from kvbench.cache.ranking import top_first
 
 MOVES = {"pq_codes": "h2d", "pq_centroids": "h2d", "topk_keys": "h2d", "topk_values": "h2d",
          "window_keys": "d2h", "window_values": "d2h"}
@@ -124,7 +126,7 @@ class PQOffloadedLayer(KVLayer):
         centroids = self.ledger.copy(self.centroids, self.device, "pq_centroids")
         logits = pq.approximate_logits(query, centroids, codes)  # [B, H, G, N]
         weight = (logits / math.sqrt(query.shape[-1])).softmax(dim=-1).sum(dim=2)  # [B, H, N]
-        top = weight.topk(min(self.n_topk, self.n_cand), dim=-1).indices
+        top = top_first(weight, min(self.n_topk, self.n_cand))  # (ties: the earlier candidate)
         if self.selections is not None:
             self.selections.append((top.sort(dim=-1).values + self.sink).cpu())
         fetched_k = self.ledger.transfer(self.host_keys, top, self.device, "topk_keys")

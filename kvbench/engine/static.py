@@ -11,15 +11,17 @@ sequence (stop strings, EOS and lengths are checked there, as in `kvbench.engine
 a GPU); on the CPU the same step runs eagerly unless `compile` is asked for.
 
 What moves in: dense layers (selectors: full, StreamingLLM, SnapKV, PyramidKV, ...), per-head variable layers
-(Ada-KV, KVzip: per-head validity over a padded capacity) and decode-time evictors whose rule reads of the per-sample
-state only its budget (H2O, TOVA, the rolling windows). What does not (`unsupported` says why, and such runs decode
-eagerly): beam search, teacher forcing, pos-shift, compression while decoding, sliding-window or replaced attention,
-ALiBi, layers with their own storage (TailorKV, Quest, PQCache), evictors with per-sample state in their rule
-(Keyformer's noise and schedule, BUZZ's sample count) and attention temperatures (BUZZ's log n).
+(Ada-KV, KVzip: per-head validity over a padded capacity), decode-time evictors whose rule reads of the per-sample
+state only its budget (H2O, TOVA, the rolling windows) and retrieval layers (Quest's pages, PQCache's codes: rows of
+their own, `kvbench.cache.static_retrieval`, the retrieval a mask chosen on the device). What does not
+(`unsupported` says why, and such runs decode eagerly): beam search, teacher forcing, pos-shift, compression while
+decoding, sliding-window or replaced attention (ALiBi families), TailorKV's quantized and offloaded layers, and
+Keyformer's shared score across layers (`score=shared`). Evictors whose rule keeps per-sample state run their
+static forms (`kvbench.engine.static_eviction`: Keyformer's noise and schedule, BUZZ's sample count and log n).
 
-Equality with the eager step: the same entries are attended with the same math (fp32 logits and softmax, the
-engine's decode attention), in slot order rather than cache order, so sums round differently (~1e-7 in fp32) and a
-greedy argmax or an evictor's choice can flip only where two candidates are that close (tests/unit/test_compiled_step.py).
+Equality with the eager step: the same entries are attended with the same math (fp32 softmax; in fp32 models the
+products too), in slot order rather than cache order, so sums round differently (~1e-7 in fp32) and a greedy argmax
+or an evictor's choice can flip only where two candidates are that close (tests/unit/test_compiled_step.py).
 """
 from __future__ import annotations
 
@@ -30,12 +32,17 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvbench.cache import static_retrieval
 from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.ledger import StepStart
 from kvbench.cache.static import StaticRows, capacity_bucket
 from kvbench.engine.batching import BatchedDecoder, Slot
 from kvbench.engine.generation import EvictionHook
 from kvbench.engine.static_eviction import BudgetRule, static_form
 from kvbench.methods.base import Kind, Method
+
+
+RETRIEVAL = ("quest", "pqcache")  # storage methods whose layers have static rows (kvbench.cache.static_retrieval)
 
 
 def unsupported(method: Method, positions: str = "original", decode_compression: bool = False,
@@ -48,7 +55,7 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return "positions=shift re-rotates keys to their slots"
     if decode_compression or method.own_decode_compression(1) is not None:
         return "compression while decoding rebuilds the layers"
-    if method.kind is Kind.STORAGE:
+    if method.kind is Kind.STORAGE and name not in RETRIEVAL:
         return f"{name} keeps layers with their own storage"
     if getattr(method, "retrieves", False):
         return f"{name} retrieves entries by the query each step"
@@ -79,7 +86,7 @@ class StaticCache:
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         self.layers[layer_idx].write(key_states, value_states, self.position, self.active)
         if layer_idx == len(self.layers) - 1:  # once every layer holds its token, as the eager cache counts
-            held = sum(rows.valid.sum(dim=(1, 2)) * rows.per_entry_bytes() for rows in self.layers)
+            held = sum(static_retrieval.held_nbytes(rows) for rows in self.layers)
             self.held_peak.copy_(torch.maximum(self.held_peak, held))
             self.held_sum.add_(held * self.active.long())
         return key_states, value_states  # placeholders: the attention reads the rows
@@ -121,10 +128,12 @@ class StaticDecoder(BatchedDecoder):
         if slot.request.beams is not None or slot.request.forced is not None:
             raise ValueError("step=static: beam search and teacher forcing decode with step=eager")
         hook, layers = slot.decode_hook, slot.run.cache.layers
+        if isinstance(slot.input_hook, StepStart):  # (retrieval: its ledger's steps are settled as it leaves)
+            slot.input_hook = self.capture.input_hook = None
         if slot.input_hook is not None or (
                 hook is not None and not isinstance(hook, EvictionHook)):
             raise ValueError("step=static: this sample's method hooks the step; use step=eager")
-        if not all(StaticRows.convertible(layer) for layer in layers):
+        if not all(static_retrieval.convertible(layer) for layer in layers):
             raise ValueError("step=static: a layer with its own storage; use step=eager")
         evicting = isinstance(hook, EvictionHook)
         if evicting:
@@ -140,7 +149,8 @@ class StaticDecoder(BatchedDecoder):
         row = self.slots_of.index(None)
         needs = [self._capacity(layer, slot, evicting) for layer in layers]
         if any(n > rows.capacity for n, rows in zip(needs, self.cache_static.layers)) or any(
-                StaticRows.layout(layer) != self._layout(rows) for layer, rows in zip(layers, self.cache_static.layers)):
+                StaticRows.layout(layer) != self._layout(rows) or not static_retrieval.takes(rows, layer)
+                for layer, rows in zip(layers, self.cache_static.layers)):
             self._regrow(needs, layers)
         if evicting:
             self.evictor.join(row, hook.state, layers)
@@ -160,6 +170,8 @@ class StaticDecoder(BatchedDecoder):
         decode."""
         if evicting:
             return self.evictor.capacity(slot.decode_hook.state, layer.keys.shape[-2])
+        if static_retrieval.convertible(layer) and not StaticRows.convertible(layer):
+            return static_retrieval.capacity(layer, slot.request.max_new_tokens)
         return capacity_bucket(layer.decode_kv().keys.shape[-2] + slot.request.max_new_tokens)
 
     @staticmethod
@@ -172,7 +184,9 @@ class StaticDecoder(BatchedDecoder):
         self.cache_static = StaticCache(rows, self.batch_size, device)
         self.step_fn = None
 
-    def _new_rows(self, layer: KVLayer, capacity: int, scored: bool) -> StaticRows:
+    def _new_rows(self, layer: KVLayer, capacity: int, scored: bool, old: StaticRows | None = None) -> StaticRows:
+        if (rows := static_retrieval.new_rows(layer, old, self.batch_size, capacity)) is not None:
+            return rows
         heads, dim, repeat = StaticRows.layout(layer)
         return StaticRows(self.batch_size, heads, capacity, dim, layer.keys.dtype, layer.keys.device, repeat, scored)
 
@@ -182,15 +196,17 @@ class StaticDecoder(BatchedDecoder):
         old = self.cache_static.layers
         for i, (need, layer) in enumerate(zip(needs, layers)):
             rows = old[i]
-            if need <= rows.capacity and StaticRows.layout(layer) == self._layout(rows):
+            if need <= rows.capacity and StaticRows.layout(layer) == self._layout(rows) and \
+                    static_retrieval.takes(rows, layer):
                 continue
             if any(s is not None for s in self.slots_of) and StaticRows.layout(layer) != self._layout(rows):
                 raise ValueError("step=static: samples whose layers hold different head layouts; use step=eager")
-            bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None)
+            bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None, rows)
             c = rows.capacity
             for name in ("keys", "values", "positions", "valid", "scores"):
                 if getattr(rows, name) is not None:
                     getattr(bigger, name)[:, :, :c] = getattr(rows, name)
+            static_retrieval.carry(rows, bigger)
             old[i] = bigger
         self.step_fn = None
 
@@ -213,6 +229,7 @@ class StaticDecoder(BatchedDecoder):
         cache, layers = self.cache_static, slot.run.cache.layers
         cache.active[row] = False
         state = slot.decode_hook.state if isinstance(slot.decode_hook, EvictionHook) else None
+        static_retrieval.settle_ledger(slot.run.ledger, cache.layers, row, layers, slot.n_forward)
         for i, rows in enumerate(cache.layers):
             layer, scores = rows.give_back(row, layers[i])
             layer.seen_tokens = layers[i].seen_tokens + slot.n_forward

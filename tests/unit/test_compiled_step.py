@@ -82,8 +82,7 @@ def test_a_sequence_beyond_the_bucket_gets_larger_rows_and_one_more_graph(model)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
-REFUSED = {"tailorkv": "own storage", "quest": "own storage", "pqcache": "own storage",
-           "rkv": "compression while decoding"}
+REFUSED = {"tailorkv": "own storage", "rkv": "compression while decoding"}  # quest, pqcache: test_static_retrieval.py
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -154,14 +154,15 @@ def test_kmeans_equals_plain_lloyd_and_is_deterministic():
 
 
 def hand_topk(query, layer, n_topk):
-    """Top-k candidates per KV head from keys rebuilt from codes: Σ over the group of softmax(q·k̂ / sqrt(D))."""
+    """Top-k candidates per KV head from keys rebuilt from codes: Σ over the group of softmax(q·k̂ / sqrt(D)); among
+    equal weights (keys of the same codes) the earlier candidate."""
     chosen = []
     for kv in range(H_KV):
         cent, codes = layer.centroids[0, kv].double(), layer.codes[0, kv, :, :layer.n_cand].long()
         approx = torch.cat([cent[m][codes[m]] for m in range(cent.shape[0])], dim=1)  # [N, D]
         weight = sum(torch.softmax(approx @ query[0, h, 0].double() / math.sqrt(D), 0)
                      for h in range(kv * G, (kv + 1) * G))
-        chosen.append(set((weight.topk(n_topk).indices + layer.sink).tolist()))
+        chosen.append(set((weight.sort(descending=True, stable=True).indices[:n_topk] + layer.sink).tolist()))
     return chosen
 
 
