@@ -41,8 +41,11 @@ test-gpu: setup  ## GPU tier (skipped without CUDA)
 	$(PYTHON) -m pytest -q tests/gpu
 
 GPU_PYTHON ?= $(PYTHON)
-gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill (GPU_PYTHON=python3: a Python with the deps already, no setup)
+# where `make gpu-check` writes its figures (static.json, static.md)
+GPU_OUT ?= results/gpu-check
+gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + the static step's goals (into GPU_OUT) + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill (GPU_PYTHON=python3: a Python with the deps already, no setup)
 	$(GPU_PYTHON) -m pytest -q tests/gpu
+	$(GPU_PYTHON) scripts/bench_static.py --out $(GPU_OUT)
 	$(GPU_PYTHON) scripts/bench_gpu.py
 	$(GPU_PYTHON) scripts/bench_sdpa_shapes.py
 	$(GPU_PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8

@@ -17,12 +17,13 @@ from torch import Tensor
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.cache.varlen import VarlenLayer
 
-BUCKET = 256  # capacities are rounded up to this many entries: sequences of nearby sizes share one captured step
+BUCKET = 256  # the smallest capacity; larger ones are powers of two, so a run of any prompt lengths makes a few
+#              captured steps (dynamo keeps at most `recompile_limit` of them per frame), rows at most 2x their need
 LAST = torch.iinfo(torch.long).max  # the position of a free slot when sorting into cache order
 
 
 def capacity_bucket(entries: int) -> int:
-    return -(-max(entries, 1) // BUCKET) * BUCKET
+    return max(BUCKET, 1 << (max(entries, 1) - 1).bit_length())
 
 
 class StaticRows:

@@ -122,6 +122,7 @@ class StaticDecoder(BatchedDecoder):
         self.step_fn = None
         self.greedy_of: dict[int, Tensor] = {}  # id(slot) -> its row of the last step's greedy tokens
         self.greedy: Tensor | None = None
+        self.step_seconds: list[float] = []  # each step's wall time (benchmarks: the steady state after capture)
 
     # --- rows ---------------------------------------------------------------------------------------------------
     def _into_rows(self, slot: Slot) -> Slot:
@@ -305,6 +306,7 @@ class StaticDecoder(BatchedDecoder):
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - t0
+        self.step_seconds.append(seconds)
         self.greedy_of = {}
         for slot, _ in stepping:
             row = self.row_of[id(slot)]
