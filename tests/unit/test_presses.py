@@ -1,0 +1,294 @@
+"""The methods of kvpress's presses that issue 35 adds (random, keydiff, lagkv, cur, leverage_score, chunkkv),
+against independent recomputations on tiny models and against kvpress 0.5.5's kept sets on the embedded model.
+
+The tiny-model references never touch kvbench's cache or capture: keys and values come from transformers' own
+DynamicCache, pre-RoPE keys from each attention module's k_proj applied to the hidden states it received, attention
+weights from transformers' eager attention (`output_attentions`). Each reference is written as plain loops over
+heads, partitions or chunks. kvbench's kept entries (its engine's prefill + compress) must be a top-`budget` set of
+the reference's scores: no dropped entry scores above a kept one beyond fp32 rounding (so ties may fall either way).
+The golden test compares, on two prompts of the embedded SmolLM2, every layer's and KV head's kept set with what
+kvpress's press kept (tests/fixtures/kvpress_new/goldens.json, made by scripts/make_kvpress_goldens_new.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvbench.methods  # noqa: F401
+from kvbench.cache import KVCache
+from kvbench.engine.generation import compress, prefill
+from kvbench.methods.base import LayerView
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from tests.unit.tiny import prompt, tiny_model
+
+N, BUDGET = 90, 24
+GOLDENS = Path(__file__).resolve().parents[1] / "fixtures/kvpress_new/goldens.json"
+
+
+def kept_by_kvbench(model, ids, method, budget=BUDGET):
+    """Original positions `[H_kv, budget]` per layer right after kvbench's prefill compression."""
+    cache = KVCache()
+    with AttentionCapture(model, window=method.query_window) as capture:
+        prefill(model, ids, cache)
+        compress(method, cache, capture, budget)
+    return [layer.positions[0] for layer in cache.layers]
+
+
+def reference_prefill(model, ids, attentions=False):
+    """transformers' own cache, each attention module's input hidden states, and (eager) attention weights."""
+    hidden, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: hidden.__setitem__(i, kw["hidden_states"]), with_kwargs=True))
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, output_attentions=attentions)
+    for h in hooks:
+        h.remove()
+    return cache, hidden, out.attentions
+
+
+def assert_top(kept, scores, budget=BUDGET, rtol=1e-5):
+    """`kept` `[H, budget]` is a top-`budget` set of `scores` `[H, n]` (ties, and fp32 rounding, either way)."""
+    for h in range(scores.shape[0]):
+        row = scores[h].double()
+        assert len(set(kept[h].tolist())) == budget
+        mask = torch.zeros_like(row, dtype=torch.bool)
+        mask[kept[h]] = True
+        if mask.all():
+            continue
+        low, high = row[mask].min(), row[~mask].max()
+        assert low >= high - rtol * max(abs(float(high)), 1e-6), (h, float(low), float(high))
+
+
+def scaled_model(attn="sdpa", layers=2):
+    """A tiny Llama whose keys differ in norm and direction (random init gives near-identical keys)."""
+    model = tiny_model("llama", layers=layers, attn=attn)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+            layer.self_attn.v_proj.weight.mul_(4)
+    return model
+
+
+# --- random ---------------------------------------------------------------------------------------------------------
+def test_random_keeps_the_seeded_draws_top_and_the_same_positions_in_every_layer():
+    model, ids = tiny_model("llama", layers=2), prompt(N)
+    kept = kept_by_kvbench(model, ids, METHODS["random"](seed=3))
+    draw = torch.rand(2, N, generator=torch.Generator().manual_seed(3))  # kvpress: one generator per layer
+    for layer in kept:
+        assert_top(layer, draw, rtol=0)
+        assert torch.equal(layer, kept[0])
+    assert not torch.equal(kept_by_kvbench(model, ids, METHODS["random"](seed=4))[0], kept[0])
+
+
+# --- keydiff --------------------------------------------------------------------------------------------------------
+def keydiff_reference(keys, candidates):
+    """Minus the cosine of each candidate key to the mean unit key of the candidates (one head, plain loops)."""
+    unit = [keys[i] / keys[i].norm() for i in candidates]
+    anchor = sum(unit) / len(unit)
+    return torch.stack([-(keys[i] @ anchor) / (keys[i].norm() * anchor.norm()) for i in candidates])
+
+
+@pytest.mark.parametrize("block_size", [0, 20])
+def test_keydiff_keeps_the_keys_least_like_the_anchor(block_size):
+    model, ids = scaled_model(), prompt(N)
+    ours = kept_by_kvbench(model, ids, METHODS["keydiff"](block_size=block_size))
+    cache, _, _ = reference_prefill(model, ids)
+    for layer, kept in enumerate(ours):
+        keys = cache.layers[layer].keys[0].double()
+        for h in range(keys.shape[0]):
+            chosen = list(range(N)) if not block_size else list(range(BUDGET))
+            starts = [N] if not block_size else range(BUDGET, N, block_size)
+            for start in starts:  # one pass over all, or: the kept set + each block in turn
+                candidates = chosen if not block_size else chosen + list(range(start, min(start + block_size, N)))
+                scores = keydiff_reference(keys[h], candidates)
+                chosen = [candidates[j] for j in scores.argsort(descending=True)[:BUDGET].tolist()]
+            assert sorted(chosen) == kept[h].tolist(), (layer, h)
+
+
+# --- lagkv ----------------------------------------------------------------------------------------------------------
+def lagkv_reference(keys, values, n_sink, lag):
+    """LagKV's scores for one head `[n]`: per partition against the next one's per-channel range, ranked."""
+    n = keys.shape[0]
+    parts = (n - n_sink) // lag
+    scores = torch.ones(n, dtype=torch.float64)
+    for p in range(parts - 1):
+        own = slice(n_sink + p * lag, n_sink + (p + 1) * lag)
+        ref = slice(n_sink + (p + 1) * lag, n_sink + (p + 2) * lag)
+        total = torch.zeros(lag, dtype=torch.float64)
+        for states in (keys, values):
+            low, high = states[ref].min(dim=0).values, states[ref].max(dim=0).values
+            spread = torch.stack([((states[t] - low) / (high - low)).std() for t in range(own.start, own.stop)])
+            total += spread.softmax(dim=0) / 2
+        ranks = torch.tensor([sum(total[j] < total[i] for j in range(lag)) for i in range(lag)])
+        scores[own] = ranks / lag
+    return scores  # the sinks and the last partition (+ the rest) stay at 1
+
+
+def test_lagkv_keeps_the_top_ranks_of_each_partition():
+    model, ids = scaled_model(), prompt(N)
+    ours = kept_by_kvbench(model, ids, METHODS["lagkv"](n_sink=2, lag_size=16), budget=40)
+    cache, _, _ = reference_prefill(model, ids)
+    for layer, kept in enumerate(ours):
+        k, v = cache.layers[layer].keys[0].double(), cache.layers[layer].values[0].double()
+        scores = torch.stack([lagkv_reference(k[h], v[h], 2, 16) for h in range(k.shape[0])])
+        assert_top(kept, scores, budget=40, rtol=0)
+        tail = 2 + (N - 2) // 16 * 16 - 16  # the last full partition and the partial one are always kept
+        assert all(set(range(tail, N)) | {0, 1} <= set(row.tolist()) for row in kept)
+
+
+def test_lagkv_on_a_short_prompt_keeps_the_sinks_and_the_most_recent():
+    model, ids = tiny_model("llama", layers=1), prompt(40)
+    kept = kept_by_kvbench(model, ids, METHODS["lagkv"](), budget=10)[0]
+    assert kept.tolist() == [[0, 1, 2, 3, 34, 35, 36, 37, 38, 39]] * 2
+
+
+# --- cur ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("leverage", ["kv_product", "kv_avg", "key"])
+def test_cur_keeps_the_top_local_leverage_proxies(leverage):
+    model, ids = scaled_model(), prompt(N)
+    ours = kept_by_kvbench(model, ids, METHODS["cur"](leverage=leverage, local_window=16))
+    cache, _, _ = reference_prefill(model, ids)
+    for layer, kept in enumerate(ours):
+        k, v = cache.layers[layer].keys[0].double(), cache.layers[layer].values[0].double()
+        rows = []
+        for h in range(k.shape[0]):
+            k2, v2 = (k[h] ** 2).sum(-1), (v[h] ** 2).sum(-1)
+            for start in range(0, N, 16):  # each local window sums to 1 (the last one is shorter)
+                k2[start:start + 16] /= k2[start:start + 16].sum()
+                v2[start:start + 16] /= v2[start:start + 16].sum()
+            score = {"kv_product": k2 * v2, "kv_avg": (k2 + v2) / 2, "key": k2}[leverage]
+            score = score / score.sum()
+            score[:4] = 1.0
+            rows.append(score)
+        assert_top(kept, torch.stack(rows))
+        assert all({0, 1, 2, 3} <= set(row.tolist()) for row in kept)
+
+
+# --- leverage_score -------------------------------------------------------------------------------------------------
+def test_leverage_score_keeps_the_keys_with_the_highest_sketched_leverage():
+    model, ids = scaled_model(), prompt(N)
+    method = METHODS["leverage_score"](sketch_dimension=12, seed=5)
+    ours = kept_by_kvbench(model, ids, method)
+    cache, hidden, _ = reference_prefill(model, ids)
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    for layer, kept in enumerate(ours):
+        with torch.no_grad():  # pre-RoPE keys straight from the projection
+            pre = model.model.layers[layer].self_attn.k_proj(hidden[layer])[0].view(N, -1, d).transpose(0, 1)
+        sketch = torch.randn(1, pre.shape[0], d, 12, generator=torch.Generator().manual_seed(5 + layer))[0]
+        rows = []
+        for h in range(pre.shape[0]):
+            x = ((pre[h] - pre[h].mean(dim=0)) @ (sketch[h] / math.sqrt(12))).double()
+            gram = x.T @ x + 1e-2 * torch.eye(12, dtype=torch.float64)  # kvpress's first jitter
+            rows.append(torch.einsum("ni,ij,nj->n", x, torch.linalg.inv(gram), x).clamp_min(0))
+        assert_top(kept, torch.stack(rows), rtol=1e-4)
+
+
+# --- chunkkv --------------------------------------------------------------------------------------------------------
+def chunk_reference(scores, c, budget, gate=False, small=4):
+    """ChunkKV's choice for one prompt from token scores `[n]` (plain loops): chunks by mean score, greedy, the last
+    one partial; with the gate, spiky chunks above the median score keep `small` tokens and the rest tops up."""
+    n = len(scores)
+    chunks = [list(range(s, min(s + c, n))) for s in range(0, n, c)]
+    means = [sum(scores[i] for i in ch) / len(ch) for ch in chunks]
+
+    def entropy(ch):
+        if len(ch) == 1:
+            return 0.0
+        vals = [scores[i] - min(0.0, min(scores[j] for j in ch)) for i in ch]
+        p = [x / (sum(vals) + 1e-8) for x in vals]
+        return min(1.0, max(0.0, -sum(x * math.log(x + 1e-8) for x in p) / math.log(len(ch))))
+
+    ent = [entropy(ch) for ch in chunks]
+    median = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731 (torch's median: the lower one)
+    kept, left = set(), budget
+    for i in sorted(range(len(chunks)), key=lambda i: -means[i]):
+        if left <= 0:
+            break
+        spiky = gate and means[i] >= median(means) and ent[i] < median(ent)
+        take = min(len(chunks[i]), left, small if spiky else len(chunks[i]))
+        kept |= set(sorted(chunks[i], key=lambda j: -scores[j])[:take])
+        left -= take
+    rest = sorted(set(range(n)) - kept, key=lambda j: -scores[j])
+    return kept | set(rest[:left])
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_chunkkv_keeps_whole_chunks_by_kvpress_snapkv_scores(gate):
+    model, ids, w, c = scaled_model(attn="eager"), prompt(N), 8, 10
+    method = METHODS["chunkkv"](window=w, chunk_length=c, entropy_gate=gate)
+    ours = kept_by_kvbench(model, ids, method, budget=35)
+    _, _, attentions = reference_prefill(model, ids, attentions=True)  # eager: [1, H_q, N, N] per layer
+    for layer, kept in enumerate(ours):
+        attn = attentions[layer][0, :, N - w:, : N - w].double().mean(dim=1)  # [H_q, N - w]
+        pooled = torch.nn.functional.avg_pool1d(attn[:, None], 5, stride=1, padding=2)[:, 0]  # count_include_pad
+        per_kv = pooled.view(2, 3, -1).mean(dim=1)
+        full = torch.cat([per_kv, torch.full((2, w), float(per_kv.max()) + 1, dtype=torch.float64)], dim=-1)
+        token = full.sum(dim=0).tolist()
+        expected = chunk_reference(token, c, 35, gate)
+        multiset = lambda kept_set: sorted(round(token[i], 9) for i in kept_set)  # noqa: E731 (ties: either)
+        for row in kept:
+            assert multiset(row.tolist()) == multiset(expected), (layer, sorted(expected ^ set(row.tolist())))
+            assert {i // c for i in row.tolist()} == {i // c for i in expected}  # the same chunks
+
+
+def test_chunkkv_refuses_a_window_filling_the_budget_and_a_gate_chunk_too_short():
+    with pytest.raises(ValueError, match="chunkkv: window=64 must be < budget=64"):
+        METHODS["chunkkv"]().check_budget(64)
+    with pytest.raises(ValueError, match="low_entropy_chunk_length=4 must be in"):
+        METHODS["chunkkv"](entropy_gate=True, chunk_length=4)
+
+
+# --- kvpress's own kept sets on the embedded model ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embedded_views():
+    """Each golden prompt's full cache on the embedded model, as the views `select` gets (one prefill each)."""
+    from kvbench.models import ModelSpec, load
+
+    goldens = json.loads(GOLDENS.read_text())
+    model, _ = load(ModelSpec(name="smollm2", path="embedded"))
+    views = []
+    with AttentionCapture(model, window=64) as capture:
+        for golden in goldens["prompts"]:
+            cache = KVCache()
+            with torch.no_grad():
+                prefill(model, torch.tensor([golden["ids"]]), cache)
+            views.append([LayerView(i, len(cache.layers), layer.keys, layer.values, capture.window_queries[i],
+                                    capture.scaling[i], rotary=capture.rotary.get(i))
+                          for i, layer in enumerate(cache.layers)])
+    return goldens, views
+
+
+@pytest.mark.parametrize("case", ["random", "keydiff", "keydiff_oneshot", "lagkv", "cur", "leverage_score",
+                                  "chunkkv", "chunkkv_entropy"])
+def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
+    goldens, views = embedded_views
+    golden = goldens["cases"][case]
+    method = METHODS[golden["method"]](**golden["fields"])
+    near_ties = 0
+    for p, (prompt_golden, layers) in enumerate(zip(goldens["prompts"], views)):
+        budget = prompt_golden["budget"]
+        for view, heads in zip(layers, golden["kept"][p]):
+            kept = method.select(view, budget)[0]
+            for h, mask in enumerate(heads):
+                ours, theirs = set(kept[h].tolist()), {i for i in range(view.prompt_len) if int(mask, 16) >> i & 1}
+                if ours == theirs:
+                    continue
+                # leverage_score only: kvpress recomputes pre-RoPE keys from the hidden states, kvbench rotates the
+                # cached keys back; the fp32 difference may swap two entries whose scores tie to 1e-5
+                assert case == "leverage_score", (case, p, view.layer_idx, h, sorted(ours ^ theirs))
+                scores = method.scores(view)[0, h]
+                swapped = scores[sorted(ours ^ theirs)]
+                assert len(ours - theirs) == len(theirs - ours)
+                assert float(swapped.max() - swapped.min()) <= 1e-5 * float(swapped.abs().max()), (p, h)
+                near_ties += 1
+    assert near_ties <= 2
