@@ -8,9 +8,10 @@ in fp32, sdpa). For each press it prefills the prompt once under the press and o
 entries each layer and KV head kept by matching every kept key to the uncompressed key it equals bit for bit (the
 layers after a compressed one see the same hidden states: kvpress compresses after each layer's attention).
 A budget B per KV head is asked of kvpress as compression_ratio = 1 - (B + 0.5) / n, so that its int(n (1 - ratio))
-is B (ChunkKVPress: int(chunks (1 - ratio)) = B / chunk_length, B a multiple of it). LeverageScorePress draws its
-sketch from torch's global generator: the child seeds it with seed + layer right before each layer's attention,
-which is kvbench's per-layer generator. Kept sets are stored as hex bitmasks (bit i = entry i) per layer and head.
+is B (ChunkKVPress: int(chunks (1 - ratio)) = B / chunk_length, B a multiple of it). CriticalAdaKVPress masks
+entries instead of removing them: its kept set is every entry not in the module's `masked_key_indices`.
+LeverageScorePress draws its sketch from torch's global generator: the child seeds it with seed + layer right
+before each layer's attention, which is kvbench's per-layer generator. Kept sets are stored as hex bitmasks (bit i = entry i) per layer and head.
 This file imports only the standard library at its top, so kvpress's interpreter can run it.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests/fixtures/kvpress_new/goldens.json"
-PROMPTS = [(400, 120), (600, 200)]  # (prompt tokens, budget per KV head): multiples of 20 (ChunkKV's chunks)
+PROMPTS = [(280, 100), (400, 120)]  # (prompt tokens, budget per KV head): multiples of 20 (ChunkKV's chunks)
 SEED = 0
 
 # name -> (kvbench method, its fields, the press as kvpress builds it: evaluated in the child)
@@ -39,7 +40,11 @@ CASES = {
     "chunkkv": ("chunkkv", {}, "ChunkKVPress(press=SnapKVPress(), chunk_length=20)"),
     "chunkkv_entropy": ("chunkkv", {"entropy_gate": True, "chunk_length": 10},
                         "EntropyGatedChunkKVPress(press=SnapKVPress(), chunk_length=10)"),
+    "non_causal_attn": ("non_causal_attn", {}, "NonCausalAttnPress()"),
+    "critical_kv": ("critical_kv", {}, "CriticalKVPress(press=SnapKVPress())"),
+    "critical_adakv": ("critical_adakv", {}, "CriticalAdaKVPress(press=SnapKVPress())"),
 }
+MASKING = {"critical_adakv"}  # kvpress masks these (module.masked_key_indices) instead of removing entries
 
 
 def ratio_for(press: str, n: int, budget: int) -> float:
@@ -80,6 +85,13 @@ def child(args) -> None:
             press.compression_ratio = ratio_for(build, len(ids), PROMPTS[p][1])
             kept = run(ids, press)
             masks = []
+            if name in MASKING:  # kept = every entry the press did not mask, per layer and head
+                for module, k_full in zip(attention, full):
+                    _, heads_idx, seq_idx = module.masked_key_indices
+                    dropped = [set(seq_idx[heads_idx == h].tolist()) for h in range(k_full.shape[0])]
+                    masks.append([hex(sum(1 << i for i in set(range(len(ids))) - d)) for d in dropped])
+                out.setdefault(name, []).append(masks)
+                continue
             for k_full, k_kept in zip(full, kept):
                 heads = []
                 for h in range(k_full.shape[0]):

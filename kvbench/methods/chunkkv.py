@@ -32,6 +32,18 @@ from kvbench.registry import METHODS
 EPSILON = 1e-8  # kvpress's, inside the entropy
 
 
+def kvpress_snapkv_scores(view: LayerView, window: int, kernel: int, pooling: str) -> Tensor:
+    """`[B, H_kv, n]`: kvpress SnapKVPress's scores (window-mean attention, pooled per query head, averaged over each
+    KV group; the window's own entries at each batch row's maximum + 1). Shared with CriticalKV."""
+    n = view.prompt_len
+    attn = window_attention(view.window_queries[:, :, -window:], view.keys, view.scaling, view.window_bias,
+                            view.softcap)
+    prefix = pool1d(attn[..., : n - window].mean(dim=2), kernel, pooling)  # [B, H_q, n - w]
+    prefix = reduce_groups(prefix, view.keys.shape[1], "mean")
+    top = prefix.amax(dim=(1, 2), keepdim=True) + 1
+    return torch.cat([prefix, top.expand(-1, prefix.shape[1], window)], dim=-1)
+
+
 def normalised_entropy(scores: Tensor) -> Tensor:
     """`[C, L]` token scores -> `[C]` entropy of each row as a distribution (rebased at 0 if negative) / log L."""
     if scores.shape[-1] == 1:
@@ -75,14 +87,7 @@ class ChunkKV(Method):
                              "highest); lower method.window or raise budget.")
 
     def token_scores(self, view: LayerView) -> Tensor:
-        """`[B, H_kv, n]`: kvpress SnapKVPress's scores, the window at the layer's maximum + 1."""
-        n, w = view.prompt_len, self.window
-        attn = window_attention(view.window_queries[:, :, -w:], view.keys, view.scaling, view.window_bias,
-                                view.softcap)
-        prefix = pool1d(attn[..., : n - w].mean(dim=2), self.kernel, self.pooling)  # [B, H_q, n - w]
-        prefix = reduce_groups(prefix, view.keys.shape[1], "mean")
-        top = prefix.amax(dim=(1, 2), keepdim=True) + 1
-        return torch.cat([prefix, top.expand(-1, prefix.shape[1], w)], dim=-1)
+        return kvpress_snapkv_scores(view, self.window, self.kernel, self.pooling)
 
     def keep_row(self, scores: Tensor, n_keep: int) -> Tensor:
         """One batch row's token scores `[n]` (summed over heads) -> the kept positions `[n_keep]`, sorted."""

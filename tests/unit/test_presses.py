@@ -222,6 +222,15 @@ def chunk_reference(scores, c, budget, gate=False, small=4):
     return kept | set(rest[:left])
 
 
+def snapkv_reference(attentions, layer, w):
+    """kvpress SnapKVPress's scores `[H_kv, N]` from eager attention weights: the window rows' mean, average-pooled
+    by 5 (padding counted) per query head, averaged over each group of 3; the window at the maximum + 1."""
+    attn = attentions[layer][0, :, N - w:, : N - w].double().mean(dim=1)  # [H_q, N - w]
+    pooled = torch.nn.functional.avg_pool1d(attn[:, None], 5, stride=1, padding=2)[:, 0]
+    per_kv = pooled.view(2, 3, -1).mean(dim=1)
+    return torch.cat([per_kv, torch.full((2, w), float(per_kv.max()) + 1, dtype=torch.float64)], dim=-1)
+
+
 @pytest.mark.parametrize("gate", [False, True])
 def test_chunkkv_keeps_whole_chunks_by_kvpress_snapkv_scores(gate):
     model, ids, w, c = scaled_model(attn="eager"), prompt(N), 8, 10
@@ -229,11 +238,7 @@ def test_chunkkv_keeps_whole_chunks_by_kvpress_snapkv_scores(gate):
     ours = kept_by_kvbench(model, ids, method, budget=35)
     _, _, attentions = reference_prefill(model, ids, attentions=True)  # eager: [1, H_q, N, N] per layer
     for layer, kept in enumerate(ours):
-        attn = attentions[layer][0, :, N - w:, : N - w].double().mean(dim=1)  # [H_q, N - w]
-        pooled = torch.nn.functional.avg_pool1d(attn[:, None], 5, stride=1, padding=2)[:, 0]  # count_include_pad
-        per_kv = pooled.view(2, 3, -1).mean(dim=1)
-        full = torch.cat([per_kv, torch.full((2, w), float(per_kv.max()) + 1, dtype=torch.float64)], dim=-1)
-        token = full.sum(dim=0).tolist()
+        token = snapkv_reference(attentions, layer, w).sum(dim=0).tolist()
         expected = chunk_reference(token, c, 35, gate)
         multiset = lambda kept_set: sorted(round(token[i], 9) for i in kept_set)  # noqa: E731 (ties: either)
         for row in kept:
@@ -248,6 +253,95 @@ def test_chunkkv_refuses_a_window_filling_the_budget_and_a_gate_chunk_too_short(
         METHODS["chunkkv"](entropy_gate=True, chunk_length=4)
 
 
+# --- non_causal_attn ------------------------------------------------------------------------------------------------
+def rotated_queries(model, hidden, layer):
+    """Post-RoPE queries `[H_q, N, D]` from the module's q_proj and the model's own rotary embedding."""
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    with torch.no_grad():
+        q = model.model.layers[layer].self_attn.q_proj(hidden[layer])[0].view(N, -1, d).transpose(0, 1)
+        cos, sin = model.model.rotary_emb(q, torch.arange(N)[None])
+    half = torch.cat([-q[..., d // 2:], q[..., : d // 2]], dim=-1)
+    return q * cos + half * sin
+
+
+@pytest.mark.parametrize("chunk,mask_padding", [(30, False), (32, False), (32, True)])
+def test_non_causal_attn_sums_each_chunks_two_way_attention(chunk, mask_padding):
+    model, ids = scaled_model(), prompt(N)
+    ours = kept_by_kvbench(model, ids, METHODS["non_causal_attn"](chunk_size=chunk, mask_padding=mask_padding))
+    cache, hidden, _ = reference_prefill(model, ids)
+    for layer, kept in enumerate(ours):
+        q, k = rotated_queries(model, hidden, layer).double(), cache.layers[layer].keys[0].double()
+        v = cache.layers[layer].values[0].double()
+        rows = []
+        for kv in range(2):
+            total = torch.zeros(N, dtype=torch.float64)
+            for hq in range(3 * kv, 3 * kv + 3):
+                for s in range(0, N, chunk):
+                    e, pad = min(s + chunk, N), max(0, s + chunk - N)
+                    logits = q[hq, s:e] @ k[kv, s:e].T  # no 1/sqrt(D), as kvpress
+                    if pad and not mask_padding:  # kvpress: padded keys at logit -1e-9, padded queries uniform
+                        logits = torch.cat([logits, torch.full((e - s, pad), -1e-9, dtype=torch.float64)], dim=1)
+                        total[s:e] += pad / chunk
+                    total[s:e] += logits.softmax(dim=-1).sum(dim=0)[: e - s]
+            rows.append(total / 3 * v[kv].norm(dim=-1))
+        scores = torch.nn.functional.avg_pool1d(torch.stack(rows)[:, None], 3, stride=1, padding=1)[:, 0]
+        assert_top(kept, scores, rtol=1e-4)
+
+
+# --- critical_kv, critical_adakv -----------------------------------------------------------------------------------
+def output_norms_reference(model, values, layer):
+    """‖v W_o,h‖₁ per query head, averaged over each KV group: `[H_kv, N]` (loops over heads)."""
+    weight = model.model.layers[layer].self_attn.o_proj.weight.detach().double()  # [hidden, H_q * D]
+    d = values.shape[-1]
+    per_query = [(values[hq // 3] @ weight[:, hq * d:(hq + 1) * d].T).abs().sum(dim=-1) for hq in range(6)]
+    return torch.stack([sum(per_query[3 * kv:3 * kv + 3]) / 3 for kv in range(2)])
+
+
+def two_stage_reference(first, second, budget, share=0.5):
+    """One head: its top int(budget x share) by the first scores outright (+inf), the others by the second."""
+    combined = second.clone()
+    combined[first.topk(max(1, int(budget * share))).indices] = float("inf")
+    return combined
+
+
+def test_critical_kv_keeps_half_by_snapkv_and_half_by_the_output_weighted_scores():
+    model, ids, w = scaled_model(attn="eager"), prompt(N), 8
+    ours = kept_by_kvbench(model, ids, METHODS["critical_kv"](window=w), budget=30)
+    cache, _, attentions = reference_prefill(model, ids, attentions=True)
+    for layer, kept in enumerate(ours):
+        first = snapkv_reference(attentions, layer, w)
+        second = (first + 1e-4) * output_norms_reference(model, cache.layers[layer].values[0].double(), layer)
+        assert_top(kept, torch.stack([two_stage_reference(first[h], second[h], 30) for h in range(2)]), 30)
+
+
+def test_critical_adakv_splits_the_budget_across_heads_then_runs_both_stages_per_head():
+    model, ids, w, budget = scaled_model(attn="eager"), prompt(N), 8, 30
+    cache = KVCache()
+    method = METHODS["critical_adakv"](window=w)
+    with AttentionCapture(model, window=w) as capture:
+        prefill(model, ids, cache)
+        compress(method, cache, capture, budget)
+    _, _, attentions = reference_prefill(model, ids, attentions=True)
+    for layer, stored in enumerate(cache.layers):
+        first = snapkv_reference(attentions, layer, w)
+        safe = first.clone()
+        for h in range(2):  # Ada-KV's safeguard: each head's top int(0.2 x budget) compete from the top
+            safe[h, first[h].topk(int(0.2 * budget)).indices] = float("inf")
+        counts = torch.bincount(safe.flatten().topk(2 * budget).indices // N, minlength=2).tolist()
+        assert sum(counts) == 2 * budget and stored.entries_per_head() == counts
+        second = (safe.clamp(max=torch.finfo(torch.float32).max) + 1e-4) * output_norms_reference(
+            model, cache_values(model, ids, layer), layer)
+        for h, b in enumerate(counts):
+            kept = stored.flat_positions[stored.offsets[h]:stored.offsets[h + 1]]
+            assert_top(kept[None], two_stage_reference(safe[h], second[h], b)[None], b)
+
+
+def cache_values(model, ids, layer):
+    cache, _, _ = reference_prefill(model, ids)
+    return cache.layers[layer].values[0].double()
+
+
 # --- kvpress's own kept sets on the embedded model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedded_views():
@@ -257,19 +351,20 @@ def embedded_views():
     goldens = json.loads(GOLDENS.read_text())
     model, _ = load(ModelSpec(name="smollm2", path="embedded"))
     views = []
-    with AttentionCapture(model, window=64) as capture:
+    with AttentionCapture(model, window=1 << 40) as capture:  # every query (non_causal_attn); others slice theirs
         for golden in goldens["prompts"]:
             cache = KVCache()
             with torch.no_grad():
                 prefill(model, torch.tensor([golden["ids"]]), cache)
             views.append([LayerView(i, len(cache.layers), layer.keys, layer.values, capture.window_queries[i],
-                                    capture.scaling[i], rotary=capture.rotary.get(i))
+                                    capture.scaling[i], rotary=capture.rotary.get(i),
+                                    output_weight=capture.output_weight(i))
                           for i, layer in enumerate(cache.layers)])
     return goldens, views
 
 
 @pytest.mark.parametrize("case", ["random", "keydiff", "keydiff_oneshot", "lagkv", "cur", "leverage_score",
-                                  "chunkkv", "chunkkv_entropy"])
+                                  "chunkkv", "chunkkv_entropy", "non_causal_attn", "critical_kv", "critical_adakv"])
 def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
     goldens, views = embedded_views
     golden = goldens["cases"][case]
@@ -278,16 +373,18 @@ def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
     for p, (prompt_golden, layers) in enumerate(zip(goldens["prompts"], views)):
         budget = prompt_golden["budget"]
         for view, heads in zip(layers, golden["kept"][p]):
-            kept = method.select(view, budget)[0]
+            kept = method.select(view, budget)
+            kept = kept if isinstance(kept, list) else kept[0]  # (critical_adakv: one tensor per head)
             for h, mask in enumerate(heads):
                 ours, theirs = set(kept[h].tolist()), {i for i in range(view.prompt_len) if int(mask, 16) >> i & 1}
                 if ours == theirs:
                     continue
-                # leverage_score only: kvpress recomputes pre-RoPE keys from the hidden states, kvbench rotates the
-                # cached keys back; the fp32 difference may swap two entries whose scores tie to 1e-5
-                assert case == "leverage_score", (case, p, view.layer_idx, h, sorted(ours ^ theirs))
-                scores = method.scores(view)[0, h]
-                swapped = scores[sorted(ours ^ theirs)]
+                # a near-tie: kvpress recomputes pre-RoPE keys (leverage_score) or queries and chunk products
+                # (non_causal_attn) in another order, and the fp32 difference may swap two entries whose scores agree
+                # to 1e-5 (or tie exactly: topk then picks either); any other difference fails
+                assert case in ("leverage_score", "non_causal_attn"), (case, p, view.layer_idx, h,
+                                                                       sorted(ours ^ theirs))
+                swapped = method.scores(view)[0, h][sorted(ours ^ theirs)]
                 assert len(ours - theirs) == len(theirs - ours)
                 assert float(swapped.max() - swapped.min()) <= 1e-5 * float(swapped.abs().max()), (p, h)
                 near_ties += 1
