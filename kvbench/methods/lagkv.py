@@ -1,6 +1,6 @@
 """LagKV (Liang et al., arXiv 2504.04704, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
-Important"). Reference: NVIDIA/kvpress 0.5.5 `LagKVPress` (contributed with the paper; the authors' repository
-AI-Lab-China-Merchants-Bank/LagKV was not read here).
+Important"). References: the authors' AI-Lab-China-Merchants-Bank/LagKV @ 5b4f452 (`lag_kv.py`, a DynamicCache)
+and NVIDIA/kvpress 0.5.5 `LagKVPress`; they score alike.
 
 Attention-free. After the first `n_sink` entries the prompt is cut into partitions of `lag_size`; each partition is
 scored against the next one (its "lag"): every key and value channel is min-max normalised by the next partition's
@@ -11,6 +11,13 @@ every partition offers its best tokens equally; `cross_scoring=true` keeps the s
 A prompt shorter than `n_sink + 2 lag_size` keeps the sinks and the most recent entries (kvpress's scores for it).
 Then the top `budget` scores per KV head are kept (kvpress's top-k over the same scores: many ranks tie across
 partitions, and which tied entry survives follows `topk`'s order, as in kvpress). Scores in fp32.
+
+Where the authors' code differs (kvpress's reading is kept, as its leaderboard runs it): it keeps int(ratio x
+lag_size) entries of every scored partition, the top by key score + value score; kvbench's top-`budget` over the
+ranks is the same set when the budget left after the sinks and the tail divides evenly among the partitions (else
+the remainder goes to the next rank in `topk`'s order). Its class defaults are 16 sinks and partitions of 1024
+(`method.n_sink=16 method.lag_size=1024`). Its cache also compresses again while decoding, each time the tail
+reaches two partitions beyond what was compressed; kvbench compresses the prompt only.
 """
 from __future__ import annotations
 
