@@ -34,7 +34,7 @@ CASES = {
     "random": ("random", {"seed": SEED}, f"RandomPress(seed={SEED})"),
     "keydiff": ("keydiff", {}, "BlockPress(press=KeyDiffPress(), block_size=128)"),
     "keydiff_oneshot": ("keydiff", {"block_size": 0}, "KeyDiffPress()"),
-    "lagkv": ("lagkv", {}, "LagKVPress()"),
+    "lagkv": ("lagkv", {"n_sink": 4}, "LagKVPress()"),
     "cur": ("cur", {}, "CURPress()"),
     "leverage_score": ("leverage_score", {"seed": SEED}, "LeverageScorePress()"),
     "chunkkv": ("chunkkv", {}, "ChunkKVPress(press=SnapKVPress(), chunk_length=20)"),

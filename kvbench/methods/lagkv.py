@@ -1,6 +1,6 @@
 """LagKV (Liang et al., arXiv 2504.04704, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
-Important"). References: the authors' AI-Lab-China-Merchants-Bank/LagKV @ 5b4f452 (`lag_kv.py`, a DynamicCache)
-and NVIDIA/kvpress 0.5.5 `LagKVPress`; they score alike.
+Important"). References: the authors' AI-Lab-China-Merchants-Bank/LagKV @ 5b4f452 (`lag_kv.py`, a DynamicCache,
+and its README) and NVIDIA/kvpress 0.5.5 `LagKVPress`; they score alike.
 
 Attention-free. After the first `n_sink` entries the prompt is cut into partitions of `lag_size`; each partition is
 scored against the next one (its "lag"): every key and value channel is min-max normalised by the next partition's
@@ -12,12 +12,13 @@ A prompt shorter than `n_sink + 2 lag_size` keeps the sinks and the most recent 
 Then the top `budget` scores per KV head are kept (kvpress's top-k over the same scores: many ranks tie across
 partitions, and which tied entry survives follows `topk`'s order, as in kvpress). Scores in fp32.
 
-Where the authors' code differs (kvpress's reading is kept, as its leaderboard runs it): it keeps int(ratio x
-lag_size) entries of every scored partition, the top by key score + value score; kvbench's top-`budget` over the
-ranks is the same set when the budget left after the sinks and the tail divides evenly among the partitions (else
-the remainder goes to the next rank in `topk`'s order). Its class defaults are 16 sinks and partitions of 1024
-(`method.n_sink=16 method.lag_size=1024`). Its cache also compresses again while decoding, each time the tail
-reaches two partitions beyond what was compressed; kvbench compresses the prompt only.
+Defaults: 16 sinks, the authors' (`LagKV(sink_size=16)`; kvpress: `method.n_sink=4`), and partitions of 128, the
+lag size of their README's prefill example and kvpress's (their class default is 1024). Where the authors' code
+differs otherwise: it keeps int(ratio x lag_size) entries of every scored partition, the top by key score + value
+score; kvbench's top-`budget` over the ranks is the same set when the budget left after the sinks and the tail
+divides evenly among the partitions (else the remainder goes to the next rank in `topk`'s order, as kvpress). Its
+cache also compresses again while decoding, each time the tail reaches two partitions beyond what was compressed;
+kvbench compresses the prompt only.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def lag_scores(states: Tensor) -> Tensor:
 @METHODS.register("lagkv")
 @dataclass
 class LagKV(Method):
-    n_sink: int = 4  # first entries always kept (scored 1)
+    n_sink: int = 16  # first entries always kept (scored 1); the authors' default (kvpress: 4)
     lag_size: int = 128  # partition length; each partition is scored by the next one
     cross_scoring: bool = False  # keep the softmax scores instead of per-partition ranks (kvpress: for Ada-KV)
 

@@ -1,7 +1,9 @@
 """Approximate leverage scores of the keys (Chari & Van Durme, arXiv 2507.08143, "Compactor: Calibrated
 Query-Agnostic KV Cache Compression with Approximate Leverage Scores"). Reference: NVIDIA/kvpress 0.5.5
-`LeverageScorePress` (contributed by the authors; its docstring notes it solves with a Cholesky factor where the
-paper uses another solver).
+`LeverageScorePress` (its docstring notes it solves with a Cholesky factor where the paper differs). The authors'
+code (vnchari/compactor-vllm @ 48d9f65, `approximate_leverage_scores`) scores chunks of 512 keys each against their
+own Gram matrix (regulariser 5e-3, an SVD) and uses the scores inside Compactor only; kvbench follows kvpress's
+standalone press (one Gram matrix over the whole prompt).
 
 Per layer and KV head, the pre-RoPE keys `K` `[n, D]` are centred over the sequence and sketched on the right by a
 Gaussian `Φ` `[D, sketch_dimension]` / √sketch_dimension: X = (K - mean) Φ. An entry's score is its leverage in X,

@@ -1,5 +1,8 @@
 """Non-causal chunked attention scores (Chari & Van Durme, arXiv 2507.08143, "Compactor"). Reference: NVIDIA/kvpress
-0.5.5 `NonCausalAttnPress` (contributed with Compactor; the authors' own repository was not read here).
+0.5.5 `NonCausalAttnPress`. The authors' code (vnchari/compactor-vllm @ 48d9f65, `compression/compactor.py`) has no
+such method on its own: its non-causal attention is one half of Compactor's score (blended with leverage scores,
+first and last tokens protected), unscaled as here, but without the value norm and the pooling, over chunks of 128,
+with the last, shorter chunk's missing keys masked for real; that composition belongs to a `compactor` method.
 
 The prompt is cut into chunks of `chunk_size`; inside each chunk every query attends every key of the chunk, both
 ways (no causal mask, nothing across chunks). An entry's score is the attention its key receives summed over the
