@@ -180,7 +180,7 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
-                         capture.rotary.get(layer_idx))
+                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx))
         heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
         apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
 

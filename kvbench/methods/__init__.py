@@ -6,6 +6,7 @@ import it here, and add `configs/method/<name>.yaml` (`_target_` + the dataclass
 from kvbench.methods import (  # noqa: F401
     adakv, buzz, expected_attention, full, h2o, keyformer, knorm, kvzip, pqcache, pyramidkv, quest, snapkv,
     rkv, streamingllm, tailorkv, tova, window,
+    chunkkv, critical_kv, cur, keydiff, lagkv, leverage_score, non_causal_attn, random,
 )
 from kvbench.methods.base import Kind, LayerView, Method
 

@@ -38,7 +38,9 @@ class LayerView:
     keys/values: `[B, H_kv, n, D]` (post-RoPE keys); window_queries: `[B, H_q, w, D]` post-RoPE, or None;
     window_bias: the model's additive position bias of the window rows `[B, H_q, w, n]` (ALiBi), or None;
     softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None;
-    rotary: the layer's rotary encoding (`kvbench.models.rotary.Rotary`; `Rotary.none()` without RoPE), or None.
+    rotary: the layer's rotary encoding (`kvbench.models.rotary.Rotary`; `Rotary.none()` without RoPE), or None;
+    output_weight: the layer's attention output projection W_o `[hidden, H_q * D]` (column block h: query head h),
+    for scorers that weigh values by what they add to the output (CriticalKV), or None.
     """
 
     layer_idx: int
@@ -50,6 +52,7 @@ class LayerView:
     window_bias: Tensor | None = None
     softcap: float | None = None
     rotary: Rotary | None = None  # the layer's position encoding (rotary angles), for scorers that rotate queries
+    output_weight: Tensor | None = None  # W_o `[hidden, H_q * D]`, for scorers weighing values (CriticalKV)
 
     @property
     def prompt_len(self) -> int:

@@ -58,6 +58,8 @@ class Adapter:
     # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
     rotary_layout: Literal["half", "interleaved"] = "half"  # GPT-J rotates pairs of adjacent dims
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
+    output: str = "o_proj"  # the attention's output projection (W_o), read by value-weighing scorers (CriticalKV)
+    output_transposed: bool = False  # its weight is stored [in, out] (GPT-2's Conv1D) rather than nn.Linear's
     refuse: Callable[[dict], str | None] | None = None  # config.json -> a reason to refuse this variant, or None
 
     # --- finding attention ------------------------------------------------------------------------------------
@@ -68,6 +70,12 @@ class Adapter:
         """{layer index: attention module} of this family's attention class (vision towers etc. are skipped)."""
         cls = self.attention_class()
         return {m.layer_idx: m for m in model.modules() if isinstance(m, cls)}
+
+    def output_weight(self, module: torch.nn.Module) -> Tensor:
+        """The attention's output projection as `[hidden, H_q * D]` (nn.Linear's layout: column block h is query
+        head h's share of W_o)."""
+        weight = getattr(module, self.output).weight
+        return weight.t() if self.output_transposed else weight
 
     def eager_function(self):
         """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper;
@@ -182,21 +190,21 @@ ADAPTERS: tuple[Adapter, ...] = (
     _interface("qwen3", ["qwen3"], "qwen3.modeling_qwen3", "Qwen3Attention", query_norm="q_norm"),
     _interface("phi3", ["phi3"], "phi3.modeling_phi3", "Phi3Attention", query="qkv_proj", query_layout="leading"),
     _interface("gpt_neox", ["gpt_neox"], "gpt_neox.modeling_gpt_neox", "GPTNeoXAttention",
-               query="query_key_value", query_layout="per_head"),
+               query="query_key_value", query_layout="per_head", output="dense"),
     _interface("gpt2", ["gpt2"], "gpt2.modeling_gpt2", "GPT2Attention", query="c_attn", query_layout="leading",
-               positions="learned"),
+               positions="learned", output="c_proj", output_transposed=True),
     _interface("gemma3", ["gemma3_text"], "gemma3.modeling_gemma3", "Gemma3Attention", query_norm="q_norm",
                rotary_inv_freq="full_attention_inv_freq", has_window_layers=True),
     _interface("gemma2", ["gemma2"], "gemma2.modeling_gemma2", "Gemma2Attention", sdpa=False, has_window_layers=True,
                softcap=True),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
-               replaces=("_attn", gptj_attention_core), sdpa=False),
+               replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",
-               query_layout="split", replaces=("forward", falcon_attention_forward),
+               query_layout="split", replaces=("forward", falcon_attention_forward), output="dense",
                refuse=lambda c: "ALiBi Falcon (alibi: true, falcon-rw) has no kvbench attention path yet"
                if c.get("alibi") else None),
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
-               positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False),
+               positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False, output="out_proj"),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}

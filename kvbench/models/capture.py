@@ -150,6 +150,11 @@ class AttentionCapture:
         if embeddings is not None:  # (absent: a method that needs it says so)
             self.rotary[module.layer_idx] = Rotary.from_embeddings(*embeddings, self.adapter.rotary_layout)
 
+    def output_weight(self, layer_idx: int) -> Tensor | None:
+        """The layer's attention output projection `[hidden, H_q * D]` (W_o; `Adapter.output_weight`), or None."""
+        module = self.attention_modules.get(layer_idx)
+        return None if module is None else self.adapter.output_weight(module)
+
     def can_predict(self, layer_idx: int) -> bool:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""

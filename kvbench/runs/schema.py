@@ -169,6 +169,15 @@ RANGES: dict[str, Range] = {
     "channels": at_least(1),
     "quant_layers": at_least(0, "layer indices"),
     "channel_query": OWN,
+    # --- kvpress's presses (issue 35)
+    "block_size": at_least(0, "prompt entries per block; 0: one shot"),
+    "lag_size": at_least(2, "entries per partition"),
+    "leverage": OWN,
+    "local_window": at_least(1, "entries per local normalisation window"),
+    "sketch_dimension": at_least(1, "columns of the Gaussian sketch"),
+    "chunk_length": at_least(1, "entries per chunk"),
+    "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
+    "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
