@@ -107,7 +107,7 @@ tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedd
 PAPERS := pyramidkv adakv tailorkv keyformer buzz
 TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
 TABLES_adakv     := t1 t2 f6
-TABLES_tailorkv  := t3 t5 t8 t14 t15 t16
+TABLES_tailorkv  := t1 t3 t5 t8 t14 t15 t16
 TABLES_keyformer := t2 t3 t4 f7
 TABLES_buzz      := t2 t3 ta tb tc f6
 
@@ -145,7 +145,9 @@ EXTRA_tailorkv_t15_yi6b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16 := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi9b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t1 := "method=full"   # Table 1's 16-bit row; its sweep: every layer at 1 bit, layer 0 alone at 1 bit
 SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke tailorkv_t16_smoke   # 14, 5, 8: LongBench; 15, 3: +IB; 16: RULER
+EXTRA_tailorkv_t1_smoke := $(EXTRA_tailorkv_t1)   # Table 1's smoke form: its own target (below), not in CI's smoke
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # no sweep: lm-eval runs (LM_EVAL_RUNS_keyformer_t2, below)
@@ -218,6 +220,10 @@ reproduce-$(1)-$(2): $(addprefix run-paper-,$(call table_presets,$(1),$(2))) \
 endef
 $(foreach p,$(PAPERS),$(eval $(call paper_targets,$(p))))
 $(foreach p,$(PAPERS),$(foreach t,$(TABLES_$(p)),$(eval $(call table_target,$(p),$(t)))))
+
+.PHONY: reproduce-tailorkv-t1-smoke
+reproduce-tailorkv-t1-smoke: run-paper-tailorkv_t1_smoke  ## TailorKV Table 1 on the embedded model (CPU, ~1 min)
+	$(PYTHON) -m kvbench.report $(SMOKE_DIR)/tailorkv --paper tailorkv --table t1 --out $(SMOKE_DIR)/tailorkv/report/tailorkv
 
 .PHONY: reproduce-smoke paper-tables
 paper-tables:  # each table of each paper and the presets it reads (tests/unit/test_paper_report.py checks them)

@@ -169,6 +169,7 @@ RANGES: dict[str, Range] = {
     "channels": at_least(1),
     "quant_layers": at_least(0, "layer indices"),
     "channel_query": OWN,
+    "TailorKV.rest": OWN,
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
