@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -41,11 +41,19 @@ test-gpu: setup  ## GPU tier (skipped without CUDA)
 	$(PYTHON) -m pytest -q tests/gpu
 
 GPU_PYTHON ?= $(PYTHON)
-gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill (GPU_PYTHON=python3: a Python with the deps already, no setup)
+gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill + the papers' speed tables into OUT=<folder> (GPU_PYTHON=python3: a Python with the deps already, no setup)
 	$(GPU_PYTHON) -m pytest -q tests/gpu
 	$(GPU_PYTHON) scripts/bench_gpu.py
 	$(GPU_PYTHON) scripts/bench_sdpa_shapes.py
 	$(GPU_PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8
+	$(GPU_PYTHON) scripts/bench_paper_speed.py --out $(OUT)
+
+OUT ?= results/speed-tables
+speed-tables: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU: the papers' speed/memory tables (TailorKV 4, 13; Keyformer 1; PyramidKV 2) rebuilt / published, JSON + markdown into OUT=<folder>
+	$(GPU_PYTHON) scripts/bench_paper_speed.py --out $(OUT)
+
+speed-tables-smoke:  ## the same tables on tiny random models on the CPU (a few seconds; OUT=<folder>)
+	$(PYTHON) scripts/bench_paper_speed.py --shape tiny --steps 2 --out $(OUT)
 
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 (grid launcher: one prefill per sample), then the report
 	$(PYTHON) -m kvbench.run -m hydra/launcher=grid method=full,streamingllm,snapkv,pyramidkv budget=64,128,256

@@ -91,7 +91,7 @@ class TailorKV(Method):
     channels: int = 8  # critical channels d_s per KV head for the approximate scores (RULER/InfiniteBench: 12)
     quant_layers: list[int] | None = None  # None: identify on the calibration prompt when the model is loaded
     rest: str = "offload"  # the layers outside quant_layers: offload (TailorKV), full (kept at 16 bits: Table 1's
-    #                        rows that quantize only quant_layers), quantized (every layer quantized: Table 1's KIVI row)
+    #                        rows quantizing only quant_layers), quantized (all layers quantized: Table 1's KIVI row)
     channel_query: str = "predicted"  # predicted: q̂ from the previous layer's input (paper); current: the layer's
     #                                   own query (an oracle ablation: exact channels, no one-layer-ahead prefetch)
 
