@@ -35,7 +35,8 @@ How each figure is made, and what was reduced to keep the set within a few minut
 - memory (PyramidKV): the compressed KV bytes of one 8192-token prompt (exact, not timed) and their share of the full
   cache's.
 Random weights give meaningless text but the real shapes, bytes and kernels. fp16 on CUDA (the papers' dtype),
-fp32 on the CPU. A cell that runs out of device memory prints OOM, as the papers do.
+fp32 on the CPU. A cell that runs out of device memory prints OOM, as the papers do; a cell that fails otherwise
+prints its error (logged with its traceback) and the table goes on.
 """
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ class Bench:
                 self.memo[key] = getattr(self, figure)(**run)
             except Exception as e:  # noqa: BLE001 - a cell reports its failure, the table goes on
                 if not oom(e):
-                    raise
-                self.memo[key] = "OOM"
+                    logger.exception("bench_paper_speed: %s %s failed", figure, run)
+                self.memo[key] = "OOM" if oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
                 self.held.clear()
                 free_device(self.device)
         return self.memo[key]
