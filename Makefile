@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -41,14 +41,22 @@ test-gpu: setup  ## GPU tier (skipped without CUDA)
 	$(PYTHON) -m pytest -q tests/gpu
 
 GPU_PYTHON ?= $(PYTHON)
-# where `make gpu-check` writes its figures (static.json, static.md)
+# where `make gpu-check` writes its figures (static.json, static.md; the papers' speed tables under OUT)
 GPU_OUT ?= results/gpu-check
-gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + the static step's goals (into GPU_OUT) + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill (GPU_PYTHON=python3: a Python with the deps already, no setup)
+gpu-check: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU machine (pip install -e .[gpu] first): GPU tests + the static step's goals (into GPU_OUT) + one table for a Llama-3.1-8B-shaped bf16 model + sdpa new-shape cost + packed vs per-prompt prefill + the papers' speed tables into OUT=<folder> (GPU_PYTHON=python3: a Python with the deps already, no setup)
 	$(GPU_PYTHON) -m pytest -q tests/gpu
 	$(GPU_PYTHON) scripts/bench_static.py --out $(GPU_OUT)
 	$(GPU_PYTHON) scripts/bench_gpu.py
 	$(GPU_PYTHON) scripts/bench_sdpa_shapes.py
 	$(GPU_PYTHON) scripts/bench_prefill.py --shape llama3.1-8b --dtype bfloat16 --lengths 1000 4000 --n 8
+	$(GPU_PYTHON) scripts/bench_paper_speed.py --out $(OUT)
+
+OUT ?= results/speed-tables
+speed-tables: $(if $(filter $(PYTHON),$(GPU_PYTHON)),setup)  ## on a GPU: the papers' speed/memory tables (TailorKV 4, 13; Keyformer 1; PyramidKV 2) rebuilt / published, JSON + markdown into OUT=<folder>
+	$(GPU_PYTHON) scripts/bench_paper_speed.py --out $(OUT)
+
+speed-tables-smoke:  ## the same tables on tiny random models on the CPU (a few seconds; OUT=<folder>)
+	$(PYTHON) scripts/bench_paper_speed.py --shape tiny --steps 2 --out $(OUT)
 
 sweep: setup  ## NIAH sweep: 4 methods x budgets 64,128,256 (grid launcher: one prefill per sample), then the report
 	$(PYTHON) -m kvbench.run -m hydra/launcher=grid method=full,streamingllm,snapkv,pyramidkv budget=64,128,256
@@ -110,7 +118,7 @@ tailorkv-layers: setup  ## TailorKV's offline layer identification on the embedd
 PAPERS := pyramidkv adakv tailorkv keyformer buzz
 TABLES_pyramidkv := t1 t2 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13 t14 t15
 TABLES_adakv     := t1 t2 f6
-TABLES_tailorkv  := t3 t5 t8 t14 t15 t16
+TABLES_tailorkv  := t1 t3 t5 t8 t14 t15 t16
 TABLES_keyformer := t2 t3 t4 f7
 TABLES_buzz      := t2 t3 ta tb tc f6
 
@@ -148,7 +156,9 @@ EXTRA_tailorkv_t15_yi6b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16 := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi9b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
+EXTRA_tailorkv_t1 := "method=full"   # Table 1's 16-bit row; its sweep: every layer at 1 bit, layer 0 alone at 1 bit
 SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke tailorkv_t16_smoke   # 14, 5, 8: LongBench; 15, 3: +IB; 16: RULER
+EXTRA_tailorkv_t1_smoke := $(EXTRA_tailorkv_t1)   # Table 1's smoke form: its own target (below), not in CI's smoke
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # no sweep: lm-eval runs (LM_EVAL_RUNS_keyformer_t2, below)
@@ -221,6 +231,10 @@ reproduce-$(1)-$(2): $(addprefix run-paper-,$(call table_presets,$(1),$(2))) \
 endef
 $(foreach p,$(PAPERS),$(eval $(call paper_targets,$(p))))
 $(foreach p,$(PAPERS),$(foreach t,$(TABLES_$(p)),$(eval $(call table_target,$(p),$(t)))))
+
+.PHONY: reproduce-tailorkv-t1-smoke
+reproduce-tailorkv-t1-smoke: run-paper-tailorkv_t1_smoke  ## TailorKV Table 1 on the embedded model (CPU, ~1 min)
+	$(PYTHON) -m kvbench.report $(SMOKE_DIR)/tailorkv --paper tailorkv --table t1 --out $(SMOKE_DIR)/tailorkv/report/tailorkv
 
 .PHONY: reproduce-smoke paper-tables
 paper-tables:  # each table of each paper and the presets it reads (tests/unit/test_paper_report.py checks them)

@@ -10,6 +10,9 @@ identification (`kvbench.methods.tailorkv_layers`):
   chosen by a `channels`-channel approximate score whose channels come from the next-layer query predicted from the
   previous layer's input (`kvbench.cache.offloaded.OffloadedLayer`).
 
+`rest` (Table 1's ablation): `full` keeps the other layers at 16 bits (only `quant_layers` quantized), `quantized`
+quantizes every layer (KIVI alone); the default `offload` is TailorKV.
+
 Budget semantics (the paper's "64(+128)"): `budget` = sinks + recent + fetched top-k per KV head per sparse layer,
 generated tokens excluded. LongBench: budget 192, start 8, recent 56, channels 8; RULER/InfiniteBench: budget 1024,
 start 64, recent 64, channels 12. A storage method builds its own cache layers (`attach`), unlike the eviction
@@ -87,6 +90,8 @@ class TailorKV(Method):
     recent_size: int = 56  # recent prompt tokens kept on the device (RULER/InfiniteBench: 64)
     channels: int = 8  # critical channels d_s per KV head for the approximate scores (RULER/InfiniteBench: 12)
     quant_layers: list[int] | None = None  # None: identify on the calibration prompt when the model is loaded
+    rest: str = "offload"  # the layers outside quant_layers: offload (TailorKV), full (kept at 16 bits: Table 1's
+    #                        rows quantizing only quant_layers), quantized (all layers quantized: Table 1's KIVI row)
     channel_query: str = "predicted"  # predicted: q̂ from the previous layer's input (paper); current: the layer's
     #                                   own query (an oracle ablation: exact channels, no one-layer-ahead prefetch)
 
@@ -97,6 +102,8 @@ class TailorKV(Method):
     def __post_init__(self):
         if self.channel_query not in ("predicted", "current"):
             raise ValueError(f"tailorkv: channel_query={self.channel_query!r} is not one of predicted, current")
+        if self.rest not in ("offload", "full", "quantized"):
+            raise ValueError(f"tailorkv: rest={self.rest!r} is not one of offload, full, quantized")
         if self.bits not in (1, 2, 4, 8):
             raise ValueError(f"tailorkv: bits={self.bits!r} is not one of 1, 2, 4, 8 (the paper uses 1 and 2)")
         for name in ("group_size", "residual", "channels"):
@@ -152,9 +159,9 @@ class TailorKV(Method):
         for i, layer in enumerate(layers):
             if i in capture.window_layers:  # a sliding-window layer keeps the model's own window semantics
                 continue
-            if i in self.quant_layers:
+            if i in self.quant_layers or self.rest == "quantized":
                 layers[i] = QuantizedLayer.from_layer(layer, self.bits, self.group_size, self.residual)
-            elif self.start_size + self.recent_size < prompt_len:  # else the prompt fits: keep it as it is
+            elif self.rest == "offload" and self.start_size + self.recent_size < prompt_len:  # else kept as it is
                 layers[i] = OffloadedLayer.from_layer(layer, self.start_size, self.recent_size,
                                                       budget - self.start_size - self.recent_size, self.channels,
                                                       ledger)

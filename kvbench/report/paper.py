@@ -5,7 +5,8 @@
 
 The published numbers ship with the package, one file per table or figure:
 `kvbench/report/published/<paper>/<id>.json`, id = the paper's table or figure number in lower case (`t11`,
-`t1`, `tb` for BUZZ's Table B, `f7` for a figure). Each file holds:
+`t1`, `tb` for BUZZ's Table B, `f7` for a figure); the speed and memory tables, which a benchmark times rather than
+a run's records fill, sit apart in `<paper>/speed/<id>.json` (`scripts/bench_paper_speed.py`). Each file holds:
 
 - `paper`, `id`, `title` (the paper), `table` (its caption, as the report's header), `source` (where the numbers
   were transcribed from); `headline: true` on exactly one table per paper: the one `paper=<paper>` and

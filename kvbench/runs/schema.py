@@ -178,6 +178,7 @@ RANGES: dict[str, Range] = {
     "chunk_length": at_least(1, "entries per chunk"),
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
+    "TailorKV.rest": OWN,
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

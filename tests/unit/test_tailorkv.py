@@ -229,7 +229,25 @@ def test_layers_become_quantized_and_offloaded_stores():
     assert all(isinstance(layer, OffloadedLayer) for layer in cache.layers[1:])
 
 
+@pytest.mark.parametrize("rest,kinds", [
+    ("full", [QuantizedLayer, KVLayer, KVLayer, KVLayer]),  # Table 1's rows: only layer 0 at 1 bit, the rest whole
+    ("quantized", [QuantizedLayer] * 4),  # Table 1's KIVI row: every layer at 1 bit
+])
+def test_rest_keeps_or_quantizes_the_other_layers(rest, kinds):
+    model, ids = tiny_model("llama"), prompt(N)
+    cache = KVCache()
+    with AttentionCapture(model) as capture:
+        prefill(model, ids, cache)
+        full_bytes = [layer.nbytes() for layer in cache.layers]
+        ledger = compress(TailorKV(quant_layers=[0], rest=rest, residual=32, group_size=32), cache, capture, 192)
+    assert [type(layer) for layer in cache.layers] == kinds
+    for layer, before in zip(cache.layers, full_bytes):  # a layer kept whole keeps its bytes; a quantized one shrinks
+        assert (layer.nbytes() == before) if type(layer) is KVLayer else layer.nbytes() < before
+    assert ledger.summary()["d2h_prefill_bytes"] == 0  # nothing offloaded to the host
+
+
 @pytest.mark.parametrize("kwargs,budget,message", [
+    ({"rest": "dense"}, 192, "rest='dense' is not one of offload, full, quantized"),
     ({"bits": 3}, 192, "bits=3 is not one of 1, 2, 4, 8"),
     ({"channel_query": "next"}, 192, "channel_query='next' is not one of predicted, current"),
     ({"quant_layers": "0"}, 192, "quant_layers='0' must be a list of layer indices"),
