@@ -1,4 +1,4 @@
-"""The static decode step: every sequence's compressed cache in static-capacity rows, one step whose shapes never change.
+"""The static decode step: each sequence's compressed cache in static-capacity rows, one step of shapes that never change.
 
 gpt-fast's shape, over compressed caches. When a sequence joins, each of its layers moves into rows of a fixed
 capacity (`kvbench.cache.static`): its kept entries plus room for every token it may still decode, rounded up to a
@@ -57,8 +57,6 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return "compression while decoding rebuilds the layers"
     if method.kind is Kind.STORAGE and name not in RETRIEVAL:
         return f"{name} keeps layers with their own storage"
-    if getattr(method, "retrieves", False):
-        return f"{name} retrieves entries by the query each step"
     if method.kind is Kind.EVICTOR and method.evicts_while_decoding and static_form(method) is None:
         return f"{name}'s eviction rule decides across layers or keeps per-sample state"
     if model is not None:
@@ -103,8 +101,8 @@ class StaticCache:
 
 class StaticDecoder(BatchedDecoder):
     """Continuous batching (`BatchedDecoder`'s loop: joins, token rules, stops, records) over the static step.
-    `compile`: capture the step with `torch.compile(fullgraph=True)` (`backend`: inductor by default; on CUDA with
-    `mode="reduce-overhead"`, CUDA graphs)."""
+    `compile`: capture the step (on CUDA: recorded into a CUDA graph, `GraphStep`; elsewhere, or with a `backend`:
+    `torch.compile(fullgraph=True)`, inductor by default)."""
 
     def __init__(self, *args, compile: bool = False, backend: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -203,11 +201,12 @@ class StaticDecoder(BatchedDecoder):
             if any(s is not None for s in self.slots_of) and StaticRows.layout(layer) != self._layout(rows):
                 raise ValueError("step=static: samples whose layers hold different head layouts; use step=eager")
             bigger = self._new_rows(layer, max(need, rows.capacity), rows.scores is not None, rows)
-            c = rows.capacity
-            for name in ("keys", "values", "positions", "valid", "scores"):
-                if getattr(rows, name) is not None:
-                    getattr(bigger, name)[:, :, :c] = getattr(rows, name)
-            static_retrieval.carry(rows, bigger)
+            if self._layout(bigger) == self._layout(rows):  # (rows of another layout hold no sequence)
+                c = rows.capacity
+                for name in ("keys", "values", "positions", "valid", "scores"):
+                    if getattr(rows, name) is not None:
+                        getattr(bigger, name)[:, :, :c] = getattr(rows, name)
+                static_retrieval.carry(rows, bigger)
             old[i] = bigger
         self.step_fn = None
 

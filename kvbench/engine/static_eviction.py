@@ -126,8 +126,9 @@ class KeyformerRule(BudgetRule):
             for i, n in enumerate(counts):
                 n += 1  # the step's own token
                 shape = (1, self.noise.shape[2], 1, n)
-                self.noise[i, r, :, :n] = torch.as_tensor(method.noise(torch.empty(shape, device=self.device), state),
-                                                          dtype=torch.float32, device=self.device).expand(shape)[0, :, 0]
+                draw = method.noise(torch.empty(shape, device=self.device), state)  # the eager draw, same shape
+                self.noise[i, r, :, :n] = torch.as_tensor(draw, dtype=torch.float32,
+                                                          device=self.device).expand(shape)[0, :, 0]
                 counts[i] = min(n, state.budget)
 
     def row_score(self, layer_idx: int, logits: Tensor, rows: StaticRows) -> Tensor:

@@ -165,7 +165,7 @@ class DecodingMethod(Method):
     together: ClassVar[bool] = False  # True: `row_score` and `evict` work row by row and read of the state only its
     #                                   budget, so batched decoding scores samples of one budget in one call (H2O)
     static_rule: ClassVar[bool] = False  # True: `row_score` and `evict` read of the state only its budget and are
-    #                                      tensor code of fixed shapes, so the static step runs them (kvbench.engine.static)
+    #                                      tensor code of fixed shapes: the static step runs them as they are
 
     @property
     def evicts_while_decoding(self) -> bool:

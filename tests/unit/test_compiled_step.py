@@ -31,7 +31,8 @@ FIELDS = ("token_ids", "kv_bytes", "kv_bytes_final", "kept_per_head", "kv_bytes_
 
 
 def requests(budget):
-    return [Request(prompt(n, seed=i), budget, new, seed=100 + i, tag=i) for i, (n, new) in enumerate(zip(LENGTHS, NEW))]
+    return [Request(prompt(n, seed=i), budget, new, seed=100 + i, tag=i)
+            for i, (n, new) in enumerate(zip(LENGTHS, NEW))]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_a_sequence_beyond_the_bucket_gets_larger_rows_and_one_more_graph(model)
     method = configured("full")
 
     def three():
-        return [Request(prompt(n, seed=i), None, new, tag=i) for i, (n, new) in enumerate(((100, 40), (80, 4), (300, 8)))]
+        return [Request(prompt(n, seed=i), None, new, tag=i)
+                for i, (n, new) in enumerate(((100, 40), (80, 4), (300, 8)))]
 
     with AttentionCapture(model, window=0) as capture:
         eager = {r.tag: g.token_ids for r, g in generate_batched(model, None, method, capture, three(), 1)}
