@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import quote
 
-from pinning import resolve_revision, write_provenance
+from pinning import resolve_revision, write_jsonl, write_provenance
 
 LONGBENCH_V2 = ("THUDM/LongBench-v2", "main")
 ZERO_SCROLLS = ("tau/zero_scrolls", "refs/convert/parquet")
@@ -51,19 +51,6 @@ def load_files(builder: str, files: str, split: str) -> Iterable[dict]:
     return load_dataset(builder, data_files={split: files}, split=split)
 
 
-def write_rows(rows: Iterable[dict], path: Path, fields: tuple[str, ...], where: str) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            missing = [k for k in fields if k not in row]
-            if missing:
-                raise SystemExit(f"download_long_context: {where} has no field {', '.join(missing)} "
-                                 f"(fields: {', '.join(row)})")
-            f.write(json.dumps({k: row[k] for k in fields}, ensure_ascii=False) + "\n")
-            n += 1
-    print(f"wrote {path} ({n} rows of {where})")
-    return n
 
 
 def download(name: str, out: Path, revision: str | None, split: str, pattern: str | None) -> None:
@@ -82,7 +69,7 @@ def download(name: str, out: Path, revision: str | None, split: str, pattern: st
                 for t in tasks]
     rows, written = {}, []
     for files, builder, path, part in jobs:
-        rows[path.stem] = write_rows(load_files(builder, f"{base}/{files}", part), path, FIELDS[name],
+        rows[path.stem] = write_jsonl(load_files(builder, f"{base}/{files}", part), path, FIELDS[name],
                                      f"{repo}@{resolved or revision}:{files}")
         written.append(path)
     write_provenance(folder, repo, revision, resolved, written, split=jobs[0][3], data_files=[j[0] for j in jobs],

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Iterable, NamedTuple
 from urllib.parse import quote
 
-from pinning import resolve_github, resolve_revision, write_provenance
+from pinning import resolve_github, resolve_revision, write_jsonl, write_provenance
 
 
 class HubSource(NamedTuple):
@@ -94,19 +94,6 @@ def fetch_url(url: str, target: Path) -> None:
 
 
 # --- one folder per source ----------------------------------------------------------------------------------------
-def write_jsonl(rows: Iterable[dict], path: Path, fields: tuple[str, ...], where: str) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            missing = [k for k in fields if k not in row]
-            if missing:
-                raise SystemExit(f"download_seed_tasks: {where} has no field {', '.join(missing)} "
-                                 f"(fields: {', '.join(row)})")
-            f.write(json.dumps({k: row[k] for k in fields}, ensure_ascii=False) + "\n")
-            n += 1
-    print(f"wrote {path} ({n} rows of {where})")
-    return n
 
 
 def download_hub(name: str, source: HubSource, out: Path, split: str, revision: str) -> None:

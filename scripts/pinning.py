@@ -1,5 +1,6 @@
 """What the download scripts beside this file record about a source: the commit a revision resolves to, the files'
-sha256, and `provenance.json` next to the data (kvbench reads it into every run's manifest, `dataset_provenance`).
+sha256, and `provenance.json` next to the data (kvbench reads it into every run's manifest, `dataset_provenance`);
+and the JSONL they write it as (`write_jsonl`).
 
 A branch or tag moves (InfiniteBench's files were re-uploaded in 2024; Lost in the Middle's in 2024-01), so a script
 resolves the revision it was given to a commit first, reads the data at that commit, and records both.
@@ -13,6 +14,7 @@ import sys
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterable
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -65,3 +67,20 @@ def write_provenance(folder: Path, source: str, revision: str | None, resolved_r
     path = folder / "provenance.json"
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return path
+
+
+def write_jsonl(rows: Iterable[dict], path: Path, fields: tuple[str, ...], where: str) -> int:
+    """The `fields` of each row, one JSON line each; a row without one of them stops the script, naming `where`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            missing = [k for k in fields if k not in row]
+            if missing:
+                raise SystemExit(f"{Path(sys.argv[0]).stem}: {where} has no field {', '.join(missing)} "
+                                 f"(fields: {', '.join(row)})")
+            f.write(json.dumps({k: row[k] for k in fields}, ensure_ascii=False) + "\n")
+            n += 1
+    print(f"wrote {path} ({n} rows of {where})")
+    return n
+
