@@ -70,7 +70,7 @@ def download(name: str, out: Path, revision: str | None, split: str, pattern: st
     rows, written = {}, []
     for files, builder, path, part in jobs:
         rows[path.stem] = write_jsonl(load_files(builder, f"{base}/{files}", part), path, FIELDS[name],
-                                     f"{repo}@{resolved or revision}:{files}")
+                                      f"{repo}@{resolved or revision}:{files}", "download_long_context")
         written.append(path)
     write_provenance(folder, repo, revision, resolved, written, split=jobs[0][3], data_files=[j[0] for j in jobs],
                      rows=rows)

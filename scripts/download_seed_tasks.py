@@ -100,7 +100,8 @@ def download_hub(name: str, source: HubSource, out: Path, split: str, revision: 
     resolved = resolve_revision(source.repo, revision)
     where = f"{source.repo}@{resolved or revision}:{split}"
     path = out / name / f"{split}.jsonl"
-    rows = write_jsonl(load_rows(source, split, resolved or revision), path, source.fields, where)
+    rows = write_jsonl(load_rows(source, split, resolved or revision), path, source.fields, where,
+                       "download_seed_tasks")
     extra = {"data_files": source.parquet.format(split=split)} if source.parquet else {}
     write_provenance(out / name, source.repo, revision, resolved, [path], config=source.config,
                      splits={split: split}, rows={split: rows}, **extra)

@@ -69,15 +69,15 @@ def write_provenance(folder: Path, source: str, revision: str | None, resolved_r
     return path
 
 
-def write_jsonl(rows: Iterable[dict], path: Path, fields: tuple[str, ...], where: str) -> int:
-    """The `fields` of each row, one JSON line each; a row without one of them stops the script, naming `where`."""
+def write_jsonl(rows: Iterable[dict], path: Path, fields: tuple[str, ...], where: str, script: str) -> int:
+    """The `fields` of each row, one JSON line each; a row without one of them stops `script`, naming `where`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
             missing = [k for k in fields if k not in row]
             if missing:
-                raise SystemExit(f"{Path(sys.argv[0]).stem}: {where} has no field {', '.join(missing)} "
+                raise SystemExit(f"{script}: {where} has no field {', '.join(missing)} "
                                  f"(fields: {', '.join(row)})")
             f.write(json.dumps({k: row[k] for k in fields}, ensure_ascii=False) + "\n")
             n += 1
