@@ -132,6 +132,14 @@ def holding_run_dir(run_dir: Path) -> Iterator[None]:
         lock.close()
 
 
+@contextlib.contextmanager
+def merging_after_others(lock) -> Iterator[None]:
+    """Two shards finishing together merge one after the other: the merge lock is taken (waiting) before the run
+    directory's, which a merge in progress holds and which is refused, not waited for."""
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    yield
+
+
 def merge(run_dir: str | Path) -> dict:
     """Merge the run's shards (raises MergeError in one line if it cannot); returns scores.json's content."""
     from kvbench.runs.config import load_yaml, setup
@@ -141,8 +149,7 @@ def merge(run_dir: str | Path) -> dict:
     count = shard_count(run_dir)
     if count is None:
         raise MergeError(f"merge: {run_dir} has no predictions.shard-<i>-of-<n>.jsonl files (not a sharded run)")
-    with open(run_dir / ".lock.merge", "a") as lock, holding_run_dir(run_dir):
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two shards finishing together merge one after the other
+    with open(run_dir / ".lock.merge", "a") as lock, merging_after_others(lock), holding_run_dir(run_dir):
         states = read_shards(run_dir, count)
         check_complete(run_dir, states)
         ids, records = ordered_records(run_dir, states)

@@ -159,7 +159,7 @@ def test_rerun_resumes_repairs_a_torn_line_and_never_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, buzz, expected_attention,"),
+    (["method=snapk"], "Unknown method 'snapk'. Did you mean: snapkv? Available: ada_pyramidkv, adakv, buzz, "),
     (["dataset=nia"], "Unknown dataset 'nia'. Did you mean: niah?"),
     (["model=smollm"], "Unknown model 'smollm'. Did you mean: smollm2?"),
     (["-m", "method=full,pyramid"], "Unknown method 'pyramid'. Did you mean: pyramidkv?"),

@@ -2,10 +2,12 @@
 directory, a run in which every sample failed; each as a user meets it, on the tiny random model."""
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +154,34 @@ def test_merge_takes_the_run_directory_lock(tmp_path):
     with pytest.raises(RunDirBusy):  # and a run cannot start while a merge holds it
         with holding_run_dir(run_dir):
             RunStore(run_dir)
+
+
+def test_two_shards_finishing_together_merge_one_after_the_other(tmp_path):
+    """The last two shards of a run can finish at once and both call merge: the second waits for the first (which
+    holds the merge lock and the run directory's) and then merges again, instead of failing its job because the
+    directory is in use (seen under load in test_cluster's submitit sweep)."""
+    for i in range(2):
+        run_dir = run_here(*NEEDLE, "limit=2", f"shard={i}/2", results=tmp_path)
+    outcome: list = []
+    with open(run_dir / ".lock.merge", "a") as first:  # the first shard's merge, in progress
+        fcntl.flock(first, fcntl.LOCK_EX)
+        with holding_run_dir(run_dir):
+            second = threading.Thread(target=lambda: outcome.append(catching(merge, run_dir)))
+            second.start()
+            second.join(timeout=1.0)
+            assert second.is_alive() and not outcome  # waiting, not refused
+        fcntl.flock(first, fcntl.LOCK_UN)
+    second.join(timeout=300)
+    (summary,) = outcome
+    assert not isinstance(summary, Exception), summary
+    assert summary["n"] == 2
+
+
+def catching(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return e
 
 
 # --- refused before weights load, in one line ------------------------------------------------------------------
