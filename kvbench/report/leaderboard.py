@@ -96,7 +96,8 @@ def run_row(run_dir: Path) -> dict | None:
             "model": path if "/" in path and not Path(path).exists() else df["model"].iloc[0],
             "method": name, "compression_ratio": 0.0 if method == "full" else float(df["ratio"].iloc[0]),
             "score": round(sum(scores) / len(scores), 2),
-            "score_se": combine_se(ses, [1 / len(ses)] * len(ses)), "n_samples": len(df), "n_failed": failed, "n_tasks": len(scores),
+            "score_se": combine_se(ses, [1 / len(ses)] * len(ses)), "n_samples": len(df), "n_failed": failed,
+            "n_tasks": len(scores),
             "kv_bytes": kv, "kv_fraction": kv / full if kv is not None and full else None,
             "time_s": mean("e2e_s"), "prefill_s": mean("prefill_s"), "compress_s": mean("compress_s"),
             "question_s": mean("question_s"), "decode_s": mean("decode_s"), "run_dir": str(run_dir)}
@@ -148,8 +149,8 @@ def markdown(rows: pd.DataFrame, published: dict) -> str:
                              "–" if pd.isna(r["kv_fraction"]) else f"{100 * r['kv_fraction']:.1f}",
                              "–" if pd.isna(r["time_s"]) else f"{r['time_s']:.2f}",
                              f"{r['n_samples']}" + (f" ({r['n_failed']} failed)" if r["n_failed"] else "")]))
-    lines += ["", "score: RULER's string match per task (x 100), averaged over the tasks; ± its standard error over the "
-              "samples. KV bytes: held after compression, the question's entries included; s / sample: prefill + "
+    lines += ["", "score: RULER's string match per task (x 100), averaged over the tasks; ± its standard error over "
+              "the samples. KV bytes: held after compression, the question's entries included; s / sample: prefill + "
               "compression + question + decoding. Failed samples are left out of every mean.", "",
               "Published (kvpress leaderboard protocol, RULER 4k, question-agnostic):"]
     lines += [f"- {s['name']}: {s['url']}" + (f" ({s['note']})" if s.get("note") else "")
@@ -170,7 +171,8 @@ def write(rows: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbench.report.leaderboard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbench.report.leaderboard",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run directories or folders holding them")
     parser.add_argument("--out", required=True, help="folder for leaderboard.{csv,jsonl,md}")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
-"""`make leaderboard-smoke`'s protocol on the embedded model, in this process (the suite's time): the smoke preset
-composed as its sweep composes each job (paper=kvpress_leaderboard_smoke, query=agnostic, ratio), shrunk to the
-full cache and Knorm at two of the four ratios on one of its two RULER tasks, each job run through `kvbench.runs.run`, then the
-leaderboard report over the run directories: rows in kvpress's schema plus kvbench's columns. The make target's
-recipe is checked to run that preset and that report (`make -n`)."""
+"""`make leaderboard-smoke`'s protocol on the embedded model, in this process (the suite's time): the smoke
+preset composed as its sweep composes each job (paper=kvpress_leaderboard_smoke, query=agnostic, ratio), shrunk
+to the full cache and Knorm at two of the four ratios on one of its two RULER tasks, each job run through
+`kvbench.runs.run`, then the leaderboard report over the run directories: rows in kvpress's schema plus kvbench's
+columns. The make target's recipe is checked to run that preset and that report (`make -n`)."""
 from __future__ import annotations
 
 import json
