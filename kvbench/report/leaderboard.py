@@ -29,7 +29,7 @@ from kvbench.metrics.ruler import postprocess, string_match_all, string_match_pa
 from kvbench.metrics.stats import combine_se, mean_se
 from kvbench.report.escape import md_row
 from kvbench.report.records import is_failure, latest_per_id
-from kvbench.report.runs import PREDICTIONS, find_run_dirs, load_run, read_predictions
+from kvbench.report.runs import PREDICTIONS, find_run_dirs, load_run, read_manifest, read_predictions
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ KVPRESS = {
     "knorm": ("knorm", {"recent": 0}),
     "snapkv": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg"}),
     "streamingllm": ("streaming_llm", {"n_sink": 4, "recent": None}),
-    "tova": ("tova", {"keep_last": True}),
+    "tova": ("tova", {"keep_last": True, "prefill_only": True}),
     "h2o": ("observed_attention", {"variant": "prefill_only", "recent_size": 0, "normalize": "observed"}),
     "pyramidkv": ("pyramidkv", {"schedule": "kvpress", "window": 64, "kernel": 5, "pooling": "avg", "beta": 20}),
     "lagkv": ("lagkv", {"n_sink": 4, "lag_size": 128}),
@@ -104,11 +104,14 @@ def run_row(run_dir: Path) -> dict | None:
 
 
 def leaderboard(paths) -> pd.DataFrame:
-    """The rows of every leaderboard run under `paths`, sorted by model, length, method and ratio; question-aware
-    runs are left out (the leaderboard's grid compresses the context before the question)."""
+    """The rows of every leaderboard run under `paths`, sorted by model, length, method and ratio; runs of other
+    datasets are skipped, question-aware ones left out with a warning (the leaderboard's grid compresses the
+    context before the question)."""
     rows = []
     for run_dir in find_run_dirs(paths):
-        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+        manifest = read_manifest(run_dir)
+        if manifest.get("dataset") != "ruler":  # another benchmark's run in the same tree
+            continue
         if manifest.get("query", "aware") != "agnostic":
             logger.warning("leaderboard: %s left out: query=%s (the leaderboard compresses the context before the "
                            "question: query=agnostic)", run_dir, manifest.get("query", "aware"))
