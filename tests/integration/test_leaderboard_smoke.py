@@ -1,8 +1,8 @@
 """`make leaderboard-smoke`'s protocol on the embedded model, in this process (the suite's time): the smoke
 preset composed as its sweep composes each job (paper=kvpress_leaderboard_smoke, query=agnostic, ratio), shrunk
-to the full cache and Knorm at two of the four ratios on one of its two RULER tasks, each job run through
-`kvbench.runs.run`, then the leaderboard report over the run directories: rows in kvpress's schema plus kvbench's
-columns. The make target's recipe is checked to run that preset and that report (`make -n`)."""
+to the full cache and Knorm at two of the four ratios on one of its two RULER tasks with 4 new tokens, each job
+run through `kvbench.runs.run`, then the leaderboard report over the run directories: rows in kvpress's schema plus
+kvbench's columns. The make target's recipe is checked to run that preset and that report (`make -n`)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,8 @@ JOBS = [("full", 0.5), ("knorm", 0.5), ("knorm", 0.875)]  # the sweep's jobs kep
 def job(tmp_path: Path, method: str, ratio: float):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["paper=kvpress_leaderboard_smoke", f"method={method}", f"ratio={ratio}",
-                                           "dataset.tasks=[niah_single_1]", f"results_dir={tmp_path}"],
+                                           "dataset.tasks=[niah_single_1]", "dataset.max_new_tokens=4",
+                                           f"results_dir={tmp_path}"],
                       return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     run_dir = Path(cfg.hydra.run.dir)
