@@ -130,11 +130,12 @@ def load_published() -> dict:
 
 
 def published_score(published: dict, row: dict) -> tuple[float | None, str | None]:
-    """The published score of a row's (model, data_dir, method, compression_ratio), and its source's name."""
-    for entry in published["rows"]:
-        if (entry["model"], entry["data_dir"], entry["method"]) == (row["model"], row["data_dir"], row["method"]) \
-                and abs(entry["compression_ratio"] - row["compression_ratio"]) < 1e-9:
-            return entry["score"], entry["source"]
+    """The published score of a row's (model, data_dir, method, compression_ratio) and its source's name (a number
+    printed as such before one read off a plot, which is marked ≈)."""
+    found = [e for e in published["rows"] if (e["model"], e["data_dir"], e["method"]) == (row["model"],
+             row["data_dir"], row["method"]) and abs(e["compression_ratio"] - row["compression_ratio"]) < 1e-9]
+    for entry in sorted(found, key=lambda e: e.get("digitized", False)):
+        return entry["score"], ("≈ " if entry.get("digitized") else "") + entry["source"]
     return None, None
 
 

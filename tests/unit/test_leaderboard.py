@@ -64,6 +64,14 @@ def test_runs_that_are_not_the_leaderboards_are_left_out(tmp_path, caplog):
     assert "buzz has no kvpress leaderboard press" in caplog.text
 
 
+def test_a_printed_number_goes_before_one_read_off_a_plot():
+    row = {"model": "meta-llama/Llama-3.1-8B-Instruct", "data_dir": "4096", "method": "snapkv",
+           "compression_ratio": 0.25}
+    assert lb.published_score(lb.load_published(), row) == (81.8, "kvpress PR #38")
+    assert lb.published_score(lb.load_published(), {**row, "method": "knorm"}) == (
+        74.7, "≈ kvpress README leaderboard plot")
+
+
 def test_cli_writes_rows_and_the_published_numbers_beside(tmp_path, capsys):
     write_run(tmp_path, "kvzip", 0.5, {"niah_single_1": [True, True]}, {"sinks": "repeated", "chunk_size": 2048})
     assert lb.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
@@ -79,14 +87,17 @@ def test_cli_writes_rows_and_the_published_numbers_beside(tmp_path, capsys):
 def test_published_numbers_cite_public_sources_in_the_schema():
     published = lb.load_published()
     names = {s["name"] for s in published["sources"]}
-    assert all(s["url"].startswith("https://github.com/NVIDIA/kvpress/pull/") for s in published["sources"])
+    assert all(s["url"].startswith("https://github.com/NVIDIA/kvpress/") for s in published["sources"])
     assert "shared/" not in json.dumps(published)  # a reader has the sources, not the development notes
     for row in published["rows"]:
-        assert set(row) == {*published["schema"], "source"} and row["source"] in names
+        assert set(row) - {"digitized"} == {*published["schema"], "source"} and row["source"] in names
         assert row["compression_ratio"] in (0.0, 0.25, 0.5, 0.75, 0.875) and row["data_dir"] == "4096"
+        assert row.get("digitized", False) == (row["source"] == "kvpress README leaderboard plot")
         assert row["model"] in ("meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3-8B")
-    spot = {(r["method"], r["compression_ratio"], r["model"][:4]): r["score"] for r in published["rows"]}
-    assert spot[("kvzip", 0.25, "meta")] == 95.5 and spot[("compactor", 0.75, "Qwen")] == 72.3
+    spot = {(r["method"], r["compression_ratio"], r["model"][:4], r.get("digitized", False)): r["score"]
+            for r in published["rows"]}
+    assert spot[("kvzip", 0.25, "meta", False)] == 95.5 and spot[("compactor", 0.75, "Qwen", False)] == 72.3
+    assert spot[("random", 0.5, "meta", True)] == 7.6  # read off the README plot
 
 
 def test_every_leaderboard_press_has_its_kvpress_settings_in_the_preset():
