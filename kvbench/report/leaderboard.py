@@ -4,8 +4,10 @@
 
 One row per run (a method at a compression ratio on one model and RULER length), in kvpress's leaderboard schema
 (`SCHEMA`: dataset, data_dir, model, method, compression_ratio, score) followed by kvbench's own columns
-(`KVBENCH_COLUMNS`): the score's standard error, the samples and tasks behind it, the KV bytes held after
-compression and their fraction of the full cache, and the mean time per sample. `score` is kvpress's: each task's
+(`KVBENCH_COLUMNS`): `query_aware` (the question compressed with the context: the leaderboard's second loop,
+kvpress's `--query_aware`; false: the grid's question-agnostic runs), the score's standard error, the samples and
+tasks behind it, the KV bytes held after compression and their fraction of the full cache, and the mean time per
+sample. `score` is kvpress's: each task's
 string match (RULER's metric: string_match_part for qa_*, string_match_all otherwise; x 100, 2 decimals, as
 `evaluation/benchmarks/ruler/calculate_metrics.py`), averaged over the tasks (the leaderboard's average). `method`
 is kvpress's press name (`no_press`, `streaming_llm`, `observed_attention`, ...), and a run counts only when its
@@ -34,8 +36,8 @@ from kvbench.report.runs import PREDICTIONS, find_run_dirs, load_run, read_manif
 logger = logging.getLogger(__name__)
 
 SCHEMA = ("dataset", "data_dir", "model", "method", "compression_ratio", "score")
-KVBENCH_COLUMNS = ("score_se", "n_samples", "n_failed", "n_tasks", "kv_bytes", "kv_fraction", "time_s", "prefill_s",
-                   "compress_s", "question_s", "decode_s", "run_dir")
+KVBENCH_COLUMNS = ("query_aware", "score_se", "n_samples", "n_failed", "n_tasks", "kv_bytes", "kv_fraction",
+                   "time_s", "prefill_s", "compress_s", "question_s", "decode_s", "run_dir")
 PUBLISHED = Path(__file__).parent / "published" / "kvpress_leaderboard.json"
 SAMPLE_METRIC = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
@@ -53,6 +55,9 @@ KVPRESS = {
     "keydiff": ("keydiff", {"block_size": 0}),
     "cur": ("cur", {}),
     "kvzip": ("kvzip", {"sinks": "repeated", "chunk_size": 2048}),
+    # the query-aware loop's (query=aware)
+    "adakv": ("adakv_snapkv", {"window": 64, "kernel": 5, "pooling": "avg", "alpha": 0.2, "allocation": "kvpress"}),
+    "chunkkv": ("chunkkv", {"window": 64, "kernel": 5, "pooling": "avg", "chunk_length": 20, "entropy_gate": False}),
 }
 
 
@@ -104,24 +109,21 @@ def run_row(run_dir: Path) -> dict | None:
 
 
 def leaderboard(paths) -> pd.DataFrame:
-    """The rows of every leaderboard run under `paths`, sorted by model, length, method and ratio; runs of other
-    datasets are skipped, question-aware ones left out with a warning (the leaderboard's grid compresses the
-    context before the question)."""
+    """The rows of every leaderboard run under `paths`, sorted by model, length, query mode, method and ratio; runs
+    of other datasets are skipped. `query_aware`: the question was compressed with the context (the leaderboard's
+    second loop, kvpress's --query_aware), else the context alone (its grid)."""
     rows = []
     for run_dir in find_run_dirs(paths):
         manifest = read_manifest(run_dir)
         if manifest.get("dataset") != "ruler":  # another benchmark's run in the same tree
             continue
-        if manifest.get("query", "aware") != "agnostic":
-            logger.warning("leaderboard: %s left out: query=%s (the leaderboard compresses the context before the "
-                           "question: query=agnostic)", run_dir, manifest.get("query", "aware"))
-            continue
         row = run_row(run_dir)
         if row is not None:
-            rows.append(row)
+            rows.append({**row, "query_aware": manifest.get("query", "aware") == "aware"})
     out = pd.DataFrame(rows, columns=[*SCHEMA, *KVBENCH_COLUMNS])
     first = out["method"] != "no_press"  # the full cache first, then the presses by name
-    return out.assign(_first=first).sort_values(["model", "data_dir", "_first", "method", "compression_ratio"],
+    return out.assign(_first=first).sort_values(["model", "data_dir", "query_aware", "_first", "method",
+                                                 "compression_ratio"],
                                                 kind="stable").drop(columns="_first").reset_index(drop=True)
 
 
@@ -132,8 +134,9 @@ def load_published() -> dict:
 def published_score(published: dict, row: dict) -> tuple[float | None, str | None]:
     """The published score of a row's (model, data_dir, method, compression_ratio) and its source's name (a number
     printed as such before one read off a plot, which is marked ≈)."""
-    found = [e for e in published["rows"] if (e["model"], e["data_dir"], e["method"]) == (row["model"],
-             row["data_dir"], row["method"]) and abs(e["compression_ratio"] - row["compression_ratio"]) < 1e-9]
+    found = [e for e in published["rows"] if (e["model"], e["data_dir"], e["method"], e.get("query_aware", False))
+             == (row["model"], row["data_dir"], row["method"], bool(row.get("query_aware", False)))
+             and abs(e["compression_ratio"] - row["compression_ratio"]) < 1e-9]
     for entry in sorted(found, key=lambda e: e.get("digitized", False)):
         return entry["score"], ("≈ " if entry.get("digitized") else "") + entry["source"]
     return None, None
@@ -141,13 +144,14 @@ def published_score(published: dict, row: dict) -> tuple[float | None, str | Non
 
 def markdown(rows: pd.DataFrame, published: dict) -> str:
     """The rows as a Markdown table, the published score and its source beside each, then the sources."""
-    head = ["model", "data_dir", "method", "compression_ratio", "score ± se", "published", "KV bytes", "KV %",
+    head = ["model", "data_dir", "method", "query", "compression_ratio", "score ± se", "published", "KV bytes", "KV %",
             "s / sample", "n (failed)"]
     lines = [md_row(head), md_row(["---"] * len(head))]
     for _, r in rows.iterrows():
         pub, source = published_score(published, r)
         se = "" if r["score_se"] is None or pd.isna(r["score_se"]) else f" ± {r['score_se']:.2f}"
-        lines.append(md_row([r["model"], r["data_dir"], r["method"], f"{r['compression_ratio']:g}",
+        lines.append(md_row([r["model"], r["data_dir"], r["method"], "aware" if r["query_aware"] else "agnostic",
+                             f"{r['compression_ratio']:g}",
                              f"{r['score']:.2f}{se}", "–" if pub is None else f"{pub:.2f} ({source})",
                              "–" if pd.isna(r["kv_bytes"]) else f"{r['kv_bytes']:.0f}",
                              "–" if pd.isna(r["kv_fraction"]) else f"{100 * r['kv_fraction']:.1f}",
@@ -156,7 +160,7 @@ def markdown(rows: pd.DataFrame, published: dict) -> str:
     lines += ["", "score: RULER's string match per task (x 100), averaged over the tasks; ± its standard error over "
               "the samples. KV bytes: held after compression, the question's entries included; s / sample: prefill + "
               "compression + question + decoding. Failed samples are left out of every mean.", "",
-              "Published (kvpress leaderboard protocol, RULER 4k, question-agnostic):"]
+              "Published (kvpress leaderboard protocol, RULER 4k; question-agnostic unless marked):"]
     lines += [f"- {s['name']}: {s['url']}" + (f" ({s['note']})" if s.get("note") else "")
               for s in published["sources"]]
     return "\n".join(lines) + "\n"
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbench: {e}", file=sys.stderr)
         return 2
     if rows.empty:
-        print(f"kvbench: leaderboard: no question-agnostic RULER run of a kvpress press under {' '.join(args.paths)}; "
+        print(f"kvbench: leaderboard: no RULER run of a kvpress press under {' '.join(args.paths)}; "
               "run `make leaderboard` (or leaderboard-smoke) first", file=sys.stderr)
         return 2
     for f in write(rows, Path(args.out)):

@@ -53,15 +53,18 @@ def test_rows_follow_kvpress_schema_score_and_names(tmp_path):
     assert (h2o["n_samples"], h2o["n_failed"], h2o["n_tasks"], h2o["kv_fraction"], h2o["time_s"]) == (8, 0, 2, .25, 2)
 
 
-def test_runs_that_are_not_the_leaderboards_are_left_out(tmp_path, caplog):
+def test_runs_that_are_not_the_leaderboards_are_left_out_and_aware_ones_marked(tmp_path, caplog):
+    snapkv = {"window": 64, "kernel": 5, "pooling": "avg"}
     write_run(tmp_path, "snapkv", 0.5, {"vt": [True]})  # kvbench's SnapKV defaults (window 32, max-pool 7)
-    write_run(tmp_path, "knorm", 0.5, {"vt": [True]}, query="aware")  # the question compressed too
     write_run(tmp_path, "buzz", 0.5, {"vt": [True]})  # no such press
-    write_run(tmp_path, "snapkv", 0.25, {"vt": [True]}, {"window": 64, "kernel": 5, "pooling": "avg"})
+    write_run(tmp_path, "snapkv", 0.25, {"vt": [True]}, snapkv)
+    write_run(tmp_path, "snapkv", 0.25, {"vt": [False]}, snapkv, query="aware")  # the leaderboard's second loop
     rows = lb.leaderboard([tmp_path])
-    assert rows[["method", "compression_ratio"]].values.tolist() == [["snapkv", 0.25]]
-    assert "snapkv ran with method.window=None (kvpress: 64)" in caplog.text and "query=aware" in caplog.text
+    assert rows[["method", "compression_ratio", "query_aware", "score"]].values.tolist() == [
+        ["snapkv", 0.25, False, 100.0], ["snapkv", 0.25, True, 0.0]]
+    assert "snapkv ran with method.window=None (kvpress: 64)" in caplog.text
     assert "buzz has no kvpress leaderboard press" in caplog.text
+    assert lb.published_score(lb.load_published(), rows.iloc[1]) == (None, None)  # no published aware number
 
 
 def test_a_printed_number_goes_before_one_read_off_a_plot():
@@ -76,7 +79,7 @@ def test_cli_writes_rows_and_the_published_numbers_beside(tmp_path, capsys):
     write_run(tmp_path, "kvzip", 0.5, {"niah_single_1": [True, True]}, {"sinks": "repeated", "chunk_size": 2048})
     assert lb.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "| kvzip | 0.5 | 100.00 ± 0.00 | 95.50 (kvpress PR #93) |" in out
+    assert "| kvzip | agnostic | 0.5 | 100.00 ± 0.00 | 95.50 (kvpress PR #93) |" in out
     assert "https://github.com/NVIDIA/kvpress/pull/93" in out
     rows = [json.loads(x) for x in (tmp_path / "out" / "leaderboard.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["kvzip"] and set(rows[0]) == {*lb.SCHEMA, *lb.KVBENCH_COLUMNS}
@@ -101,10 +104,11 @@ def test_published_numbers_cite_public_sources_in_the_schema():
 
 
 def test_every_leaderboard_press_has_its_kvpress_settings_in_the_preset():
-    """The preset's sweep runs each method with the settings `KVPRESS` checks (configs/paper_method)."""
-    preset = yaml.safe_load((REPO / "configs" / "paper" / "kvpress_leaderboard.yaml").read_text())
-    methods = preset["hydra"]["sweeper"]["params"]["method"].split(",")
-    assert set(methods) == set(lb.KVPRESS)
+    """The presets' sweeps (the grid, the query-aware loop) run each method with the settings `KVPRESS` checks
+    (configs/paper_method)."""
+    methods = [m for name in ("kvpress_leaderboard", "kvpress_leaderboard_aware") for m in yaml.safe_load(
+        (REPO / "configs" / "paper" / f"{name}.yaml").read_text())["hydra"]["sweeper"]["params"]["method"].split(",")]
+    assert set(methods) == set(lb.KVPRESS) and methods.count("snapkv") == 2  # in both loops
     for method in methods:
         base = yaml.safe_load((REPO / "configs" / "method" / f"{method}.yaml").read_text())
         extra = REPO / "configs" / "paper_method" / f"kvpress_leaderboard_{method}.yaml"
