@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers leaderboard leaderboard-smoke clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -100,6 +100,20 @@ bench-memory: setup  ## peak KV bytes and peak RSS at 4k: compress inside the pr
 tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy, device/host bytes, H2D bytes per token
 	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \
 		--methods snapkv@64,128,256 tailorkv@192 tailorkv:bits=2@192
+
+# kvpress's leaderboard grid (configs/paper/kvpress_leaderboard*.yaml; docs/reproduce.md#the-kvpress-leaderboard):
+# LEADERBOARD = the preset (kvpress_leaderboard: Llama-3.1-8B-Instruct, kvpress_leaderboard_qwen3: Qwen3-8B),
+# LEADERBOARD_ARGS = extra overrides (e.g. 'method=knorm,tova ratio=0.5'), the report reads every model's runs.
+LEADERBOARD ?= kvpress_leaderboard
+LEADERBOARD_DIR ?= results/leaderboard
+LEADERBOARD_ARGS ?=
+leaderboard: setup  ## kvpress's leaderboard (RULER 4k, ratios .25-.875, question-agnostic) on a GPU, rows in its schema + published numbers (LEADERBOARD=kvpress_leaderboard_qwen3: Qwen3-8B)
+	$(PYTHON) -m kvbench.run -m paper=$(LEADERBOARD) results_dir=$(LEADERBOARD_DIR) $(LEADERBOARD_ARGS)
+	$(PYTHON) -m kvbench.report.leaderboard $(LEADERBOARD_DIR) --out $(LEADERBOARD_DIR)/report
+
+leaderboard-smoke: setup  ## the leaderboard protocol on the embedded model (CPU, well under a minute; SMOKE_DIR)
+	$(PYTHON) -m kvbench.run -m paper=kvpress_leaderboard_smoke results_dir=$(SMOKE_DIR)/leaderboard $(LEADERBOARD_ARGS)
+	$(PYTHON) -m kvbench.report.leaderboard $(SMOKE_DIR)/leaderboard --out $(SMOKE_DIR)/leaderboard/report
 
 # TailorKV's tables (LongBench Table 14, InfiniteBench Table 15, RULER Table 16 ...): make reproduce-tailorkv-<id>
 # (the paper presets below; docs/reproduce.md)

@@ -18,7 +18,9 @@ the model dtype); kvpress additionally always keeps the last prompt token at pre
 kvbench by default: `keep_last=true` is kvpress's `TOVAPress` (the last prompt entry kept, the other budget - 1 by
 the row over the earlier keys), applied where kvbench evicts prefill-like (the prompt, a chunk fed on top), not at
 decode steps (kvpress compresses only the prefill); with it the kept entries equal TOVAPress's
-(tests/unit/test_kvpress_oracle.py). The prefill row comes from the capture's chunked prefill scoring (cost as
+(tests/unit/test_kvpress_oracle.py). kvpress's TOVAPress also selects only once, after the prompt: the question
+fed on top (`query=agnostic`) and the generated tokens stay; `prefill_only=true` does the same (no eviction after
+the prompt's), for kvpress's leaderboard. The prefill row comes from the capture's chunked prefill scoring (cost as
 H2O's), keeping only the last prompt query's row: the one row whose causal mask lets it see the last key.
 """
 from __future__ import annotations
@@ -40,6 +42,8 @@ SELECTIONS = ("layer", "kv_head")
 class TOVA(DecodingMethod):
     selection: Literal["layer", "kv_head"] = "layer"  # layer: one set from the all-head mean (the reference)
     keep_last: bool = False  # True: kvpress's TOVAPress, the last prompt entry always kept at prefill
+    prefill_only: bool | None = None  # true: select once after the prompt, never while decoding (kvpress's
+    #                                   TOVAPress); null/false: evict at every step (the reference)
 
     keeps_history: ClassVar[bool] = False  # each step's attention row replaces the scores
     static_rule: ClassVar[bool] = True  # tensor code reading only the budget: runs in the static step
@@ -47,6 +51,10 @@ class TOVA(DecodingMethod):
     def __post_init__(self):
         if self.selection not in SELECTIONS:
             raise ValueError(f"tova: selection={self.selection!r} is not one of {', '.join(SELECTIONS)}")
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return not self.prefill_only
 
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
         """The softmax row of the current query; at prefill only the prompt's last query counts (the only row not

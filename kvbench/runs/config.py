@@ -29,7 +29,7 @@ PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
 QUERY_MODES = ("aware", "agnostic")
 # keys a config gained after run directories existed: left out of the hash while null (their default), so those
 # run directories keep their names and resume; set, they enter it
-LATER_KEYS = {"kvbench.data.ruler.Ruler": ("max_new_tokens",)}
+LATER_KEYS = {"kvbench.data.ruler.Ruler": ("max_new_tokens",), "kvbench.methods.tova.TOVA": ("prefill_only",)}
 
 
 def config_hash(*nodes) -> str:

@@ -238,6 +238,19 @@ def test_tova_matches_masked_simulation_every_step(selection):
         assert all(row == layer[0] for step in history for layer in step for row in layer)
 
 
+
+def test_tova_prefill_only_selects_once_and_keeps_what_decoding_adds():
+    """`prefill_only=true keep_last=true` (kvpress's TOVAPress): the prompt's selection is the one TOVA makes (the
+    last query's row, the last entry kept), and after it nothing is evicted: each step's entry stays."""
+    model, ids = tiny_model("llama", layers=2), prompt(N)
+    _, every = ours(model, "tova", {"keep_last": True}, ids)
+    _, once = ours(model, "tova", {"keep_last": True, "prefill_only": True}, ids)
+    assert once[0] == every[0]  # the same prompt selection (the first snapshot: after prefill, first token)
+    assert all(row[-1] == N - 1 for layer in once[0] for row in layer)  # the last prompt entry kept
+    for t, step in enumerate(once):  # the selection stays, every decoded token's entry added
+        assert all(row == once[0][i][h] + list(range(N, N + t)) for i, layer in enumerate(step)
+                   for h, row in enumerate(layer))
+
 # --- Keyformer, shared score function (Table 3 row; the spec's reconstruction) -----------------------------------
 @pytest.mark.parametrize("selection", ["paper", "code_frozen"])
 def test_keyformer_shared_score_matches_masked_simulation(selection):

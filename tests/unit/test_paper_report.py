@@ -251,6 +251,17 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
 
     import kvbench.methods  # noqa: F401
 
+    if preset.startswith("kvpress_leaderboard"):  # kvpress's leaderboard grid: no published table of a paper
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            swept = compose("config", overrides=[f"paper={preset}"], return_hydra_config=True).hydra.sweeper.params
+            methods = str(swept.method).split(",")[:None if preset.endswith(("leaderboard", "aware")) else 1]
+            for method in methods:  # each with kvpress's settings (configs/paper_method/kvpress_leaderboard_*)
+                cfg = compose("config", overrides=[f"paper={preset}", f"method={method}", "ratio=0.5"])
+                assert cfg.query == ("aware" if preset.endswith("aware") else "agnostic")
+                assert cfg.paper_settings.name == "kvpress_leaderboard"
+                instantiate(cfg.method).check_budget(448)  # ~ the smallest: 0.125 x a 4k RULER context
+        assert str(swept.ratio) == "0.25,0.5,0.75,0.875"
+        return
     if preset.partition("_")[0] not in paper_names():  # a setting without a published table (paper=reasoning)
         from kvbench.runs.validate import validate
 
