@@ -59,6 +59,26 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
+def test_loading_pauses_the_collector_and_leaves_it_as_it_was():
+    """`collector_paused` (model load, data, report) turns the cyclic collector off inside and restores it: on in a
+    running job, still off inside a caller that had turned it off (the CLI's start-up)."""
+    import gc
+
+    from kvbench.runs.run import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_smoke_run_writes_the_run_directory(tmp_path):
     out = kvbench("model=tiny_llama", "method=snapkv", "budget=64", *GRID, results=tmp_path)
     assert out.returncode == 0, out.stderr
