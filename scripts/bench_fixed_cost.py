@@ -66,9 +66,9 @@ argv, report_dir = sys.argv[1:-1], sys.argv[-1]
 import kvbench.runs.run as R
 phase("imports of kvbench.runs.run (Hydra, OmegaConf)")
 owns_gc = hasattr(R, "started")  # this tree's CLI owns the collector
-if owns_gc:
-    gc.disable()
-argv = R.check_command_line(argv)
+paused = getattr(R, "collector_paused", contextlib.nullcontext)
+with paused():
+    argv = R.check_command_line(argv)
 if owns_gc:
     R.started()
 phase("command-line check (validation: torch, transformers core, methods; compose; setup)")
@@ -81,7 +81,6 @@ with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_n
 HydraConfig.instance().set_config(cfg)
 method, dataset, spec = setup(cfg)
 phase("Hydra's composition of the job, setup")
-paused = getattr(R, "collector_paused", contextlib.nullcontext)
 with paused():
     from kvbench.models import AttentionCapture, load
     phase("transformers' modelling imports (kvbench.models.capture)")

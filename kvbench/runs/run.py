@@ -366,27 +366,30 @@ def main(cfg: DictConfig) -> None:
         sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
 
 
+LOADING_GEN0 = 100_000  # objects allocated between two young collections while loading (CPython's default: 700)
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: for one-time loading (imports, weights, tokenizer, data), whose objects
-    mostly live on, so that collecting while they pile up would walk the growing heap again and again. They are
-    collected as usual afterwards (nothing is frozen: a model holds reference cycles, and a sweep may load several)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """Few collections inside: for one-time loading (imports, weights, tokenizer, data, the report's pandas and
+    matplotlib), whose objects mostly live on, so that collecting while they pile up would walk the growing heap again
+    and again (~1 s of a one-sample run; docs/throughput.md). The young generation is still collected every
+    LOADING_GEN0 allocations, so garbage that dies young (the configs a sweep's check composes) stays bounded; the
+    older ones practically never. They are collected as usual afterwards (nothing is frozen here: a model holds
+    reference cycles, and a sweep may load several)."""
+    before = gc.get_threshold()
+    gc.set_threshold(LOADING_GEN0, *before[1:])
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        gc.set_threshold(*before)
 
 
 def started() -> None:
     """Start-up is over: what it built (torch, transformers, Hydra, kvbench: ~400k objects that live until exit) is
-    moved out of the collector's sight, after one collection so that no garbage is kept. Collecting while those
-    modules import walked the growing heap again and again (~1 s of a one-sample run; docs/throughput.md)."""
+    moved out of the collector's sight, after one collection so that no garbage is kept."""
     gc.collect()
     gc.freeze()
-    gc.enable()
 
 
 def check_command_line(argv: list[str]) -> list[str]:
@@ -435,12 +438,12 @@ def end_with(error: Exception) -> None:
 def cli() -> None:
     """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory. Ends
     with exit code 1 and the first failure's cause when a run finished with no sample that succeeded.
-    It owns the process's cyclic garbage collector (`started`): off while start-up imports, frozen at exit."""
+    It owns the process's cyclic garbage collector: paused while start-up imports (`started`), frozen at exit."""
     from kvbench.runs.failures import NOTHING_SUCCEEDED
 
-    gc.disable()
     try:
-        sys.argv[1:] = check_command_line(sys.argv[1:])
+        with collector_paused():  # start-up: torch, transformers and Hydra import while the command line is checked
+            sys.argv[1:] = check_command_line(sys.argv[1:])
         started()
         with hydra_errors_raised() as user_asked_full_errors:
             try:

@@ -60,23 +60,19 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def test_loading_pauses_the_collector_and_leaves_it_as_it_was():
-    """`collector_paused` (model load, data, report) turns the cyclic collector off inside and restores it: on in a
-    running job, still off inside a caller that had turned it off (the CLI's start-up)."""
+    """`collector_paused` (start-up, model load, data, report) collects the young generation only every LOADING_GEN0
+    allocations inside, and restores the thresholds it found, nested too."""
     import gc
 
-    from kvbench.runs.run import collector_paused
+    from kvbench.runs.run import LOADING_GEN0, collector_paused
 
-    assert gc.isenabled()
+    before = gc.get_threshold()
     with collector_paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
-    try:
+        assert gc.get_threshold() == (LOADING_GEN0, *before[1:])
         with collector_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+            assert gc.get_threshold()[0] == LOADING_GEN0
+        assert gc.get_threshold()[0] == LOADING_GEN0
+    assert gc.get_threshold() == before and gc.isenabled()
 
 
 def test_smoke_run_writes_the_run_directory(tmp_path):
