@@ -141,21 +141,22 @@ def merge(run_dir: str | Path) -> dict:
     count = shard_count(run_dir)
     if count is None:
         raise MergeError(f"merge: {run_dir} has no predictions.shard-<i>-of-<n>.jsonl files (not a sharded run)")
-    with open(run_dir / ".lock.merge", "a") as lock, holding_run_dir(run_dir):
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two shards finishing together merge one after the other
-        states = read_shards(run_dir, count)
-        check_complete(run_dir, states)
-        ids, records = ordered_records(run_dir, states)
-        cfg = load_yaml(run_dir / "config.yaml")
-        _, dataset, spec = setup(cfg)
-        if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
-            dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
-        manifest = merged_manifest(states, len(ids))
-        write_text_atomic(run_dir / PREDICTIONS,
-                          "".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records))
-        summary = write_scores(run_dir, records, [SimpleNamespace(id=i) for i in ids], dataset,
-                               manifest["dataset"], manifest["method"], cfg, spec)
-        write_json_atomic(run_dir / "manifest.json", manifest)
+    with open(run_dir / ".lock.merge", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two shards finishing together merge one after the other: wait here,
+        with holding_run_dir(run_dir):   # before taking the run dir, which the other's merge holds meanwhile
+            states = read_shards(run_dir, count)
+            check_complete(run_dir, states)
+            ids, records = ordered_records(run_dir, states)
+            cfg = load_yaml(run_dir / "config.yaml")
+            _, dataset, spec = setup(cfg)
+            if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
+                dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
+            manifest = merged_manifest(states, len(ids))
+            write_text_atomic(run_dir / PREDICTIONS,
+                              "".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records))
+            summary = write_scores(run_dir, records, [SimpleNamespace(id=i) for i in ids], dataset,
+                                   manifest["dataset"], manifest["method"], cfg, spec)
+            write_json_atomic(run_dir / "manifest.json", manifest)
     if cfg.get("report", False):
         try:
             from kvbench.report import write_run_report
