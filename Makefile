@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory tailorkv tailorkv-layers leaderboard leaderboard-smoke clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
+.PHONY: help setup demo test test-unit test-integration test-gpu gpu-check speed-tables speed-tables-smoke sweep report bench bench-sweep bench-memory bench-fixed-cost tailorkv tailorkv-layers leaderboard leaderboard-smoke clean longbench longbench-data longbench-configs ruler ruler-data ruler-fixtures scbench-data
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-18s %s\n", $$1, $$2}'
@@ -96,6 +96,9 @@ bench-sweep: setup  ## the same 8-config sweep through the basic and the grid la
 
 bench-memory: setup  ## peak KV bytes and peak RSS at 4k: compress inside the prefill forward vs after it
 	$(PYTHON) scripts/bench_memory.py
+
+bench-fixed-cost: setup  ## one NIAH sample in a fresh process: wall time minus model time, where the rest goes, the floor
+	$(PYTHON) scripts/bench_fixed_cost.py
 
 tailorkv: setup  ## TailorKV-1/2 vs full and SnapKV on the needle grid: accuracy, device/host bytes, H2D bytes per token
 	$(PYTHON) scripts/bench_needle_grid.py --lengths 4000 8000 --depths 0 50 100 \

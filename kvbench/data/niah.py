@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.split import split_template
@@ -65,16 +68,19 @@ def read_haystack(folder: Path) -> str:
 # (tokenizer class, sha256 of its serialised state, split_special_tokens, sha256 of the text) -> token ids
 _ENCODED: dict[tuple[str, str, bool, str], list[int]] = {}
 _ENCODED_MAX = 4  # distinct (tokenizer, text) pairs kept: a process rarely meets more than one or two
+DISK_MIN_CHARS = 100_000  # texts this long are also kept on disk; a shorter one encodes in well under 0.1 s
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """`tokenizer.encode(text, add_special_tokens=False)`, remembered for the rest of the process.
+    """`tokenizer.encode(text, add_special_tokens=False)`, remembered for the rest of the process, and on disk for
+    long texts (`encoded_on_disk`).
 
     Why: the essays are ~150k tokens (0.6-0.9 s of a CPU core) and every build of niah, niah_multiturn or
     fixed_length encodes them whole, while the jobs of a sweep (and a test session) load the same tokenizer again for
-    each run. The key is exact: the fast tokenizer's whole serialised state (`backend_tokenizer.to_str()`:
-    vocabulary, merges, normalizer, pre-tokenizer, added tokens), its class and `split_special_tokens`, and the text;
-    a tokenizer without a Rust backend is not remembered. Each call returns a new list."""
+    each run, and each process starts again. The key is exact: the fast tokenizer's whole serialised state
+    (`backend_tokenizer.to_str()`: vocabulary, merges, normalizer, pre-tokenizer, added tokens), its class and
+    `split_special_tokens`, and the text; a tokenizer without a Rust backend is not remembered. Each call returns a
+    new list."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -83,8 +89,37 @@ def encode_text(tokenizer, text: str) -> list[int]:
     if key not in _ENCODED:
         if len(_ENCODED) >= _ENCODED_MAX:
             _ENCODED.pop(next(iter(_ENCODED)))  # the oldest
-        _ENCODED[key] = tokenizer.encode(text, add_special_tokens=False)
+        encode = partial(tokenizer.encode, text, add_special_tokens=False)
+        _ENCODED[key] = encoded_on_disk(key, encode) if len(text) >= DISK_MIN_CHARS else encode()
     return list(_ENCODED[key])
+
+
+def encoded_on_disk(key: tuple, encode: Callable[[], list[int]]) -> list[int]:
+    """`encode()`, kept in `<cache_root>/tokenized/<sha256 of key>.npy` (int64; numpy's own format, read back with
+    `allow_pickle=False`, written to a temporary file and renamed). A file that cannot be read is encoded again; a
+    cache that cannot be written is skipped."""
+    import numpy as np
+
+    from kvbench.models.embedded import cache_root
+
+    path = cache_root() / "tokenized" / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:32]}.npy"
+    try:
+        ids = np.load(path, allow_pickle=False)
+        if ids.ndim == 1 and ids.dtype == np.int64:
+            return ids.tolist()
+    except (OSError, ValueError, EOFError):
+        pass
+    ids = encode()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(ids, dtype=np.int64), allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        logger.debug("niah: encoded text not cached in %s: %s", path.parent, e)
+    return ids
 
 
 def period_token_ids(tokenizer) -> frozenset[int]:

@@ -160,6 +160,9 @@ def longbook_choice_eng(pred: str, label, scorer: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _rouge_lsum():
+    from kvbench.metrics.nltk_import import import_nltk
+
+    import_nltk()
     from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(rouge_types=["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=False)

@@ -47,7 +47,10 @@ def franxyao_recall(prediction: str, references: list[str]) -> float:
 
 @lru_cache(maxsize=1)
 def _rouge1_scorer():
-    from rouge_score import rouge_scorer  # imported lazily: it pulls in nltk
+    from kvbench.metrics.nltk_import import import_nltk
+
+    import_nltk()  # (rouge_score imports nltk: without its optional scikit-learn / SciPy parts)
+    from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
 

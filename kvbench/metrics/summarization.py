@@ -31,6 +31,9 @@ BUZZ_KEYS = {"rouge-1": "rouge1", "rouge-2": "rouge2", "rouge-l": "rougeL"}
 # --- Keyformer: evaluate's rouge (rouge_score, stemmed), no aggregator -------------------------------------------
 @lru_cache(maxsize=1)
 def _stemmed_scorer():
+    from kvbench.metrics.nltk_import import import_nltk
+
+    import_nltk()
     from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(rouge_types=list(KEYFORMER_KEYS), use_stemmer=True)
@@ -87,6 +90,9 @@ def mean_rouge(r1: float, r2: float, rl: float) -> float:
 
 def self_bleu(prediction: str) -> float:
     """BUZZ's intra-summary Self-BLEU-3 of one output (see the module docstring); in [0, 1]."""
+    from kvbench.metrics.nltk_import import import_nltk
+
+    import_nltk()
     from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
 
     pieces = [p.strip() for p in buzz_output(prediction).split(".")]

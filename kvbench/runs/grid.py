@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.runs.config import config_hash, decode_compression, sample_budget, sample_seed, setup
 from kvbench.runs.records import generated_record, git_sha, manifest, write_scores
-from kvbench.runs.run import prompt_ids, run
+from kvbench.runs.run import collector_paused, prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
 from kvbench.data.base import sha256_text
@@ -146,15 +146,16 @@ def run_grid(jobs: list[GridJob]) -> dict[Path, dict]:
 def run_group(configs: list[ConfigRun]) -> dict[Path, dict]:
     from tqdm import tqdm
 
-    from kvbench.models import AttentionCapture, load
-
     t_start = time.perf_counter()
     spec, first = configs[0].spec, configs[0]
     batch_size = max(c.cfg.batch_size for c in configs)
     logger.info("grid: %d configurations share each prefill (%s on %s), %d decoding at once | git %s",
                 len(configs), spec.name, first.job.choices["dataset"], batch_size, git_sha())
-    model, tokenizer = load(spec)
-    samples = first.dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
+    with collector_paused():  # loading: transformers' modelling code imports here (AttentionCapture), then weights
+        from kvbench.models import AttentionCapture, load
+
+        model, tokenizer = load(spec)
+        samples = first.dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if first.cfg.limit is not None:
         samples = samples[: first.cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
@@ -296,7 +297,8 @@ def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict
         try:
             from kvbench.report import write_run_report
 
-            write_run_report(run_dir)
+            with collector_paused():  # (pandas and matplotlib import here)
+                write_run_report(run_dir)
         except Exception as e:  # a plotting problem must never cost the predictions
             logger.warning("report for %s failed: %s", run_dir, e)
     logger.info("%s = %.4f over %d samples | %s", config.dataset.primary_metric,

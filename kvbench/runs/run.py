@@ -8,6 +8,7 @@ The config side (setup, run-dir names) is kvbench.runs.config; what a run writes
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -238,7 +239,6 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     from kvbench.runs.cost import CostMeter, job_log_links
     from kvbench.runs.failures import note_if_nothing_succeeded, stop_on_signals
     from kvbench.engine.generation import Sampling, prefill
-    from kvbench.models import AttentionCapture, load
     from kvbench.data.base import sha256_text
 
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
@@ -247,9 +247,12 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     job_log_links(run_dir, shard)  # SLURM/submitit: the job's stdout/stderr linked under the run dir
     logger.info("run dir: %s | git %s", run_dir, git_sha())
     t_start = time.perf_counter()
-    model, tokenizer = load(spec)
-    prepared = method.prepare(model, tokenizer, prefill=prefill)
-    samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
+    with collector_paused():  # loading: transformers' modelling code imports here (AttentionCapture), then weights
+        from kvbench.models import AttentionCapture, load
+
+        model, tokenizer = load(spec)
+        prepared = method.prepare(model, tokenizer, prefill=prefill)
+        samples = dataset.build(tokenizer, spec.max_prompt_tokens, chat_template=spec.chat_template)
     if cfg.limit is not None:
         samples = samples[: cfg.limit]
     data_sha = sha256_text("\n".join(f"{s.id}\t{s.prompt}" for s in samples))
@@ -320,7 +323,8 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
         try:
             from kvbench.report import write_run_report
 
-            write_run_report(run_dir)
+            with collector_paused():  # (pandas and matplotlib import here)
+                write_run_report(run_dir)
         except Exception as e:  # a plotting problem must never cost the predictions
             logger.warning("report for %s failed: %s", run_dir, e)
     logger.info("%s = %.4f over %d samples (%d failed) | KV bytes %.1f%% of full | %s", dataset.primary_metric,
@@ -368,6 +372,32 @@ def main(cfg: DictConfig) -> None:
         sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
 
 
+LOADING_GEN0 = 100_000  # objects allocated between two young collections while loading (CPython's default: 700)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Few collections inside: for one-time loading (imports, weights, tokenizer, data, the report's pandas and
+    matplotlib), whose objects mostly live on, so that collecting while they pile up would walk the growing heap again
+    and again (~1 s of a one-sample run; docs/throughput.md). The young generation is still collected every
+    LOADING_GEN0 allocations, so garbage that dies young (the configs a sweep's check composes) stays bounded; the
+    older ones practically never. They are collected as usual afterwards (nothing is frozen here: a model holds
+    reference cycles, and a sweep may load several)."""
+    before = gc.get_threshold()
+    gc.set_threshold(LOADING_GEN0, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def started() -> None:
+    """Start-up is over: what it built (torch, transformers, Hydra, kvbench: ~400k objects that live until exit) is
+    moved out of the collector's sight, after one collection so that no garbage is kept."""
+    gc.collect()
+    gc.freeze()
+
+
 def check_command_line(argv: list[str]) -> list[str]:
     """The arguments as Hydra will get them, after every check that needs no weights: on bad input the process ends
     with one line `kvbench: ...` (exit code 1) and nothing written."""
@@ -413,19 +443,25 @@ def end_with(error: Exception) -> None:
 
 def cli() -> None:
     """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory. Ends
-    with exit code 1 and the first failure's cause when a run finished with no sample that succeeded."""
+    with exit code 1 and the first failure's cause when a run finished with no sample that succeeded.
+    It owns the process's cyclic garbage collector: paused while start-up imports (`started`), frozen at exit."""
     from kvbench.runs.failures import NOTHING_SUCCEEDED
 
-    sys.argv[1:] = check_command_line(sys.argv[1:])
-    with hydra_errors_raised() as user_asked_full_errors:
-        try:
-            main()
-        except Exception as e:  # noqa: BLE001 - reported as Hydra would, a full disk in one line
-            from kvbench.runs.store import is_disk_full
+    try:
+        with collector_paused():  # start-up: torch, transformers and Hydra import while the command line is checked
+            sys.argv[1:] = check_command_line(sys.argv[1:])
+        started()
+        with hydra_errors_raised() as user_asked_full_errors:
+            try:
+                main()
+            except Exception as e:  # noqa: BLE001 - reported as Hydra would, a full disk in one line
+                from kvbench.runs.store import is_disk_full
 
-            if user_asked_full_errors and not (isinstance(e, OSError) and is_disk_full(e)):
-                raise
-            end_with(e)
+                if user_asked_full_errors and not (isinstance(e, OSError) and is_disk_full(e)):
+                    raise
+                end_with(e)
+    finally:  # the interpreter's last collections would walk every object once more: 1-3 s here for nothing
+        gc.freeze()
     if NOTHING_SUCCEEDED:
         sys.exit("\n".join(f"kvbench: {line}" for line in NOTHING_SUCCEEDED))
 

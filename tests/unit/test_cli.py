@@ -59,6 +59,22 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
 
 
+def test_loading_pauses_the_collector_and_leaves_it_as_it_was():
+    """`collector_paused` (start-up, model load, data, report) collects the young generation only every LOADING_GEN0
+    allocations inside, and restores the thresholds it found, nested too."""
+    import gc
+
+    from kvbench.runs.run import LOADING_GEN0, collector_paused
+
+    before = gc.get_threshold()
+    with collector_paused():
+        assert gc.get_threshold() == (LOADING_GEN0, *before[1:])
+        with collector_paused():
+            assert gc.get_threshold()[0] == LOADING_GEN0
+        assert gc.get_threshold()[0] == LOADING_GEN0
+    assert gc.get_threshold() == before and gc.isenabled()
+
+
 def test_smoke_run_writes_the_run_directory(tmp_path):
     out = kvbench("model=tiny_llama", "method=snapkv", "budget=64", *GRID, results=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -152,6 +152,32 @@ def test_encoded_text_is_remembered_per_tokenizer_state_and_text(smollm2_dir, mo
     assert encode_text(first, text[:40]) == first.encode(text[:40], add_special_tokens=False)
 
 
+def test_a_long_text_is_encoded_once_per_machine(smollm2_dir, tmp_path, monkeypatch):
+    """A text of DISK_MIN_CHARS or more is kept in <cache_root>/tokenized/ (numpy's format, no pickle): a new process
+    (here: the in-memory entries dropped) reads the ids from that file; an unreadable file is encoded again and
+    rewritten; a shorter text gets no file."""
+    from transformers import AutoTokenizer
+
+    import kvbench.data.niah as niah
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(niah, "_ENCODED", {})
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    text = (PAIR * (niah.DISK_MIN_CHARS // len(PAIR) + 1))
+    ids = encode_text(tokenizer, text)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    (path,) = (tmp_path / "tokenized").iterdir()
+    assert path.suffix == ".npy" and np.load(path, allow_pickle=False).tolist() == ids
+    np.save(path, np.arange(7, dtype=np.int64))  # what the file holds is what a new process gets
+    monkeypatch.setattr(niah, "_ENCODED", {})
+    assert encode_text(tokenizer, text) == list(range(7))
+    path.write_bytes(b"not numpy")  # unreadable: encoded again and rewritten
+    monkeypatch.setattr(niah, "_ENCODED", {})
+    assert encode_text(tokenizer, text) == ids and np.load(path, allow_pickle=False).tolist() == ids
+    encode_text(tokenizer, text[: niah.DISK_MIN_CHARS - 1])
+    assert len(list((tmp_path / "tokenized").iterdir())) == 1
+
+
 def test_deterministic(smollm2_tokenizer, tiny_dir):
     ds = NeedleHaystack(haystack_dir=str(tiny_dir), context_lengths=[300, 500], depth_percents=[0, 40, 100])
     first = ds.build(smollm2_tokenizer, max_prompt_tokens=1000)
