@@ -23,6 +23,8 @@ never shares kvbench's environment.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -45,9 +47,17 @@ class RssMeter:
     (Linux: the high-water mark is reset at the start through /proc/self/clear_refs, then read from VmHWM), what
     the block itself needed. `lifetime_growth`: how much the block raised the process's lifetime peak
     (`ru_maxrss`, the earlier figure), which hides whatever part of the block's peak stayed under an earlier one
-    (the model load's, the warm-up's): it depends on what the process did before."""
+    (the model load's, the warm-up's): it depends on what the process did before. Before the block starts, freed
+    heap memory goes back to the system (`malloc_trim`): small blocks freed earlier (building the prompt, loading)
+    would otherwise stay resident and serve the block's small allocations unseen, 0-6 MiB by the process's history
+    (kvbench's child read 89 or 95 MiB by whether it built the prompt itself or read it from a file)."""
 
     def __enter__(self) -> "RssMeter":
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
         self.lifetime_before = rss_peak()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         self.start = self._status("VmRSS")
