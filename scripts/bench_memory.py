@@ -19,6 +19,7 @@ run in a fresh process of that interpreter under the same allocator setting: kvp
 never shares kvbench's environment.
 
     python scripts/bench_memory.py [--length 4096] [--budget 128] [--reps 3] [--methods snapkv pyramidkv adakv ...]
+                                   [--orders prefill layer] [--floor] [--kvpress-python /tmp/kvp/bin/python]
 """
 from __future__ import annotations
 
