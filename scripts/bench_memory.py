@@ -19,10 +19,13 @@ run in a fresh process of that interpreter under the same allocator setting: kvp
 never shares kvbench's environment.
 
     python scripts/bench_memory.py [--length 4096] [--budget 128] [--reps 3] [--methods snapkv pyramidkv adakv ...]
+                                   [--orders prefill layer] [--floor] [--kvpress-python /tmp/kvp/bin/python]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -40,6 +43,38 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+class RssMeter:
+    """Peak RSS over a block of code, two ways. `growth`: the peak over the block minus the RSS when it started
+    (Linux: the high-water mark is reset at the start through /proc/self/clear_refs, then read from VmHWM), what
+    the block itself needed. `lifetime_growth`: how much the block raised the process's lifetime peak
+    (`ru_maxrss`, the earlier figure), which hides whatever part of the block's peak stayed under an earlier one
+    (the model load's, the warm-up's): it depends on what the process did before. Before the block starts, freed
+    heap memory goes back to the system (`malloc_trim`): small blocks freed earlier (building the prompt, loading)
+    would otherwise stay resident and serve the block's small allocations unseen, 0-6 MiB by the process's history
+    (kvbench's child read 89 or 95 MiB by whether it built the prompt itself or read it from a file)."""
+
+    def __enter__(self) -> "RssMeter":
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+        self.lifetime_before = rss_peak()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self.start = self._status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        peak = self._status("VmHWM")
+        self.growth = peak - self.start
+        self.lifetime_growth = max(peak, self.lifetime_before) - self.lifetime_before
+
+    @staticmethod
+    def _status(field: str) -> int:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+        return int(line.split()[1]) * 1024  # kB
+
+
 def child(order: str, name: str, args) -> None:
     """Run `name` once with `order` after a warm-up, printing one JSON line."""
     import kvbench.methods  # noqa: F401
@@ -55,15 +90,21 @@ def child(order: str, name: str, args) -> None:
     ids = torch.tensor([tok(sample.prompt).input_ids])
     with AttentionCapture(model) as capture:  # warm-up on a short prompt: one-time allocations out of the figure
         generate(model, tok, METHODS["full"](), capture, ids[:, :64], None, 2, eos_ids=set())
+    if name == "plain":  # transformers' own forward of the prompt, no cache, no capture: the floor
+        with RssMeter() as meter, torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+        print(json.dumps({"method": "transformers forward, no cache", "order": "-", "prompt_tokens": ids.shape[1],
+                          "rss_growth": meter.growth, "lifetime_growth": meter.lifetime_growth}), flush=True)
+        return
     method = METHODS[name]()
-    before = rss_peak()
-    with AttentionCapture(model, window=method.query_window) as capture:
+    with RssMeter() as meter, AttentionCapture(model, window=method.query_window) as capture:
         gen = generate(model, tok, method, capture, ids, args.budget, args.new_tokens, eos_ids=set(),
                        compress_after=order)
     bound = gen.kv_bytes + gen.full_kv_bytes / model.config.num_hidden_layers
     print(json.dumps({"method": name, "order": order, "prompt_tokens": ids.shape[1], "peak_kv": gen.peak_kv_bytes,
                       "kv": gen.kv_bytes, "full_kv": gen.full_kv_bytes, "ratio": gen.peak_kv_bytes / bound,
-                      "rss_growth": rss_peak() - before, "prefill_s": gen.timings["prefill_s"]}), flush=True)
+                      "rss_growth": meter.growth, "lifetime_growth": meter.lifetime_growth,
+                      "prefill_s": gen.timings["prefill_s"]}), flush=True)
 
 
 def kvpress_child(args) -> None:
@@ -77,7 +118,7 @@ def kvpress_child(args) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         model(ids[:, :64], past_key_values=DynamicCache())  # warm-up, as kvbench's child
-        before = rss_peak()
+        meter = RssMeter().__enter__()
         cache = DynamicCache()
         with SnapKVPress(compression_ratio=1 - args.budget / ids.shape[1])(model):
             logits = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]  # (kvpress's pipeline
@@ -85,9 +126,11 @@ def kvpress_child(args) -> None:
         for t in range(args.new_tokens - 1):
             token = logits.argmax(-1, keepdim=True)
             logits = model(token, past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + t]])).logits[:, -1]
+        meter.__exit__()
     kv = sum(layer.keys.numel() * 2 * layer.keys.element_size() for layer in cache.layers)
     print(json.dumps({"method": "kvpress SnapKVPress", "order": "in forward", "prompt_tokens": ids.shape[1],
-                      "rss_growth": rss_peak() - before, "kv_after": kv}), flush=True)
+                      "rss_growth": meter.growth,
+                      "lifetime_growth": meter.lifetime_growth, "kv_after": kv}), flush=True)
 
 
 def prompt_ids(args) -> tuple[str, str]:
@@ -138,6 +181,9 @@ def main() -> None:
                     "depends on the allocator's history, not only on what is alive)")
     ap.add_argument("--kvpress-python", help="a Python with kvpress 0.5.5 (and transformers 5.2): its SnapKVPress "
                     "beside kvbench's, same ids and ratio, fresh processes")
+    ap.add_argument("--orders", nargs="+", default=["prefill", "layer"], choices=["prefill", "layer"])
+    ap.add_argument("--floor", action="store_true", help="add transformers' own forward of the prompt (no cache, "
+                    "no capture) in a fresh process per rep: what the model's activations alone take")
     ap.add_argument("--child", nargs=2, metavar=("ORDER", "METHOD"))
     ap.add_argument("--kvpress-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ids-file", help=argparse.SUPPRESS)
@@ -151,33 +197,39 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     ids_file, model_dir = prompt_ids(args) if args.kvpress_python else (None, None)
     for rep in range(args.reps):
-        for order in ("prefill", "layer") if rep % 2 == 0 else ("layer", "prefill"):
+        for order in args.orders if rep % 2 == 0 else args.orders[::-1]:
             for name in args.methods:
                 runs.setdefault((name, order), []).append(one_run(order, name, args))
         if args.kvpress_python:
             runs.setdefault(("kvpress SnapKVPress", "in forward"), []).append(kvpress_run(args, ids_file, model_dir))
+        if args.floor:
+            runs.setdefault(("transformers forward, no cache", "-"), []).append(one_run("-", "plain", args))
     mib = 2**20
-    first = next(iter(runs.values()))[0]
+    first = next(r[0] for r in runs.values() if "full_kv" in r[0])
     print(f"## peak KV at {first['prompt_tokens']} prompt tokens, budget {args.budget} (embedded SmolLM2, "
           f"full cache {first['full_kv'] / mib:.1f} MiB); RSS: median [min-max] of {args.reps} fresh processes, "
           f"{'glibc default' if args.glibc_default else f'mmap threshold fixed at {MMAP_THRESHOLD // 1024} KiB'}")
-    print("| method | order | compressed MiB | peak KV MiB | peak / (compressed + one layer) | peak RSS growth MiB |")
-    print("|---|---|---|---|---|---|")
-    median = {}
+    print("| method | order | compressed MiB | peak KV MiB | peak / (compressed + one layer) | peak RSS growth MiB "
+          "| lifetime peak growth MiB |")
+    print("|---|---|---|---|---|---|---|")
+    median: dict[str, dict] = {"rss_growth": {}, "lifetime_growth": {}}
     for (name, order), rows in runs.items():
-        growth = sorted(r["rss_growth"] / mib for r in rows)
-        median[(name, order)] = statistics.median(growth)
+        cells = []
+        for key in median:
+            growth = sorted(r[key] / mib for r in rows)
+            median[key][(name, order)] = statistics.median(growth)
+            cells.append(f"{median[key][(name, order)]:.0f} [{growth[0]:.0f}-{growth[-1]:.0f}]")
         r = rows[0]  # (the KV figures are exact: the same in every rep)
         kv = [f"{r['kv'] / mib:.2f}", f"{r['peak_kv'] / mib:.2f}", f"{r['ratio']:.3f}"] if "kv" in r else \
-            [f"{r['kv_after'] / mib:.2f}", "–", "–"]
-        print(f"| {name} | {order} | {' | '.join(kv)} | {median[(name, order)]:.0f} "
-              f"[{growth[0]:.0f}-{growth[-1]:.0f}] |")
-    worst = max(r["ratio"] for (_, order), rows in runs.items() if order == "layer" for r in rows)
-    print(f"\nlayer order: worst peak / (compressed + one layer) = {worst:.3f} (goal <= 1.05)")
-    if args.kvpress_python and ("snapkv", "layer") in median:
-        ratio = median[("snapkv", "layer")] / median[("kvpress SnapKVPress", "in forward")]
-        print(f"peak RSS growth, kvbench SnapKV (layer) / kvpress SnapKVPress: {ratio:.2f}x (goal <= 0.8x)")
-
+            [f"{r['kv_after'] / mib:.2f}" if "kv_after" in r else "–", "–", "–"]
+        print(f"| {name} | {order} | {' | '.join(kv)} | {' | '.join(cells)} |")
+    ratios = [r["ratio"] for (_, order), rows in runs.items() if order == "layer" for r in rows]
+    if ratios:
+        print(f"\nlayer order: worst peak / (compressed + one layer) = {max(ratios):.3f} (goal <= 1.05)")
+    if args.kvpress_python and ("snapkv", "layer") in median["rss_growth"]:
+        for key, what in (("rss_growth", "peak RSS growth"), ("lifetime_growth", "lifetime peak growth")):
+            ratio = median[key][("snapkv", "layer")] / median[key][("kvpress SnapKVPress", "in forward")]
+            print(f"{what}, kvbench SnapKV (layer) / kvpress SnapKVPress: {ratio:.2f}x (goal <= 0.8x)")
 
 if __name__ == "__main__":
     main()

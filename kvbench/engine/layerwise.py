@@ -57,6 +57,8 @@ def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | N
         idx = module.layer_idx
         stats.full_nbytes += cache.layers[idx].nbytes()
         compress_layer(method, cache, capture, idx, n_layers, budgets[idx], state)
+        capture.window_queries.pop(idx, None)  # used: the later layers' peaks need not hold them
+        capture.window_bias.pop(idx, None)
         sync()
         stats.compress_s += time.perf_counter() - t0
 

@@ -61,6 +61,8 @@ class Adapter:
     output: str = "o_proj"  # the attention's output projection (W_o), read by value-weighing scorers (CriticalKV)
     output_transposed: bool = False  # its weight is stored [in, out] (GPT-2's Conv1D) rather than nn.Linear's
     refuse: Callable[[dict], str | None] | None = None  # config.json -> a reason to refuse this variant, or None
+    mlp: str | None = None  # the family's gated MLP class, computed in place under the capture (`models.mlp`)
+    mlp_layout: Literal["gated", "fused"] = "gated"  # gate_proj and up_proj, or Phi-3's fused gate_up_proj
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -76,6 +78,13 @@ class Adapter:
         head h's share of W_o)."""
         weight = getattr(module, self.output).weight
         return weight.t() if self.output_transposed else weight
+
+    def mlp_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Every instance of the family's gated MLP class (none for a family without one)."""
+        if self.mlp is None:
+            return []
+        cls = getattr(importlib.import_module(f"transformers.models.{self.modeling}"), self.mlp)
+        return [m for m in model.modules() if isinstance(m, cls)]
 
     def eager_function(self):
         """The family's own eager attention (Gemma 2's applies soft-capping), used under the capture's wrapper;
@@ -184,19 +193,20 @@ def _interface(family, model_types, modeling, attention, **kw) -> Adapter:
 
 
 ADAPTERS: tuple[Adapter, ...] = (
-    _interface("llama", ["llama"], "llama.modeling_llama", "LlamaAttention"),
-    _interface("mistral", ["mistral"], "mistral.modeling_mistral", "MistralAttention"),
-    _interface("qwen2", ["qwen2"], "qwen2.modeling_qwen2", "Qwen2Attention"),
-    _interface("qwen3", ["qwen3"], "qwen3.modeling_qwen3", "Qwen3Attention", query_norm="q_norm"),
-    _interface("phi3", ["phi3"], "phi3.modeling_phi3", "Phi3Attention", query="qkv_proj", query_layout="leading"),
+    _interface("llama", ["llama"], "llama.modeling_llama", "LlamaAttention", mlp="LlamaMLP"),
+    _interface("mistral", ["mistral"], "mistral.modeling_mistral", "MistralAttention", mlp="MistralMLP"),
+    _interface("qwen2", ["qwen2"], "qwen2.modeling_qwen2", "Qwen2Attention", mlp="Qwen2MLP"),
+    _interface("qwen3", ["qwen3"], "qwen3.modeling_qwen3", "Qwen3Attention", query_norm="q_norm", mlp="Qwen3MLP"),
+    _interface("phi3", ["phi3"], "phi3.modeling_phi3", "Phi3Attention", query="qkv_proj", query_layout="leading",
+               mlp="Phi3MLP", mlp_layout="fused"),
     _interface("gpt_neox", ["gpt_neox"], "gpt_neox.modeling_gpt_neox", "GPTNeoXAttention",
                query="query_key_value", query_layout="per_head", output="dense"),
     _interface("gpt2", ["gpt2"], "gpt2.modeling_gpt2", "GPT2Attention", query="c_attn", query_layout="leading",
                positions="learned", output="c_proj", output_transposed=True),
     _interface("gemma3", ["gemma3_text"], "gemma3.modeling_gemma3", "Gemma3Attention", query_norm="q_norm",
-               rotary_inv_freq="full_attention_inv_freq", has_window_layers=True),
+               rotary_inv_freq="full_attention_inv_freq", has_window_layers=True, mlp="Gemma3MLP"),
     _interface("gemma2", ["gemma2"], "gemma2.modeling_gemma2", "Gemma2Attention", sdpa=False, has_window_layers=True,
-               softcap=True),
+               softcap=True, mlp="Gemma2MLP"),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",

@@ -24,6 +24,9 @@ attention (`kvbench.attention.decode`), with the model's soft cap and, for MPT, 
 Attention modules, the family's eager kernel, predicted queries and window layers come from the model family's
 adapter (`kvbench.models.adapters`), never from attribute names; an unsupported family is refused there.
 
+While active it also computes the family's gated MLP in place on each instance (`kvbench.models.mlp`: one
+`[B, n, intermediate]` tensor fewer at a prefill's peak, the same output bit for bit).
+
 The wrapper also lets a layer hold one KV copy per query head (the paper-era `query_head` layout): the wrapped
 function then sees as many key heads as query heads and is told not to repeat them.
 """
@@ -44,6 +47,7 @@ from kvbench.attention.columns import causal_column_sums
 from kvbench.attention.decode import attend, chunk_attention
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
+from kvbench.models.mlp import lean_mlp_forward
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
 from kvbench.models.rotary import Rotary
 
@@ -83,6 +87,7 @@ class AttentionCapture:
         self.attention_modules = self.adapter.attention_modules(model)
         self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
         self._handles: list = []
+        self._lean_mlps: list[torch.nn.Module] = []
         self._placement: dict[int, tuple[torch.device, bool]] = {}  # layer -> (device, weights offloaded): fixed
         # once loaded, so found once (walking the module tree on every predicted query cost ~3 % of a batched step)
 
@@ -117,6 +122,10 @@ class AttentionCapture:
             if self.adapter.replaces is not None:  # attention that bypasses the interface: this instance only
                 name, factory = self.adapter.replaces
                 setattr(module, name, factory(module, attention))
+        for module in self.adapter.mlp_modules(self.model):
+            if "forward" not in module.__dict__:  # (an instance forward of its own, e.g. accelerate's hook, stays)
+                module.forward = lean_mlp_forward(module, self.adapter.mlp_layout)
+                self._lean_mlps.append(module)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -128,6 +137,9 @@ class AttentionCapture:
         for module in self.attention_modules.values():
             if self.adapter.replaces is not None:
                 module.__dict__.pop(self.adapter.replaces[0], None)  # back to the class' own method
+        for module in self._lean_mlps:
+            module.__dict__.pop("forward", None)
+        self._lean_mlps.clear()
         AttentionInterface._global_mapping.pop(self.name, None)
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()
