@@ -92,11 +92,6 @@ class StaticRows:
             return layer, scores
         return VarlenLayer.from_selection(layer, [torch.arange(c, device=keys.device) for c in counts]), scores
 
-    def nbytes_of(self, row: int) -> int:
-        """K/V bytes row `row` holds (its valid entries; spare capacity is the batch's, not the sequence's)."""
-        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-        return int(self.valid[row].sum()) * per_entry
-
     def per_entry_bytes(self) -> int:
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
 
@@ -126,9 +121,8 @@ class StaticRows:
         logits = logits * scale.view(r, 1, 1, 1)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        first = torch.zeros_like(self.valid)
-        first[..., 0] = True
-        valid = self.valid | (first & ~active.view(r, 1, 1))
+        valid = self.valid.clone()
+        valid[..., 0] |= ~active.view(r, 1)
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
         probs = logits.softmax(dim=-1).view(r * h, -1, c).to(self.values.dtype)
         out = torch.bmm(probs, self.values.reshape(r * h, c, -1))

@@ -65,8 +65,9 @@ class BudgetRule:
         """Each row's softmax scale `[R]`."""
         return torch.full((rows.keys.shape[0],), scaling, dtype=torch.float32, device=rows.keys.device)
 
-    def row_score(self, layer_idx: int, logits: Tensor, rows: StaticRows) -> Tensor:
-        """The step's logits `[R, H_q, C]` -> the score each slot gets `[R, H_q, C]`."""
+    def row_score(self, layer_idx: int, logits: Tensor, order: Tensor) -> Tensor:
+        """The step's logits `[R, H_q, C]` -> the score each slot gets `[R, H_q, C]` (`order`: the slots in cache
+        order, `StaticRows.cache_order`)."""
         return self.method.row_score(logits[:, :, None], self.first_state(), decoding=True)[:, :, 0]
 
     def keep(self, layer_idx: int, scores: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,10 +80,9 @@ class BudgetRule:
         return next(s for s in self.states if s is not None)
 
     def __call__(self, layer_idx: int, rows: StaticRows, logits: Tensor) -> None:
-        method, valid = self.method, rows.valid
-        row = reduce_groups(self.row_score(layer_idx, logits, rows), valid.shape[1], method.gqa_reduce)
+        method, valid, order = self.method, rows.valid, rows.cache_order()
+        row = reduce_groups(self.row_score(layer_idx, logits, order), valid.shape[1], method.gqa_reduce)
         scores = (rows.scores + row if method.keeps_history else row).masked_fill(~valid, 0.0)
-        order = rows.cache_order()
         kept, over = self.keep(layer_idx, scores.gather(-1, order), valid.sum(dim=-1))
         in_slots = torch.zeros_like(valid).scatter_(-1, order, kept)
         valid = torch.where(over, in_slots & valid, valid)
@@ -131,8 +131,7 @@ class KeyformerRule(BudgetRule):
                                                           device=self.device).expand(shape)[0, :, 0]
                 counts[i] = min(n, state.budget)
 
-    def row_score(self, layer_idx: int, logits: Tensor, rows: StaticRows) -> Tensor:
-        order = rows.cache_order()
+    def row_score(self, layer_idx: int, logits: Tensor, order: Tensor) -> Tensor:
         groups = logits.shape[1] // order.shape[1]
         order_q = order.repeat_interleave(groups, dim=1) if groups > 1 else order
         noise = torch.zeros_like(logits).scatter_(-1, order_q, self.noise[layer_idx])

@@ -108,6 +108,13 @@ class Method:
             raise ValueError(f"{self.registry_name}: budget={budget!r} must be a positive integer "
                              "(KV entries kept per head per layer, window included); or use ratio=<0..1>.")
 
+    def check_below_budget(self, field: str, budget: int, why: str = "the window counts inside the budget") -> None:
+        """For `check_budget`: `field` (a window kept whole, 0 = none) must leave room in the budget."""
+        value = getattr(self, field)
+        if value and budget <= value:
+            raise ValueError(f"{self.registry_name}: {field}={value} must be < budget={budget} ({why}); lower "
+                             f"method.{field} or raise budget.")
+
     def own_decode_compression(self, budget: int | None) -> tuple[int, int, str] | None:
         """(every, target, "generated" | "sequence") for a method that compresses while decoding by itself (R-KV),
         used unless `decode_compression.target` is set (kvbench.engine.recompress); None: it does not."""

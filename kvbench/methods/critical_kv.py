@@ -67,9 +67,7 @@ class CriticalKV(Method):
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
-        if budget <= self.window:
-            raise ValueError(f"{self.registry_name}: window={self.window} must be < budget={budget} (the window's "
-                             "entries score highest); lower method.window or raise budget.")
+        self.check_below_budget("window", budget, "the window's entries score highest")
 
     def first_scores(self, view: LayerView) -> Tensor:
         return kvpress_snapkv_scores(view, self.window, self.kernel, self.pooling)

@@ -38,9 +38,7 @@ class Knorm(Method):
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
-        if self.recent and budget <= self.recent:
-            raise ValueError(f"knorm: recent={self.recent} must be < budget={budget} (the window counts inside the "
-                             "budget); lower method.recent or raise budget.")
+        self.check_below_budget("recent", budget)
 
     def scores(self, view: LayerView) -> Tensor:
         """Negated key L2 norms `[B, H_kv, n]`, fp32: higher = keep."""

@@ -60,9 +60,7 @@ class RKV(Method):
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
-        if budget <= self.window:
-            raise ValueError(f"rkv: window={self.window} must be < budget={budget} (the window counts inside the "
-                             "budget); lower method.window or raise budget.")
+        self.check_below_budget("window", budget)
 
     def own_decode_compression(self, budget: int | None) -> tuple[int, int, str] | None:
         """(every, target, counted over): R-KV compresses while decoding by itself."""

@@ -62,9 +62,7 @@ class WindowScorer(Method):
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
-        if budget <= self.window:
-            raise ValueError(f"{self.registry_name}: window={self.window} must be < budget={budget} (the window "
-                             "counts inside the budget); lower method.window or raise budget.")
+        self.check_below_budget("window", budget)
 
     def scores(self, view: LayerView) -> Tensor:
         """Pooled attention the window pays each prefix position: `[B, H, n - window]` (H per `granularity`)."""
