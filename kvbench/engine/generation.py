@@ -182,7 +182,9 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx), capture.output_weight(layer_idx))
         heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
-        apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
+        idx = method.select(view, n_keep)
+        if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
+            apply_selection(method, cache, layer_idx, idx, n_keep, heads)
 
 
 def apply_selection(method: Method, cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor],

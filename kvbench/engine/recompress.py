@@ -111,7 +111,10 @@ class Recompressor:
         queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None
         view = LayerView(i, n_layers, layer.keys, layer.values, queries, scaling, None, self.softcap.get(i),
                          self.rotary.get(i))
+        idx = self.method.select(view, n_keep)
+        if idx is None:  # the method keeps this layer whole (SimLayerKV's non-lazy layers)
+            return
         held = layer.nbytes()
-        layer.keep(self.method.select(view, n_keep))  # dense layers only (`check`): the evicted entries are freed
+        layer.keep(idx)  # dense layers only (`check`): the evicted entries are freed
         self.cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
         self.compressions += 1

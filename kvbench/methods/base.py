@@ -124,11 +124,12 @@ class Method:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
 
-    def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor]:  # pragma: no cover - interface
+    def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor] | None:  # pragma: no cover - interface
         """Indices of the layer's entries to keep: int64 `[B, H, n_keep]`, each head's unique, in [0, n), sorted
         ascending, the last `kept_window` positions included; H = KV heads (query heads if
         `selects_per_query_head`). A per-head variable selection (batch 1) returns one such 1-D tensor per head
-        instead, of any lengths (`n_keep` is then their mean). Called only when `n_keep < n`; checked by
+        instead, of any lengths (`n_keep` is then their mean). None keeps the layer whole (a per-layer choice:
+        SimLayerKV's non-lazy layers). Called only when `n_keep < n`; checked by
         `kvbench.methods.contract.check_selection`."""
         raise NotImplementedError
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.methods.base import LayerView, Method
+from kvbench.methods.wrappers import blockwise
 from kvbench.registry import METHODS
 
 
@@ -42,15 +42,18 @@ class KeyDiff(Method):
         if not isinstance(self.block_size, int) or self.block_size < 0:
             raise ValueError(f"keydiff: block_size={self.block_size!r} must be an integer >= 0 (0: one shot)")
 
+    def scores(self, view: LayerView) -> Tensor:
+        """One-shot KeyDiff scores `[B, H_kv, n]` (what `block_size=0` ranks, and what kvpress's BlockPress and
+        ChunkPress wrap)."""
+        return keydiff_scores(view.keys)
+
     def select(self, view: LayerView, n_keep: int) -> Tensor:
         keys, n = view.keys, view.prompt_len
         if not self.block_size:
             return keydiff_scores(keys).topk(n_keep, dim=-1).indices.sort(dim=-1).values
-        b, h, _, d = keys.shape
-        kept = torch.arange(n_keep, device=keys.device).expand(b, h, n_keep)
-        for start in range(n_keep, n, self.block_size):
-            block = torch.arange(start, min(start + self.block_size, n), device=keys.device).expand(b, h, -1)
-            candidates = torch.cat([kept, block], dim=-1)
-            scores = keydiff_scores(keys.gather(2, candidates.unsqueeze(-1).expand(-1, -1, -1, d)))
-            kept = candidates.gather(-1, scores.topk(n_keep, dim=-1).indices)
-        return kept.sort(dim=-1).values
+        d = keys.shape[-1]
+
+        def score(candidates: Tensor) -> Tensor:
+            return keydiff_scores(keys.gather(2, candidates.unsqueeze(-1).expand(-1, -1, -1, d)))
+
+        return blockwise(n, n_keep, self.block_size, score, keys)

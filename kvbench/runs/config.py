@@ -117,7 +117,7 @@ def setup(cfg: DictConfig):
             cause = e.__cause__ or e
             raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
 
-    method = build(cfg.method, "method")
+    method = build_method(cfg.method, build)
     dataset = build(cfg.dataset, "dataset")
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
@@ -156,6 +156,37 @@ def setup(cfg: DictConfig):
 
     Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
     return method, dataset, spec
+
+
+def build_method(node: DictConfig, build):
+    """The method of a `method` node, wrapped by the kvpress-wrapper switches it carries (`+method.whole_layers=[0]`,
+    `chunk_length`, `block_size`, `then` + `first_ratio`: kvbench/methods/wrappers.py), unless they are its own
+    fields (keydiff's `block_size`). `then` names a second method, built from its YAML."""
+    import dataclasses
+
+    from kvbench.methods.wrappers import Switches, wrap
+    from kvbench.runs.schema import node_class
+
+    cls = node_class(node)
+    own = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    keys = [f.name for f in dataclasses.fields(Switches) if f.name in node and f.name not in own]
+    if not keys:
+        return build(node, "method")
+    values = OmegaConf.to_container(node, resolve=True)
+    switches = Switches(**{key: values.pop(key) for key in keys})
+    method = build(OmegaConf.create(values), "method")
+    then = None
+    if switches.then is not None:
+        path = CONFIG_DIR / "method" / f"{switches.then}.yaml"
+        if not path.is_file():
+            from kvbench.registry import unknown_choice
+
+            raise ValueError("method.then: " + unknown_choice("method", switches.then, group_choices("method")))
+        then = build(load_yaml(path), "method.then")
+    try:
+        return wrap(method, switches, then)
+    except ValueError as e:
+        raise ValueError(f"method: {e}") from None
 
 
 def check_query(cfg: DictConfig, method, why: str | None = None) -> None:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvbench.engine.generation import Sampling
 from kvbench.engine.recompress import DecodeCompression
+from kvbench.methods.wrappers import Switches
 from kvbench.models.loader import ModelSpec
 
 
@@ -179,6 +180,16 @@ RANGES: dict[str, Range] = {
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     "TailorKV.rest": OWN,
+    # --- kvpress's wrappers, switches on any selector (kvbench/methods/wrappers.py Switches)
+    "whole_layers": at_least(0, "layer indices kept whole"),
+    "layer_ratios": within(0, 1, "fraction of each layer's entries removed", open_high=True),
+    "Switches.chunk_length": at_least(1, "entries per chunk"),
+    "Switches.block_size": at_least(1, "prompt entries per block"),
+    "then": Range(owner="the method registry (configs/method/<name>.yaml)"),
+    "first_ratio": within(0, 1, "fraction of the prompt the first method removes", open_high=True),
+    # --- SimLayerKV
+    "lazy_threshold": within(0, 1, "attention mass on sinks + recent above which a layer is lazy"),
+    "n_last": at_least(1, "last prompt queries that judge a layer"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
@@ -365,6 +376,8 @@ def leaves(cfg: DictConfig) -> Iterator[tuple[str, Any, Rule | None, str]]:
             yield key, value, rules_of(Run).get(key), ""
             continue
         rules, who = rules_of(cls), getattr(cls, "registry_name", "")
+        if key == "method":  # kvpress's wrappers as switches on any selector, where not the method's own fields
+            rules = {**rules_of(Switches), **rules}
         for name, value in OmegaConf.to_container(node, resolve=True).items():
             if name != "_target_":
                 yield f"{key}.{name}", value, rules.get(name), who

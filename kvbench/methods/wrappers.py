@@ -1,0 +1,293 @@
+"""kvpress's wrappers (0.5.5 `PerLayerCompressionPress`, `ChunkPress`, `BlockPress`, `ComposedPress`) as switches
+on any selector: keys added to its method node, e.g.
+
+    python -m kvbench.run method=snapkv +method.whole_layers=[0]              # layer 0 kept whole (TailorKV's dagger)
+    python -m kvbench.run method=snapkv +method.layer_ratios=[0,0.5,...]       # one ratio per layer (kvpress's list)
+    python -m kvbench.run method=knorm +method.chunk_length=1024               # each chunk of the prompt on its own
+    python -m kvbench.run method=knorm +method.block_size=128                  # block-wise, as keydiff's default
+    python -m kvbench.run method=snapkv +method.then=knorm +method.first_ratio=0.5 ratio=0.75   # one, then another
+
+`kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
+`block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
+the engine: it delegates the selector API (`select`, `layer_budgets`, the windows) and adds its one idea. Its
+records keep the wrapped method's name; the switches are in config.yaml (and the run dir's hash). Not registered:
+there is no `method=chunk`. Chunk and block need a scorer whose `scores(view)` reads no queries (the capture records
+only the prompt's last queries, not every chunk's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from kvbench.methods.base import Kind, LayerView, Method
+
+
+@dataclass
+class Switches:
+    """The wrapper keys a selector's node may carry (`+method.<key>=...`); their rules: kvbench/runs/schema.py."""
+
+    whole_layers: list[int] | None = None  # layers kept whole (kvpress PerLayerCompressionPress, ratio 0 there)
+    layer_ratios: list[float] | None = None  # one compression ratio per layer (kvpress's `compression_ratios`)
+    chunk_length: int | None = None  # prompt entries per independently compressed chunk (kvpress ChunkPress)
+    block_size: int | None = None  # prompt entries per block of the block-wise pass (kvpress BlockPress)
+    then: str | None = None  # a second method (registry name, its YAML's settings) on what the first kept
+    first_ratio: float | None = None  # with `then`: the fraction of the prompt the first method removes
+
+
+def sub_view(view: LayerView, idx: Tensor) -> LayerView:
+    """The layer restricted to entries `idx` (`[B, H_kv, k]`, per head), as if they were its whole cache. The window
+    queries and their bias are kept (a second stage reading queries needs the window among `idx`)."""
+    d = view.keys.shape[-1]
+    gather = idx.unsqueeze(-1).expand(-1, -1, -1, d)
+    bias = view.window_bias
+    if bias is not None:  # [B, H_q, w, n]: each query head reads its KV head's entries
+        per_q = idx.repeat_interleave(bias.shape[1] // idx.shape[1], dim=1)
+        bias = bias.gather(-1, per_q.unsqueeze(2).expand(-1, -1, bias.shape[2], -1))
+    return LayerView(view.layer_idx, view.n_layers, view.keys.gather(2, gather), view.values.gather(2, gather),
+                     view.window_queries, view.scaling, bias, view.softcap, view.rotary, view.output_weight)
+
+
+def blockwise(n: int, n_keep: int, block_size: int, score: Callable[[Tensor], Tensor], like: Tensor) -> Tensor:
+    """kvpress BlockPress's pass: the first `n_keep` entries are kept, then each following block of `block_size`
+    joins them and the `n_keep` best of the union (`score(candidates [B, H, k]) -> [B, H, k]`) stay. Sorted."""
+    b, h = like.shape[:2]
+    kept = torch.arange(n_keep, device=like.device).expand(b, h, n_keep)
+    for start in range(n_keep, n, block_size):
+        block = torch.arange(start, min(start + block_size, n), device=like.device).expand(b, h, -1)
+        candidates = torch.cat([kept, block], dim=-1)
+        kept = candidates.gather(-1, score(candidates).topk(n_keep, dim=-1).indices)
+    return kept.sort(dim=-1).values
+
+
+def chunk_quotas(lengths: list[int], n_keep: int) -> list[int]:
+    """Entries each chunk keeps: its share of `n_keep` rounded down (kvpress: int(length (1 - ratio))), the rest
+    one each to the last chunks, so that the layer keeps exactly `n_keep`."""
+    n = sum(lengths)
+    quotas = [length * n_keep // n for length in lengths]
+    extra = n_keep - sum(quotas)  # fewer than the chunks: each has room for one more
+    for c in reversed(range(len(lengths))):
+        if extra and quotas[c] < lengths[c]:
+            quotas[c], extra = quotas[c] + 1, extra - 1
+    return quotas
+
+
+@dataclass
+class Wrapper(Method):
+    """A selector holding another (`press`, kvpress's name); the selector API is the wrapped method's."""
+
+    press: Method = field(default_factory=Method)
+    suffix = "wrapped"
+
+    def __post_init__(self):
+        if self.press.kind is not Kind.SELECTOR or not self.press.compresses:
+            raise ValueError(f"{self.registry_name}: wraps selectors only (methods that pick entries once at "
+                             f"prefill); {self.press.registry_name} is a {self.press.kind.value}")
+
+    @property
+    def registry_name(self) -> str:
+        return f"{getattr(self.press, 'registry_name', type(self.press).__name__)}+{self.suffix}"
+
+    def __getattr__(self, name):  # the wrapped method's knobs (`window`, `n_sink`, ...) read by the engine
+        if name.startswith("__") or name == "press":
+            raise AttributeError(name)
+        return getattr(self.press, name)
+
+    @property
+    def query_window(self) -> int:
+        return self.press.query_window
+
+    @property
+    def kept_window(self) -> int:
+        return self.press.kept_window
+
+    @property
+    def selects_per_query_head(self) -> bool:
+        return self.press.selects_per_query_head
+
+    def prepare(self, model, tokenizer, *, prefill=None):
+        return self.press.prepare(model, tokenizer, prefill=prefill)
+
+    def check_budget(self, budget: int | None) -> None:
+        self.press.check_budget(budget)
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        return self.press.layer_budgets(prompt_len, n_layers, budget)
+
+    def select(self, view: LayerView, n_keep: int):
+        return self.press.select(view, n_keep)
+
+
+@dataclass
+class PerLayer(Wrapper):
+    """kvpress `PerLayerCompressionPress`: other budgets in some layers. `whole_layers` keep every entry (on top of
+    the budget, which the other layers keep); `layer_ratios` give every layer kvpress's `int(n (1 - r))` instead of
+    the run's budget or ratio."""
+
+    whole_layers: list[int] = field(default_factory=list)
+    layer_ratios: list[float] | None = None
+    suffix = "per_layer"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if any(not isinstance(i, int) or i < 0 for i in self.whole_layers):
+            raise ValueError(f"{self.registry_name}: whole_layers={self.whole_layers} must be layer indices >= 0")
+        if self.layer_ratios is not None and any(not 0 <= r < 1 for r in self.layer_ratios):
+            raise ValueError(f"{self.registry_name}: layer_ratios={self.layer_ratios} must each be in [0, 1)")
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        if self.layer_ratios is not None and len(self.layer_ratios) != n_layers:
+            raise ValueError(f"{self.registry_name}: layer_ratios has {len(self.layer_ratios)} values for a model "
+                             f"of {n_layers} layers; give one per layer")
+        if any(i >= n_layers for i in self.whole_layers):
+            raise ValueError(f"{self.registry_name}: whole_layers={self.whole_layers} names a layer the model "
+                             f"lacks (layers 0..{n_layers - 1})")
+        if self.layer_ratios is None:
+            budgets = self.press.layer_budgets(prompt_len, n_layers, budget)
+        else:
+            budgets = [max(1, int(prompt_len * (1 - r))) for r in self.layer_ratios]
+        budgets = [prompt_len if i in self.whole_layers else b for i, b in enumerate(budgets)]
+        window = self.press.kept_window
+        if any(window >= b for b in budgets if b < prompt_len):
+            raise ValueError(f"{self.registry_name}: a layer keeps {min(budgets)} entries, not above the kept window "
+                             f"of {window}; raise its budget or lower the window")
+        return budgets
+
+
+@dataclass
+class Chunk(Wrapper):
+    """kvpress `ChunkPress` (after FINCH): the prompt cut into chunks of `chunk_length`, each scored as a layer of
+    its own by the wrapped method's `scores`, each keeping its share of the budget (`chunk_quotas`)."""
+
+    chunk_length: int = 1024
+    suffix = "chunk"
+
+    def __post_init__(self):
+        super().__post_init__()
+        needs_scores(self, "chunk_length")
+        if self.chunk_length < 1:
+            raise ValueError(f"{self.registry_name}: chunk_length={self.chunk_length} must be >= 1")
+
+    @property
+    def kept_window(self) -> int:
+        return 0
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:
+        n, size = view.prompt_len, self.chunk_length
+        starts = list(range(0, n, size))
+        quotas = chunk_quotas([min(size, n - s) for s in starts], n_keep)
+        b, h = view.keys.shape[:2]
+        picked = []
+        for start, quota in zip(starts, quotas):
+            if quota:
+                part = torch.arange(start, min(start + size, n), device=view.keys.device).expand(b, h, -1)
+                scores = self.press.scores(sub_view(view, part))
+                picked.append(start + scores.topk(quota, dim=-1).indices)
+        return torch.cat(picked, dim=-1).sort(dim=-1).values
+
+
+@dataclass
+class Block(Wrapper):
+    """kvpress `BlockPress` (KeyDiff's block-wise processing, simulated after a full prefill): `blockwise`, each
+    union of kept entries and a block scored by the wrapped method's `scores` as a layer of its own."""
+
+    block_size: int = 128
+    suffix = "block"
+
+    def __post_init__(self):
+        super().__post_init__()
+        needs_scores(self, "block_size")
+        if self.block_size < 1:
+            raise ValueError(f"{self.registry_name}: block_size={self.block_size} must be >= 1")
+
+    @property
+    def kept_window(self) -> int:
+        return 0
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:
+        return blockwise(view.prompt_len, n_keep, self.block_size,
+                         lambda candidates: self.press.scores(sub_view(view, candidates)), view.keys)
+
+
+@dataclass
+class Compose(Wrapper):
+    """kvpress `ComposedPress` of two: the wrapped method keeps `int(n (1 - first_ratio))` entries, then `then`
+    keeps the run's budget of those, scoring them as a layer of their own (its window queries are the prompt's, so
+    a `then` that reads queries needs the first to keep at least that window). Budgets are `then`'s."""
+
+    then: Method = field(default_factory=Method)
+    first_ratio: float = 0.5
+    suffix = "compose"
+
+    def __post_init__(self):
+        super().__post_init__()
+        Wrapper(self.then)  # a selector too
+        if not 0 <= self.first_ratio < 1:
+            raise ValueError(f"{self.registry_name}: first_ratio={self.first_ratio} must be in [0, 1)")
+        if self.then.query_window > self.press.kept_window:
+            raise ValueError(f"{self.registry_name}: {self.then.registry_name} reads the last "
+                             f"{self.then.query_window} queries, so {self.press.registry_name} must keep that window "
+                             f"(it keeps {self.press.kept_window})")
+
+    @property
+    def registry_name(self) -> str:
+        return f"{getattr(self.press, 'registry_name', '?')}+{getattr(self.then, 'registry_name', '?')}"
+
+    @property
+    def query_window(self) -> int:
+        return max(self.press.query_window, self.then.query_window)
+
+    @property
+    def kept_window(self) -> int:
+        return self.then.kept_window
+
+    def check_budget(self, budget: int | None) -> None:
+        self.then.check_budget(budget)
+
+    def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
+        return self.then.layer_budgets(prompt_len, n_layers, budget)
+
+    def select(self, view: LayerView, n_keep: int) -> Tensor:
+        n = view.prompt_len
+        first = max(1, int(n * (1 - self.first_ratio)))
+        if first < n_keep:
+            raise ValueError(f"{self.registry_name}: first_ratio={self.first_ratio} keeps {first} of {n} entries, "
+                             f"fewer than the budget {n_keep}; lower first_ratio or the budget")
+        kept = torch.arange(n, device=view.keys.device).expand(*view.keys.shape[:2], n)
+        if first < n:
+            kept = self.press.select(view, first)
+            if not isinstance(kept, Tensor):
+                raise ValueError(f"{self.registry_name}: {self.press.registry_name} keeps heads of different "
+                                 "lengths, which a second method cannot take (kvpress refuses AdaKV too)")
+        if n_keep == first:
+            return kept
+        return kept.gather(-1, self.then.select(sub_view(view, kept), n_keep))
+
+
+def needs_scores(wrapper: Wrapper, switch: str) -> None:
+    """Chunk and block score pieces of the layer: the wrapped method must score entries without queries."""
+    press = wrapper.press
+    if not callable(getattr(press, "scores", None)) or press.query_window or press.kept_window:
+        raise ValueError(f"{wrapper.registry_name}: {switch} needs a method that scores every entry from keys and "
+                         f"values alone (knorm, keydiff, cur, ...: `scores(view)`, no query window, no kept window); "
+                         f"{press.registry_name} reads queries or keeps a window")
+
+
+def wrap(method: Method, switches: Switches, then: Method | None = None) -> Method:
+    """The method with its switches applied, innermost first: chunk or block, then `then`, then per-layer budgets."""
+    if switches.chunk_length is not None and switches.block_size is not None:
+        raise ValueError("chunk_length and block_size are two ways of cutting the prompt; set one")
+    if switches.chunk_length is not None:
+        method = Chunk(method, switches.chunk_length)
+    if switches.block_size is not None:
+        method = Block(method, switches.block_size)
+    if (then is None) != (switches.first_ratio is None):
+        raise ValueError("+method.then=<method> and +method.first_ratio=<0..1> go together (how much the first "
+                         "method removes before the second)")
+    if then is not None:
+        method = Compose(method, then, switches.first_ratio)
+    if switches.whole_layers is not None or switches.layer_ratios is not None:
+        method = PerLayer(method, list(switches.whole_layers or []), switches.layer_ratios)
+    return method
