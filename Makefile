@@ -162,8 +162,8 @@ PRESETS_tailorkv_t14 := tailorkv_t14 tailorkv_t14_yi9b tailorkv_t14_yi6b   # one
 PRESETS_tailorkv_t15 := tailorkv_t15 tailorkv_t15_yi9b tailorkv_t15_yi6b
 PRESETS_tailorkv_t16 := tailorkv_t16 tailorkv_t16_yi9b tailorkv_t16_yi6b
 PRESETS_tailorkv_t3  := $(PRESETS_tailorkv_t14) $(PRESETS_tailorkv_t15)   # class averages of Tables 14 and 15
-PRESETS_tailorkv_t5  := tailorkv_t14   # Table 14's Llama runs; SimLayerKV is not implemented
-PRESETS_tailorkv_t8  := tailorkv_t14   # Table 14's Llama runs (the ‡ rows); the † rows are not implemented
+PRESETS_tailorkv_t5  := tailorkv_t14 tailorkv_t5   # Table 14's Llama runs + SimLayerKV
+PRESETS_tailorkv_t8  := tailorkv_t14 tailorkv_t8   # Table 14's Llama runs (the ‡ rows) + layer 0 kept whole (†)
 EXTRA_tailorkv_t14 := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t14_yi9b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t14_yi6b := $(TAILORKV_EXTRA)
@@ -252,6 +252,12 @@ $(foreach p,$(PAPERS),$(foreach t,$(TABLES_$(p)),$(eval $(call table_target,$(p)
 .PHONY: reproduce-tailorkv-t1-smoke
 reproduce-tailorkv-t1-smoke: run-paper-tailorkv_t1_smoke  ## TailorKV Table 1 on the embedded model (CPU, ~1 min)
 	$(PYTHON) -m kvbench.report $(SMOKE_DIR)/tailorkv --paper tailorkv --table t1 --out $(SMOKE_DIR)/tailorkv/report/tailorkv
+
+.PHONY: reproduce-tailorkv-t5-smoke reproduce-tailorkv-t8-smoke
+reproduce-tailorkv-t5-smoke: run-paper-tailorkv_t5_smoke  ## TailorKV Table 5's SimLayerKV row on the embedded model (CPU)
+	$(PYTHON) -m kvbench.report $(SMOKE_DIR)/tailorkv --paper tailorkv --table t5 --out $(SMOKE_DIR)/tailorkv/report/tailorkv
+reproduce-tailorkv-t8-smoke: run-paper-tailorkv_t8_smoke  ## TailorKV Table 8's † rows on the embedded model (CPU)
+	$(PYTHON) -m kvbench.report $(SMOKE_DIR)/tailorkv --paper tailorkv --table t8 --out $(SMOKE_DIR)/tailorkv/report/tailorkv
 
 .PHONY: reproduce-smoke paper-tables
 paper-tables:  # each table of each paper and the presets it reads (tests/unit/test_paper_report.py checks them)

@@ -10,7 +10,8 @@ on any selector: keys added to its method node, e.g.
 `kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
 `block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
 the engine: it delegates the selector API (`select`, `layer_budgets`, the windows) and adds its one idea. Its
-records keep the wrapped method's name; the switches are in config.yaml (and the run dir's hash). Not registered:
+records name it `<method>+<wrapper>` (`snapkv+per_layer`, `knorm+chunk`, `snapkv+knorm`); its run directory is the
+method's, the switches in config.yaml and the directory's hash. Not registered:
 there is no `method=chunk`. Chunk and block need a scorer whose `scores(view)` reads no queries (the capture records
 only the prompt's last queries, not every chunk's).
 """
@@ -89,6 +90,11 @@ class Wrapper(Method):
     @property
     def registry_name(self) -> str:
         return f"{getattr(self.press, 'registry_name', type(self.press).__name__)}+{self.suffix}"
+
+    @property
+    def label(self) -> str:
+        """The records' method name (`snapkv+per_layer`): the published tables tell wrapped runs apart by it."""
+        return self.registry_name
 
     def __getattr__(self, name):  # the wrapped method's knobs (`window`, `n_sink`, ...) read by the engine
         if name.startswith("__") or name == "press":

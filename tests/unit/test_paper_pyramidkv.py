@@ -150,6 +150,8 @@ def preset_runs(preset: str) -> tuple[dict, ...]:
             run = {**composed[method], **job, "method": method}
             if method == "tailorkv":  # the manifest names the variant (methods/tailorkv.py `label`): tailorkv-<bits>
                 run["method"] = f"tailorkv-{run['method.bits']}"
+            if run.get("method.whole_layers") is not None:  # a wrapped selector (methods/wrappers.py `label`)
+                run["method"] = f"{method}+per_layer"
             runs.append(run)
     return tuple(runs)
 

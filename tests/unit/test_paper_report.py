@@ -250,6 +250,7 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
     from omegaconf import OmegaConf
 
     import kvbench.methods  # noqa: F401
+    from kvbench.runs.config import build_method
 
     if preset.startswith("kvpress_leaderboard"):  # kvpress's leaderboard grid: no published table of a paper
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
@@ -283,7 +284,7 @@ def test_every_paper_preset_composes_and_instantiates_its_methods(preset):
                 reading = OmegaConf.to_container(cfg.paper_settings, resolve=True)["reading"]
                 assert reading == {"streamingllm_recent": cfg.method.get("recent"),
                                    "pyramidkv_exact": cfg.method.get("exact")}
-            obj = instantiate(cfg.method)
+            obj = build_method(cfg.method, lambda node, what: instantiate(node))  # + kvpress-wrapper switches
             instantiate(cfg.dataset)  # the preset's dataset settings fit its dataset (no stray keys from a parent)
             if cfg.budget is not None:
                 obj.check_budget(cfg.budget)
