@@ -163,22 +163,35 @@ class PerLayer(Wrapper):
 
 
 @dataclass
-class Chunk(Wrapper):
+class Pieces(Wrapper):
+    """Chunk and block score pieces of the layer, each as a layer of its own: the wrapped method must score entries
+    from keys and values alone (`scores(view)`, no query window, no kept window)."""
+
+    size_field = ""  # the switch giving the pieces' size
+
+    def __post_init__(self):
+        super().__post_init__()
+        press, size = self.press, getattr(self, self.size_field)
+        if not callable(getattr(press, "scores", None)) or press.query_window or press.kept_window:
+            raise ValueError(f"{self.registry_name}: {self.size_field} needs a method that scores every entry from "
+                             "keys and values alone (knorm, keydiff, cur, ...: `scores(view)`, no query window, no "
+                             f"kept window); {press.registry_name} reads queries or keeps a window")
+        if size < 1:
+            raise ValueError(f"{self.registry_name}: {self.size_field}={size} must be >= 1")
+
+    @property
+    def kept_window(self) -> int:
+        return 0
+
+
+@dataclass
+class Chunk(Pieces):
     """kvpress `ChunkPress` (after FINCH): the prompt cut into chunks of `chunk_length`, each scored as a layer of
     its own by the wrapped method's `scores`, each keeping its share of the budget (`chunk_quotas`)."""
 
     chunk_length: int = 1024
     suffix = "chunk"
-
-    def __post_init__(self):
-        super().__post_init__()
-        needs_scores(self, "chunk_length")
-        if self.chunk_length < 1:
-            raise ValueError(f"{self.registry_name}: chunk_length={self.chunk_length} must be >= 1")
-
-    @property
-    def kept_window(self) -> int:
-        return 0
+    size_field = "chunk_length"
 
     def select(self, view: LayerView, n_keep: int) -> Tensor:
         n, size = view.prompt_len, self.chunk_length
@@ -195,22 +208,13 @@ class Chunk(Wrapper):
 
 
 @dataclass
-class Block(Wrapper):
+class Block(Pieces):
     """kvpress `BlockPress` (KeyDiff's block-wise processing, simulated after a full prefill): `blockwise`, each
     union of kept entries and a block scored by the wrapped method's `scores` as a layer of its own."""
 
     block_size: int = 128
     suffix = "block"
-
-    def __post_init__(self):
-        super().__post_init__()
-        needs_scores(self, "block_size")
-        if self.block_size < 1:
-            raise ValueError(f"{self.registry_name}: block_size={self.block_size} must be >= 1")
-
-    @property
-    def kept_window(self) -> int:
-        return 0
+    size_field = "block_size"
 
     def select(self, view: LayerView, n_keep: int) -> Tensor:
         return blockwise(view.prompt_len, n_keep, self.block_size,
@@ -270,15 +274,6 @@ class Compose(Wrapper):
         if n_keep == first:
             return kept
         return kept.gather(-1, self.then.select(sub_view(view, kept), n_keep))
-
-
-def needs_scores(wrapper: Wrapper, switch: str) -> None:
-    """Chunk and block score pieces of the layer: the wrapped method must score entries without queries."""
-    press = wrapper.press
-    if not callable(getattr(press, "scores", None)) or press.query_window or press.kept_window:
-        raise ValueError(f"{wrapper.registry_name}: {switch} needs a method that scores every entry from keys and "
-                         f"values alone (knorm, keydiff, cur, ...: `scores(view)`, no query window, no kept window); "
-                         f"{press.registry_name} reads queries or keeps a window")
 
 
 def wrap(method: Method, switches: Switches, then: Method | None = None) -> Method:

@@ -32,6 +32,8 @@ def configured(name: str):
         cfg.update(sink_size=4, recent_size=8, bits=4)
     if name == "kvzip":  # prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64 (3 per prompt)
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
+    if name == "simlayerkv":  # every layer lazy: a random model's attention is nowhere near a real threshold
+        cfg.update(lazy_threshold=0.0)
     if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
         cfg.update(page_size=8, dense_layers=1)
     return instantiate(cfg)

@@ -60,6 +60,8 @@ def configured(name: str):
         cfg.window = 8
     if name == "tailorkv":
         cfg.update(start_size=4, recent_size=8, quant_layers=[])
+    if name == "simlayerkv":  # every layer lazy: a random model's attention is nowhere near a real threshold
+        cfg.update(lazy_threshold=0.0)
     if name == "quest":  # pages of 8 (budget 32: 4 of the 16 pages), layer 0 dense
         cfg.update(page_size=8, dense_layers=1)
     if name == "pqcache":  # 4 sinks + 8 recent + 20 retrieved; 16 centroids

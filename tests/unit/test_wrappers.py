@@ -145,7 +145,8 @@ def test_simlayerkv_lazy_layers_match_an_eager_recomputation_and_are_really_cut(
         prefill(model, ids, cache)
         compress(method, cache, capture, 16)
     for is_lazy, layer in zip(lazy, cache.layers):
-        assert layer.positions[0, 0].tolist() == (list(range(4)) + list(range(85, 100)) if is_lazy else list(range(100)))
+        expected = list(range(4)) + list(range(85, 100)) if is_lazy else list(range(100))
+        assert layer.positions[0, 0].tolist() == expected
         assert layer.keys.shape[-2] == (19 if is_lazy else 100)  # stored, not masked
 
 
