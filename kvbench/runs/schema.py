@@ -351,6 +351,12 @@ def rules_of(cls: type) -> dict[str, Rule | None]:
     return rules
 
 
+def method_rules(cls: type) -> dict[str, Rule | None]:
+    """A method's rules, and those of the kvpress-wrapper switches any selector's node may carry (where not the
+    method's own fields: keydiff's `block_size`)."""
+    return {**rules_of(Switches), **rules_of(cls)}
+
+
 # --- a composed config's values -------------------------------------------------------------------------------
 def node_class(node) -> type | None:
     """The dataclass a method or dataset node's `_target_` names (None: instantiate will say what is wrong)."""
@@ -375,9 +381,7 @@ def leaves(cfg: DictConfig) -> Iterator[tuple[str, Any, Rule | None, str]]:
             value = OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
             yield key, value, rules_of(Run).get(key), ""
             continue
-        rules, who = rules_of(cls), getattr(cls, "registry_name", "")
-        if key == "method":  # kvpress's wrappers as switches on any selector, where not the method's own fields
-            rules = {**rules_of(Switches), **rules}
+        rules, who = (method_rules if key == "method" else rules_of)(cls), getattr(cls, "registry_name", "")
         for name, value in OmegaConf.to_container(node, resolve=True).items():
             if name != "_target_":
                 yield f"{key}.{name}", value, rules.get(name), who

@@ -16,7 +16,8 @@ import kvbench.data  # noqa: F401  (registers the datasets)
 import kvbench.methods  # noqa: F401
 from kvbench.registry import DATASETS, METHODS
 from kvbench.runs.config import CONFIG_DIR, group_choices, setup
-from kvbench.runs.schema import NODES, Rule, Run, node_class, rules_of
+from kvbench.methods import Method
+from kvbench.runs.schema import NODES, Rule, Run, method_rules, node_class, rules_of
 
 ABSENT = object()
 CLASSES = [Run, *NODES.values(), *(METHODS[n] for n in METHODS.names()), *(DATASETS[n] for n in DATASETS.names())]
@@ -51,7 +52,7 @@ def preset_option(preset: str, group: str) -> str:
 
 
 def assert_ruled(where: str, cls: type, values: dict) -> None:
-    rules = rules_of(cls)
+    rules = method_rules(cls) if issubclass(cls, Method) else rules_of(cls)  # (+ the wrapper switches)
     for key, value in values.items():
         assert rules.get(key) is not None, f"{where}: {key} has no rule ({cls.__name__}); see kvbench/runs/schema.py"
         if isinstance(value, str) and value.startswith("${"):
@@ -70,8 +71,8 @@ def test_every_config_file_is_ruled_and_passes_its_rules():
     datasets = sorted(group_choices("dataset"), key=len, reverse=True)
     for name in group_choices("paper_method"):  # `# @package method`: that method's fields
         method = next(m for m in methods if name.endswith("_" + m))
-        assert_ruled(f"paper_method/{name}", METHODS[method], dict(OmegaConf.load(CONFIG_DIR / "paper_method"
-                                                                                    / f"{name}.yaml")))
+        assert_ruled(f"paper_method/{name}", METHODS[method], OmegaConf.to_container(OmegaConf.load(
+            CONFIG_DIR / "paper_method" / f"{name}.yaml")))
     for name in group_choices("paper_settings"):  # the manifest's paper block
         assert_ruled(f"paper_settings/{name}", Run, {"paper_settings": dict(OmegaConf.load(
             CONFIG_DIR / "paper_settings" / f"{name}.yaml"))})
