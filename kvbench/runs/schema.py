@@ -179,6 +179,12 @@ RANGES: dict[str, Range] = {
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     "TailorKV.rest": OWN,
+    "sink_size_start": at_least(0, "first entries always kept"),
+    "sink_size_end": at_least(0, "last entries always kept"),
+    "blending": at_least(0, "the leverage scores' weight; null: the compression ratio"),
+    "tau": above(0, "temperature of the query-key alignment weights"),
+    "Finch.window": at_least(0, "last prompt tokens scoring the context; 0: the question"),
+    "Finch.chunk_length": at_least(0, "entries per chunk; 0: one top-k over the prompt"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
