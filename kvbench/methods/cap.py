@@ -50,7 +50,7 @@ def capacity_scores(anchor: Tensor, keys: Tensor, values: Tensor, tau: float, ep
     weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # [B, H_kv, g, T]
     v = values.float()  # [B, H_kv, T, D]: each query head's u_i is its group's value
     capacity = torch.eye(d, device=v.device) + torch.einsum("bhgt,bhtd,bhte->bhgde", weights + epsilon, v, v)
-    v_t = v.transpose(-1, -2)[:, :, None].expand(-1, -1, weights.shape[2], -1, -1)  # [B, H_kv, g, D, T]
+    v_t = v.transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, T]: broadcast over the group's query heads
     leverage = (v_t * torch.linalg.solve(capacity, v_t)).sum(dim=-2)  # [B, H_kv, g, T]
     return (weights * leverage).reshape(b, h_q, -1)
 

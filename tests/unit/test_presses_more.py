@@ -20,8 +20,7 @@ from kvbench.engine.generation import prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.config import check_query
-from tests.unit.test_presses import (N, assert_top, embedded_views,  # noqa: F401 (embedded_views: a fixture)
-                                     kept_by_kvbench, reference_prefill, rotated_queries, scaled_model)
+from tests.unit.test_presses import N, assert_top, kept_by_kvbench, reference_prefill, rotated_queries, scaled_model
 from tests.unit.tiny import prompt
 
 GOLDENS = Path(__file__).resolve().parents[1] / "fixtures/kvpress_more/goldens.json"
@@ -170,12 +169,12 @@ def test_finch_needs_its_question():
 
 # --- kvpress's own kept sets on the embedded model ------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["compactor", "cap", "finch", "finch_chunked"])
-def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):  # noqa: F811 (the fixture)
-    _, views = embedded_views  # the prompts of tests/fixtures/kvpress_new/goldens.json, which ours reuse
+def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
+    prompts, views = embedded_views  # (tests/conftest.py) the prompts of kvpress_new/goldens.json, which ours reuse
     goldens = json.loads(GOLDENS.read_text())
     golden = goldens["cases"][case]
     method = METHODS[golden["method"]](**golden["fields"])
-    for p, (prompt_golden, layers) in enumerate(zip(goldens["prompts"], views)):
+    for p, (prompt_golden, layers) in enumerate(zip(prompts["prompts"], views)):
         budget = prompt_golden["budget"]
         for view, heads in zip(layers, golden["kept"][p]):
             kept = method.select(replace(view, question_len=goldens["question_tokens"]), budget)[0]
