@@ -19,6 +19,7 @@ from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
 from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
+from kvbench.cache.channels import ChannelPrunedLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
@@ -176,13 +177,19 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         state.prefill(layer_idx, layer, capture.column_sums.pop(layer_idx, None))
         if cache.layers[layer_idx].nbytes() != held:
             cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
-    elif n_keep < layer.keys.shape[-2]:
+    elif n_keep < layer.keys.shape[-2] or method.prunes_channels:
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx), capture.output_weight(layer_idx), capture.question_len)
-        heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
-        apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
+        if n_keep < layer.keys.shape[-2]:
+            heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
+                else None
+            apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
+        if method.prunes_channels:  # ThinK: the kept keys' channels, chosen from what the selection kept
+            kept = cache.layers[layer_idx]
+            cache.layers[layer_idx] = ChannelPrunedLayer(kept, method.channels_to_keep(view, kept.keys))
+            cache.note_peak(extra=kept.nbytes())  # the reduced keys were made while the kept ones were held
 
 
 def apply_selection(method: Method, cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor],
@@ -212,6 +219,8 @@ def enable_shift(cache: KVCache, inv_freq: Tensor | None) -> None:
     for layer in cache.layers:
         if getattr(layer, "is_varlen", False):
             raise ValueError("positions=shift: per-head variable layers (Ada-KV) are not supported")
+        if isinstance(layer, ChannelPrunedLayer):
+            raise ValueError("positions=shift: channel-pruned keys (key_channels) are not supported")
         layer.shift_inv_freq = inv_freq
 
 

@@ -94,6 +94,17 @@ class Method:
         return 0
 
     @property
+    def prunes_channels(self) -> bool:
+        """True when, after its selection, the method keeps only some key channels of each head (ThinK): the engine
+        then stores the layer's prompt keys reduced to `channels_to_keep(view, keys)` (`kvbench/cache/channels.py`)."""
+        return False
+
+    def channels_to_keep(self, view: LayerView, keys: Tensor) -> Tensor:  # pragma: no cover - interface
+        """The key channels each head keeps, int64 `[B, H_kv, D']` sorted (the same D' in every head), from the
+        layer's view and its keys `[B, H_kv, T, D]` after the selection."""
+        raise NotImplementedError
+
+    @property
     def window_is_question(self) -> bool:
         """True when the method's observation window is the prompt's question (FINCH): under query=aware the runner
         splits the prompt and `select` gets the question's length as `view.question_len` (the capture then records

@@ -1,5 +1,5 @@
-"""compactor, cap and finch (kvpress's CompactorPress, CapPress, FinchPress) against independent recomputations on a
-tiny model and against kvpress 0.5.5's kept sets on the embedded model (tests/fixtures/kvpress_more/goldens.json,
+"""compactor, cap, finch and snapkv's ThinK switch (kvpress's CompactorPress, CapPress, FinchPress, ThinKPress
+composed after SnapKVPress) against independent recomputations on a tiny model and against kvpress 0.5.5's kept sets on the embedded model (tests/fixtures/kvpress_more/goldens.json,
 made by scripts/make_kvpress_goldens_more.py). The recomputations follow tests/unit/test_presses.py's rules: keys,
 values and eager attention weights from transformers' own prefill, pre-RoPE vectors from the projections, loops
 over heads and chunks, and kvbench's kept set a top-`budget` set of the reference's scores (ties either way).
@@ -15,7 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.cache import KVCache
+from kvbench.cache.channels import ChannelPrunedLayer
+from kvbench.engine.batching import teacher_force
 from kvbench.engine.generation import prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
@@ -167,8 +168,69 @@ def test_finch_needs_its_question():
         finch.window_size(view)
 
 
+# --- snapkv key_channels (ThinK) --------------------------------------------------------------------------------
+def test_think_keeps_the_channels_with_the_highest_query_and_key_energy_and_stores_only_them(tiny):
+    model, ids, cache, hidden, _ = tiny
+    w, budget = 10, 30
+    method = METHODS["snapkv"](window=8, key_channels=0.5, channel_window=w)
+    selected = kept_by_kvbench(model, ids, METHODS["snapkv"](window=8), budget)  # ThinK leaves the selection alone
+    capture = AttentionCapture(model)
+    with capture:
+        run = prepare(model, method, capture, ids, budget, 1, compress_after="prefill")
+    for layer, stored in enumerate(run.cache.layers):
+        assert isinstance(stored, ChannelPrunedLayer) and torch.equal(stored.positions[0], selected[layer])
+        q = rotated_queries(model, hidden, layer).double()[:, N - w:]  # [H_q, w, D]
+        held = stored.full_prompt_keys()[0].double()
+        for h in range(2):
+            kept_keys = cache.layers[layer].keys[0, h].double()[selected[layer][h]]  # [budget, D]
+            q_energy = sum(q[hq].pow(2).mean(dim=0) for hq in range(3 * h, 3 * h + 3)) / 3
+            score = q_energy * kept_keys.pow(2).mean(dim=0)
+            expected = sorted(score.argsort(descending=True)[:8].tolist())  # D = 16: 8 pruned, 8 kept
+            assert stored.channels[0, h].tolist() == expected
+            dropped = [c for c in range(16) if c not in expected]
+            assert torch.allclose(held[h][:, expected], kept_keys[:, expected]) and not held[h][:, dropped].any()
+    # K at D' = 8 channels, V at D = 16, fp32, 2 heads x 30 entries, and the int16 channel index
+    assert run.cache.layers[0].nbytes() == 2 * budget * 8 * 4 + 2 * budget * 16 * 4 + 2 * 8 * 2
+
+
+def test_think_decodes_as_kvpress_s_zeroed_channels():
+    """The stored channels, put back at their places, attend as kvpress's dense keys with the pruned channels zeroed:
+    the same logits at every teacher-forced step (the generated tokens' keys keep every channel in both)."""
+    model, ids, tokens = scaled_model(), prompt(N), [5, 17, 33, 71]
+    logits = {}
+    for channels in (0.5, 0.0):
+        capture = AttentionCapture(model)
+        with capture:
+            run = prepare(model, METHODS["snapkv"](window=8, key_channels=channels), capture, ids, 30, 5)
+            if not channels:  # kvpress's way: the same entries, dense, the pruned channels zeroed
+                for dense, pruned in zip(run.cache.layers, pruned_layers):
+                    mask = torch.zeros(dense.keys.shape[-1], dtype=torch.bool)
+                    for h in range(2):
+                        mask[:] = True
+                        mask[pruned.channels[0, h].long()] = False
+                        dense.keys[0, h][:, mask] = 0
+            else:
+                pruned_layers = list(run.cache.layers)
+            seen = []
+            teacher_force(model, capture, run, tokens, lambda t, x: seen.append(x.clone()))
+        logits[channels] = torch.stack(seen)
+    assert torch.allclose(logits[0.5], logits[0.0], atol=1e-5, rtol=1e-5)
+
+
+def test_think_is_refused_where_its_layers_cannot_go():
+    from kvbench.engine.recompress import DecodeCompression, check
+    from kvbench.engine.static import unsupported
+
+    method = METHODS["snapkv"](key_channels=0.25)
+    assert "key channels" in unsupported(method)
+    with pytest.raises(ValueError, match="prunes key channels"):
+        check(method, DecodeCompression(target=64))
+    with pytest.raises(ValueError, match="key_channels=1.0 must be in"):
+        METHODS["snapkv"](key_channels=1.0)
+
+
 # --- kvpress's own kept sets on the embedded model ------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["compactor", "cap", "finch", "finch_chunked"])
+@pytest.mark.parametrize("case", ["compactor", "cap", "finch", "finch_chunked", "think"])
 def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
     prompts, views = embedded_views  # (tests/conftest.py) the prompts of kvpress_new/goldens.json, which ours reuse
     goldens = json.loads(GOLDENS.read_text())
@@ -177,8 +239,13 @@ def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
     for p, (prompt_golden, layers) in enumerate(zip(prompts["prompts"], views)):
         budget = prompt_golden["budget"]
         for view, heads in zip(layers, golden["kept"][p]):
-            kept = method.select(replace(view, question_len=goldens["question_tokens"]), budget)[0]
+            kept = method.select(replace(view, question_len=goldens["question_tokens"]), budget)
             for h, mask in enumerate(heads):
                 theirs = {i for i in range(view.prompt_len) if int(mask, 16) >> i & 1}
-                assert set(kept[h].tolist()) == theirs, (case, p, view.layer_idx, h, sorted(set(kept[h].tolist())
-                                                                                           ^ theirs))
+                assert set(kept[0, h].tolist()) == theirs, (case, p, view.layer_idx, h,
+                                                            sorted(set(kept[0, h].tolist()) ^ theirs))
+            if method.prunes_channels:  # ThinK: the channels each head keeps, from the keys the selection kept
+                keys = view.keys.gather(2, kept[..., None].expand(-1, -1, -1, view.keys.shape[-1]))
+                channels = method.channels_to_keep(view, keys)[0]
+                for h, mask in enumerate(golden["channels"][p][view.layer_idx]):
+                    assert channels[h].tolist() == [c for c in range(keys.shape[-1]) if int(mask, 16) >> c & 1]
