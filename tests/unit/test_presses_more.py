@@ -1,6 +1,6 @@
 """compactor, cap, finch and snapkv's ThinK switch (kvpress's CompactorPress, CapPress, FinchPress, ThinKPress
-composed after SnapKVPress) against independent recomputations on a tiny model and against kvpress 0.5.5's kept sets on the embedded model (tests/fixtures/kvpress_more/goldens.json,
-made by scripts/make_kvpress_goldens_more.py). The recomputations follow tests/unit/test_presses.py's rules: keys,
+composed after SnapKVPress) against independent recomputations on a tiny model and against kvpress 0.5.5's kept
+sets on the embedded model (tests/fixtures/kvpress_more/goldens.json, made by scripts/make_kvpress_goldens_more.py). The recomputations follow tests/unit/test_presses.py's rules: keys,
 values and eager attention weights from transformers' own prefill, pre-RoPE vectors from the projections, loops
 over heads and chunks, and kvbench's kept set a top-`budget` set of the reference's scores (ties either way).
 """
@@ -80,6 +80,37 @@ def test_compactor_blends_the_z_scored_leverage_and_non_causal_attention_of_the_
         weight = 1 - budget / N if blending is None else blending
         middle = weight * zscored(torch.stack(lever)) + zscored(attn)
         scores = torch.cat([torch.full((2, a), math.inf), middle, torch.full((2, s1), math.inf)], dim=1)
+        assert_top(kept, scores, budget, rtol=1e-4)
+
+
+def test_compactor_authors_variant_blends_whole_prompt_chunked_scores_as_their_kernels(tiny):
+    """The authors' vLLM reading: chunked leverage with one sketch, raw non-causal sums with their tile padding,
+    population z-scores, attention + 0.5 x leverage, ends protected afterwards."""
+    model, ids, cache, hidden, _ = tiny
+    s0, s1, chunk, lev_chunk, k, budget = 5, 6, 32, 40, 12, 40
+    method = METHODS["compactor"](variant="authors", sink_size_start=s0, sink_size_end=s1, chunk_size=chunk,
+                                  leverage_chunk=lev_chunk, sketch_dimension=k, blending=0.5, seed=2)
+    ours = kept_by_kvbench(model, ids, method, budget)
+    pop = lambda x: (x - x.mean()) / x.std(unbiased=False)  # noqa: E731
+    for layer, kept in enumerate(ours):
+        keys = prerope(model, hidden, layer, "k_proj")
+        sketch = torch.randn(1, 2, keys.shape[-1], k, generator=torch.Generator().manual_seed(2 + layer))[0, 0]
+        sketch = sketch.double() / math.sqrt(k)
+        q, post = rotated_queries(model, hidden, layer).double(), cache.layers[layer].keys[0].double()
+        lever, attn = torch.zeros(2, N, dtype=torch.float64), torch.zeros(2, N, dtype=torch.float64)
+        for h in range(2):
+            for s in range(0, N, lev_chunk):
+                x = keys[h, s:s + lev_chunk] @ sketch
+                x = x - x.mean(dim=0)
+                inverse = torch.linalg.inv(x.T @ x + 5e-3 * torch.eye(k, dtype=torch.float64))
+                lever[h, s:s + lev_chunk] = torch.einsum("ni,ij,nj->n", x, inverse, x).clamp_min(0)
+            for hq in range(3 * h, 3 * h + 3):
+                for s in range(0, N, chunk):
+                    rows = min(chunk, N - s)
+                    attn[h, s:s + rows] += (q[hq, s:s + rows] @ post[h, s:s + rows].T).softmax(dim=-1).sum(dim=0)
+                    attn[h, s:s + rows] += (math.ceil(rows / 64) * 64 - rows) / chunk  # the kernel's empty rows
+        scores = pop(attn) + 0.5 * pop(lever)
+        scores[:, :s0], scores[:, N - s1:] = math.inf, math.inf
         assert_top(kept, scores, budget, rtol=1e-4)
 
 
