@@ -19,6 +19,7 @@ from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
 from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
+from kvbench.cache.channels import ChannelPrunedLayer
 from kvbench.cache.ledger import TransferLedger
 from kvbench.cache.rerotate import model_inv_freq
 from kvbench.cache.varlen import VarlenLayer
@@ -176,15 +177,21 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         state.prefill(layer_idx, layer, capture.column_sums.pop(layer_idx, None))
         if cache.layers[layer_idx].nbytes() != held:
             cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
-    elif n_keep < layer.keys.shape[-2]:
+    elif n_keep < layer.keys.shape[-2] or method.prunes_channels:
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
-                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx))
-        heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
-        idx = method.select(view, n_keep)
-        if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
-            apply_selection(method, cache, layer_idx, idx, n_keep, heads)
+                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx), capture.question_len)
+        if n_keep < layer.keys.shape[-2]:
+            heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
+                else None
+            idx = method.select(view, n_keep)
+            if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
+                apply_selection(method, cache, layer_idx, idx, n_keep, heads)
+        if method.prunes_channels:  # ThinK: the kept keys' channels, chosen from what the selection kept
+            kept = cache.layers[layer_idx]
+            cache.layers[layer_idx] = ChannelPrunedLayer(kept, method.channels_to_keep(view, kept.keys))
+            cache.note_peak(extra=kept.nbytes())  # the reduced keys were made while the kept ones were held
 
 
 def apply_selection(method: Method, cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor],
@@ -214,6 +221,8 @@ def enable_shift(cache: KVCache, inv_freq: Tensor | None) -> None:
     for layer in cache.layers:
         if getattr(layer, "is_varlen", False):
             raise ValueError("positions=shift: per-head variable layers (Ada-KV) are not supported")
+        if isinstance(layer, ChannelPrunedLayer):
+            raise ValueError("positions=shift: channel-pruned keys (key_channels) are not supported")
         layer.shift_inv_freq = inv_freq
 
 
@@ -316,7 +325,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     `question_len` tokens are the question: the context before them is prefilled and compressed alone (the method's
     window queries are the context's last tokens), then the question is prefilled on top of the compressed cache
     (`feed`) and kept whole (a decode-time evictor scores it and evicts to its budget); decoding starts after it,
-    at position n."""
+    at position n. A method whose `window_is_question` (FINCH, query=aware) instead keeps the question in the
+    prompt and gets its length as each layer's `view.question_len`."""
     if positions not in ("original", "shift"):
         raise ValueError(f"positions={positions!r} is not one of original, shift")
     if positions == "shift" and method.kind is Kind.STORAGE:
@@ -324,6 +334,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     if compress_after not in ("layer", "prefill"):
         raise ValueError(f"compress_after={compress_after!r} is not one of layer, prefill")
     n = input_ids.shape[1]
+    question_window = 0
+    if question_len and method.window_is_question:  # the question stays in the prompt: it is the window (FINCH)
+        question_window, question_len = question_len, 0
     if question_len and (prefilled is not None or not method.takes_chunks or not 0 < question_len < n):
         raise ValueError(f"query=agnostic: a {question_len}-token question after a {input_ids.shape[1]}-token "
                          f"prompt cannot be fed on top of {method.registry_name}'s compressed cache here")
@@ -335,6 +348,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
     if prefilled is not None:  # a shared prefill: this configuration compresses its own copy
         prefilled.restore(capture)
+        capture.question_len = question_window
         cache, logits, state = prefilled.cache.clone(), prefilled.logits, prefilled.state
         held_elsewhere = full_bytes = prefilled.cache.nbytes()
         sync()
@@ -346,7 +360,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     else:
         cache, state, held_elsewhere = KVCache(), None, 0
         capture.reset()
-        capture.window = method.query_window
+        capture.window = max(method.query_window, question_window)
+        capture.question_len = question_window
         if method.kind is Kind.EVICTOR:
             state = method.start(input_ids.shape[1], budget, max_new_tokens, seed)
             if method.accumulates_attention:

@@ -52,6 +52,8 @@ def check(method: Method, setting: DecodeCompression, positions: str = "original
         why = "evicts at every decode step already (its budget holds while decoding)"
     elif method.kind is not Kind.SELECTOR or method.own_storage:
         why = "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
+    elif method.prunes_channels:
+        why = "prunes key channels (key_channels), whose layers decode-time compression does not rebuild"
     if why:
         raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; use a scoring selector "
                          "(snapkv, pyramidkv, streamingllm, knorm, expected_attention) or "

@@ -55,6 +55,8 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return "positions=shift re-rotates keys to their slots"
     if decode_compression or method.own_decode_compression(1) is not None:
         return "compression while decoding rebuilds the layers"
+    if method.prunes_channels:
+        return "key channels pruned (key_channels) are stored in their own layout"
     if method.kind is Kind.STORAGE and name not in RETRIEVAL:
         return f"{name} keeps layers with their own storage"
     if method.kind is Kind.EVICTOR and method.evicts_while_decoding and static_form(method) is None:

@@ -10,6 +10,7 @@ from kvbench.methods import (  # noqa: F401
 )
 from kvbench.methods import simlayerkv  # noqa: F401
 
+from kvbench.methods import cap, compactor, finch  # noqa: F401  (kvpress's presses, issue 35)
 from kvbench.methods.base import Kind, LayerView, Method
 
 __all__ = ["Kind", "LayerView", "Method"]

@@ -40,7 +40,9 @@ class LayerView:
     softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None;
     rotary: the layer's rotary encoding (`kvbench.models.rotary.Rotary`; `Rotary.none()` without RoPE), or None;
     output_weight: the layer's attention output projection W_o `[hidden, H_q * D]` (column block h: query head h),
-    for scorers that weigh values by what they add to the output (CriticalKV), or None.
+    for scorers that weigh values by what they add to the output (CriticalKV), or None;
+    question_len: how many of the prompt's last entries are its question, handed to methods whose
+    `window_is_question` (FINCH) under query=aware; 0 otherwise.
     """
 
     layer_idx: int
@@ -53,6 +55,7 @@ class LayerView:
     softcap: float | None = None
     rotary: Rotary | None = None  # the layer's position encoding (rotary angles), for scorers that rotate queries
     output_weight: Tensor | None = None  # W_o `[hidden, H_q * D]`, for scorers weighing values (CriticalKV)
+    question_len: int = 0  # the prompt's last entries that are its question, for `window_is_question` (0: unknown)
 
     @property
     def prompt_len(self) -> int:
@@ -89,6 +92,24 @@ class Method:
         """How many of the prompt's last positions every head's selection keeps, inside `n_keep` (SnapKV's
         observation window; 0: none promised). The engine checks each selection ends with them."""
         return 0
+
+    @property
+    def prunes_channels(self) -> bool:
+        """True when, after its selection, the method keeps only some key channels of each head (ThinK): the engine
+        then stores the layer's prompt keys reduced to `channels_to_keep(view, keys)` (`kvbench/cache/channels.py`)."""
+        return False
+
+    def channels_to_keep(self, view: LayerView, keys: Tensor) -> Tensor:  # pragma: no cover - interface
+        """The key channels each head keeps, int64 `[B, H_kv, D']` sorted (the same D' in every head), from the
+        layer's view and its keys `[B, H_kv, T, D]` after the selection."""
+        raise NotImplementedError
+
+    @property
+    def window_is_question(self) -> bool:
+        """True when the method's observation window is the prompt's question (FINCH): under query=aware the runner
+        splits the prompt and `select` gets the question's length as `view.question_len` (the capture then records
+        at least that many queries); query=agnostic, which has no question before compression, is refused."""
+        return False
 
     @property
     def selects_per_query_head(self) -> bool:

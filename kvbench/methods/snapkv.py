@@ -12,12 +12,19 @@ Defaults follow the reference scripts: window 32, max-pool 7. Quirks and their s
   reference): the same kept entries (tests/unit/test_kvpress_oracle.py).
 - PyramidKV's LongBench scripts used `window=8` for SnapKV; set `method.window=8` to rebuild those tables.
 - No compression when the prompt is not longer than the budget (reference behaviour).
+- `key_channels=r` adds ThinK (Xu et al., arXiv 2407.21018; kvpress `ThinKPress`, reviewed by ThinK's first author,
+  composed after SnapKV as its docstring suggests: `ComposedPress([SnapKVPress(), ThinKPress()])`): after the
+  selection each KV head keeps the D - int(D r) key channels with the highest mean(q²) x mean(k²), q over the last
+  `channel_window` prompt queries (each group's query heads averaged), k over the kept keys; stored for real as
+  `[B, H, T, D']` (kvbench/cache/channels.py; kvpress zeroes the channels and saves nothing). Keys of later tokens
+  keep every channel, as kvpress. Also applied when the prompt fits the budget (kvpress's ThinK prunes regardless).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from kvbench.methods.base import LayerView, Method, pool1d, reduce_groups, topk_plus_window, window_attention
@@ -80,4 +87,40 @@ class WindowScorer(Method):
 @METHODS.register("snapkv")
 @dataclass
 class SnapKV(WindowScorer):
-    """Uniform budget: every layer keeps `budget` entries per head (`budget - window` selected + the window)."""
+    """Uniform budget: every layer keeps `budget` entries per head (`budget - window` selected + the window);
+    `key_channels` > 0: ThinK's channel pruning after it."""
+
+    key_channels: float = 0.0  # ThinK: share of each head's key channels pruned after the selection (0: off)
+    channel_window: int = 32  # ThinK: last prompt queries scoring the channels (kvpress ThinKPress window_size)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.key_channels < 1:
+            raise ValueError(f"snapkv: key_channels={self.key_channels} must be in [0, 1) (share of key channels "
+                             "pruned; 0: off)")
+        if self.channel_window < 1:
+            raise ValueError(f"snapkv: channel_window={self.channel_window} must be >= 1")
+        if self.key_channels and self.granularity != "kv_head":
+            raise ValueError("snapkv: key_channels runs with granularity=kv_head")
+
+    @property
+    def query_window(self) -> int:
+        return max(self.window, self.channel_window if self.key_channels else 0)
+
+    @property
+    def prunes_channels(self) -> bool:
+        return self.key_channels > 0
+
+    def channels_to_keep(self, view: LayerView, keys: Tensor) -> Tensor:
+        return think_channels(view.window_queries[:, :, -self.channel_window:], keys, self.key_channels)
+
+
+def think_channels(queries: Tensor, keys: Tensor, pruned_share: float) -> Tensor:
+    """ThinK's kept channels `[B, H_kv, D']` (sorted): all but the int(D r) lowest mean(q²) x mean(k²) per head,
+    q `[B, H_q, w, D]` (each KV group's query heads averaged), k `[B, H_kv, T, D]`."""
+    b, h_kv, _, d = keys.shape
+    q_norm = queries.float().pow(2).mean(dim=2).view(b, h_kv, -1, d).mean(dim=2)
+    scores = q_norm * keys.float().pow(2).mean(dim=2)  # [B, H_kv, D]
+    pruned = scores.topk(int(d * pruned_share), dim=-1, largest=False).indices
+    keep = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, pruned, False)
+    return keep.nonzero()[:, -1].view(b, h_kv, -1)

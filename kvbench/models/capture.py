@@ -63,6 +63,7 @@ class AttentionCapture:
                  input_hook: Callable[[int, Tensor, tuple[Tensor, Tensor]], None] | None = None):
         self.model = model
         self.window = window
+        self.question_len = 0  # the prompt's last tokens that are its question (FINCH's window; set by prepare)
         self.decode_hook = decode_hook
         self.column_score = column_score  # masked fp32 logits [B, H_q, c, n] -> row scores (e.g. softmax)
         self.column_block: int | None = None  # w: mask only the trailing w x w block (KVCache-Factory's H2O)
@@ -95,6 +96,7 @@ class AttentionCapture:
         """Forget what the previous prompt left behind (call between samples)."""
         self.window_queries.clear()
         self.window_bias.clear()
+        self.question_len = 0
         self.column_sums.clear()
         self.key_scores = {}
         self.column_scores = {}

@@ -194,6 +194,9 @@ def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
     later turns) does not run with (`query`'s choices are kvbench/runs/schema.py's)."""
     if cfg.get("query", "aware") == "aware" and why is None:
         return
+    if cfg.get("query", "aware") == "agnostic" and method.window_is_question:
+        raise ValueError(f"query=agnostic: {method.registry_name}'s window is the question, which comes after the "
+                         "compression there; use query=aware or a fixed method.window")
     why = why or "query=agnostic"
     if not method.takes_chunks:  # a storage method whose layers append one token per step (none at present)
         raise ValueError(f"{why}: {method.registry_name}'s layers take one token per step, not several on top of "

@@ -73,7 +73,8 @@ def peak_mem_bytes() -> int:
 
 def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aware", question_len: int = 0) -> dict:
     """The prediction record of one generated sample (the same at any batch size, timings aside). `query`: when the
-    question was fed (aware: before compression; agnostic: its `question_tokens` after it)."""
+    question was fed (aware: before compression; agnostic: its `question_tokens` after it). Under aware a method
+    whose window is the question (FINCH) also records `question_tokens`: the window it scored with."""
     from kvbench.data.base import sha256_text  # (kvbench.data registers every builder: not at the command's start)
 
     scores = dataset.score(sample, gen.text)

@@ -107,9 +107,11 @@ def guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg: Dict
     context: dict = {}
 
     def make() -> dict | None:
-        ids, n_context = prompt_split(sample, tokenizer, spec, split=cfg.get("query", "aware") == "agnostic")
+        agnostic = cfg.get("query", "aware") == "agnostic"
+        ids, n_context = prompt_split(sample, tokenizer, spec, split=agnostic or method.window_is_question)
         question_len = len(ids) - n_context if n_context else 0  # no context before it: nothing to compress first
-        budget = context["budget"] = sample_budget(cfg, len(ids) - question_len)  # (ratio: of what is compressed)
+        # (ratio: of what is compressed; a question-window method (FINCH) compresses the question with the context)
+        budget = context["budget"] = sample_budget(cfg, len(ids) - (question_len if agnostic else 0))
         context["prompt_tokens"] = len(ids)
         if cfg.ratio is not None:
             try:

@@ -190,6 +190,15 @@ RANGES: dict[str, Range] = {
     # --- SimLayerKV
     "lazy_threshold": within(0, 1, "attention mass on sinks + recent above which a layer is lazy"),
     "n_last": at_least(1, "last prompt queries that judge a layer"),
+    "sink_size_start": at_least(0, "first entries always kept"),
+    "sink_size_end": at_least(0, "last entries always kept"),
+    "blending": at_least(0, "the leverage scores' weight; null: the compression ratio"),
+    "tau": above(0, "temperature of the query-key alignment weights"),
+    "leverage_chunk": at_least(1, "keys per leverage chunk"),
+    "Finch.window": at_least(0, "last prompt tokens scoring the context; 0: the question"),
+    "key_channels": within(0, 1, "share of each head's key channels pruned (ThinK); 0: off", open_high=True),
+    "channel_window": at_least(1, "last prompt queries scoring the key channels"),
+    "Finch.chunk_length": at_least(0, "entries per chunk; 0: one top-k over the prompt"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

@@ -343,26 +343,6 @@ def cache_values(model, ids, layer):
 
 
 # --- kvpress's own kept sets on the embedded model ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def embedded_views():
-    """Each golden prompt's full cache on the embedded model, as the views `select` gets (one prefill each)."""
-    from kvbench.models import ModelSpec, load
-
-    goldens = json.loads(GOLDENS.read_text())
-    model, _ = load(ModelSpec(name="smollm2", path="embedded"))
-    views = []
-    with AttentionCapture(model, window=1 << 40) as capture:  # every query (non_causal_attn); others slice theirs
-        for golden in goldens["prompts"]:
-            cache = KVCache()
-            with torch.no_grad():
-                prefill(model, torch.tensor([golden["ids"]]), cache)
-            views.append([LayerView(i, len(cache.layers), layer.keys, layer.values, capture.window_queries[i],
-                                    capture.scaling[i], rotary=capture.rotary.get(i),
-                                    output_weight=capture.output_weight(i))
-                          for i, layer in enumerate(cache.layers)])
-    return goldens, views
-
-
 @pytest.mark.parametrize("case", ["random", "keydiff", "keydiff_oneshot", "lagkv", "cur", "leverage_score",
                                   "chunkkv", "chunkkv_entropy", "non_causal_attn", "critical_kv", "critical_adakv"])
 def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
