@@ -179,6 +179,13 @@ RANGES: dict[str, Range] = {
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     "TailorKV.rest": OWN,
+    "filters": OWN,  # auto | prompt | a file (kvbench.methods.artefacts.check_source)
+    "pattern": OWN,
+    "curve": OWN,
+    "stats": OWN,
+    "stats_revision": TEXT,
+    "head_ratio": within(0, 1, "share of the heads that stream"),
+    "sink": at_least(0, "first entries always kept"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
