@@ -125,3 +125,10 @@ def describe(path: Path | None) -> dict:
         return {"file": None, "source": "computed from each prompt"}
     import hashlib
     return {"file": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+
+
+def warn_unprepared(method, what: str) -> None:
+    """Once per method instance: no artefact was loaded (prepare never ran), so `what` stands in for it."""
+    if not getattr(method, "_warned_unprepared", False):
+        logger.warning("%s: no artefact loaded (prepare was not called); %s", method.registry_name, what)
+        method._warned_unprepared = True

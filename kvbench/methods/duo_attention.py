@@ -20,9 +20,8 @@ scores at 0 or 1) go to the earlier head (a stable sort; kvpress: numpy's defaul
 """
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -33,8 +32,6 @@ from kvbench.methods import artefacts
 from kvbench.methods.base import LayerView, Method
 from kvbench.models.rotary import Rotary
 from kvbench.registry import METHODS
-
-logger = logging.getLogger(__name__)
 
 REPO, COMMIT = "mit-han-lab/duo-attention", "fe93c314ae87306ef6629dc16713250b4718ffe7"
 PATTERNS = {  # kvpress's PATTERNS_DICT: model id -> the folder under attn_patterns/
@@ -83,8 +80,8 @@ class DuoAttention(Method):
     sink_size: int | None = None  # first entries a streaming head keeps; None: the pattern's (on the fly: 128)
     recent_size: int | None = None  # last entries a streaming head keeps; None: the pattern's (on the fly: 256)
     window: int = 64  # prompt queries scoring the heads when no pattern is loaded (pattern=prompt)
-    scores: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)  # [layers, H_kv]
-    pattern_sizes: tuple[int, int] = field(default=ON_THE_FLY[:2], init=False, repr=False, compare=False)
+    scores = None  # the pattern's head scores `[layers, H_kv]` once `prepare` read them (not a config field)
+    pattern_sizes = ON_THE_FLY[:2]  # the pattern's (sink, recent)
 
     def __post_init__(self):
         artefacts.check_source("duo_attention", "pattern", self.pattern)
@@ -140,8 +137,8 @@ class DuoAttention(Method):
         if self.scores is not None:
             scores = torch.as_tensor(self.scores).flatten()
         else:
-            if self.pattern == "auto" and view.layer_idx == 0:
-                logger.warning("duo_attention: no pattern loaded (prepare was not called); scoring heads per prompt")
+            if self.pattern == "auto":
+                artefacts.warn_unprepared(self, "heads scored per prompt")
             scores, l = self.prompt_scores(view), view.layer_idx
             count = count * (l + 1) // layers - count * l // layers  # this layer's share
         mask = torch.zeros(scores.numel(), dtype=torch.bool)

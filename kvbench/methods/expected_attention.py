@@ -36,7 +36,7 @@ above, and no prompt query is recorded (`query_window` 0).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,7 +57,7 @@ class ExpectedAttention(Method):
     epsilon: float = 0.0
     stats: str | None = None  # None: from the prompt's queries; auto | <path>: precomputed (ExpectedAttentionStatsPress)
     stats_revision: str | None = None  # the Hub commit of the published statistics (stats=auto on a Hub model)
-    loaded: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    loaded = None  # (mean, covariance) fp32 once `prepare` read `stats` (not a config field)
 
     def __post_init__(self):
         if self.stats is not None:

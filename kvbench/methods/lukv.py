@@ -22,11 +22,9 @@ prompt (kvpress's Expected Attention); see `expected_attention` for the other fi
 """
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,8 +32,6 @@ from kvbench.methods import artefacts
 from kvbench.methods.base import LayerView
 from kvbench.methods.expected_attention import ExpectedAttention
 from kvbench.registry import METHODS
-
-logger = logging.getLogger(__name__)
 
 REPO = "baidu-baige/LU-KV"
 CURVES = {"meta-llama/Llama-3.1-8B-Instruct": "evaluation/curve_data/llama-3.1-8b/ea_0.02_sink4_win1_llama_avg_ratio.npy"}
@@ -63,7 +59,7 @@ class LUKV(ExpectedAttention):
     revision: str | None = None  # the LU-KV commit the published curve is read at (auto)
     sink: int = 4  # first entries forced into every head's selection (kvpress `sink`)
     recent: int = 1  # last entries forced into every head's selection (kvpress `window`)
-    curves: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    curves = None  # `[99, layers, H_kv]` once `prepare` read them (not a config field)
 
     def __post_init__(self):
         super().__post_init__()
@@ -95,8 +91,8 @@ class LUKV(ExpectedAttention):
         n, h_kv = view.prompt_len, view.keys.shape[1]
         ratio = 1 - n_keep / n
         if self.curves is None:
-            if self.curve == "auto" and view.layer_idx == 0:
-                logger.warning("lukv: no budget curve loaded (prepare was not called); uniform budgets")
+            if self.curve == "auto":
+                artefacts.warn_unprepared(self, "a uniform curve")
             return torch.full((h_kv,), ratio)
         target = max(0, min(98, int(round(ratio * 100)) - 1))
         return torch.as_tensor(self.curves[target, view.layer_idx], dtype=torch.float32)

@@ -15,8 +15,7 @@ gets, with a warning). The published filters hold the model's dtype in kvpress; 
 """
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,8 +23,6 @@ from torch import Tensor
 from kvbench.methods import artefacts
 from kvbench.methods.base import LayerView, Method
 from kvbench.registry import METHODS
-
-logger = logging.getLogger(__name__)
 
 
 def svd_filters(queries: Tensor, n_kv_heads: int) -> Tensor:
@@ -49,7 +46,7 @@ class QFilter(Method):
     filters: str = "auto"  # auto | prompt | <path to a safetensors file with q_filters [layers, H_kv, D]>
     revision: str | None = None  # the Hub commit of the published filters (auto, on a Hub model)
     window: int = 64  # prompt queries the filters are computed from when none are loaded (filters=prompt)
-    loaded: Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    loaded = None  # the filters `[layers, H_kv, D]` fp32 once `prepare` read them (not a config field)
 
     def __post_init__(self):
         artefacts.check_source("qfilter", "filters", self.filters)
@@ -74,7 +71,7 @@ class QFilter(Method):
         if self.loaded is not None:
             return self.loaded[view.layer_idx]
         if self.filters == "auto":
-            logger.warning("qfilter: no filters loaded (prepare was not called); computing them from the prompt")
+            artefacts.warn_unprepared(self, "filters computed from each prompt")
         if view.window_queries is None:
             raise ValueError("qfilter: no filters loaded and no prompt queries recorded; call method.prepare(model, "
                              "tokenizer) or capture method.query_window queries")
