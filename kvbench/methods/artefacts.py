@@ -35,11 +35,10 @@ def embedded_file(kind: str, ext: str) -> Path:
     return LEARNED_DIR / f"{EMBEDDED}_{kind}.{ext}"
 
 
-def check_source(owner: str, field: str, value: str) -> None:
-    """For `__post_init__`: `auto`, `prompt` or an existing file (before any weights load)."""
-    if value not in ("auto", "prompt") and not Path(value).expanduser().is_file():
-        raise ValueError(f"{owner}: {field}={value!r} is not a file; give a path, `auto` (published or embedded "
-                         f"files) or `prompt` (computed from the prompt)")
+def check_source(owner: str, field: str, value: str, keywords: tuple[str, ...] = ("auto", "prompt")) -> None:
+    """For `__post_init__`: one of `keywords` or an existing file (before any weights load)."""
+    if value not in keywords and not Path(value).expanduser().is_file():
+        raise ValueError(f"{owner}: {field}={value!r} is not a file; give a path or one of {', '.join(keywords)}")
 
 
 def cache_dir() -> Path:

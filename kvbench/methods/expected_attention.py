@@ -61,7 +61,7 @@ class ExpectedAttention(Method):
 
     def __post_init__(self):
         if self.stats is not None:
-            artefacts.check_source(self.registry_name, "stats", self.stats)
+            artefacts.check_source(self.registry_name, "stats", self.stats, ("auto",))
         if self.window < 1:
             raise ValueError(f"expected_attention: window={self.window} must be >= 1 (queries for the statistics)")
         if self.n_future_positions < 1:

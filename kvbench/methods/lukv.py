@@ -63,8 +63,7 @@ class LUKV(ExpectedAttention):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.curve not in ("auto", "uniform"):
-            artefacts.check_source("lukv", "curve", self.curve)
+        artefacts.check_source("lukv", "curve", self.curve, ("auto", "uniform"))
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"lukv: sink={self.sink} and recent={self.recent} must be >= 0")
 
