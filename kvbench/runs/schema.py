@@ -199,6 +199,13 @@ RANGES: dict[str, Range] = {
     "key_channels": within(0, 1, "share of each head's key channels pruned (ThinK); 0: off", open_high=True),
     "channel_window": at_least(1, "last prompt queries scoring the key channels"),
     "Finch.chunk_length": at_least(0, "entries per chunk; 0: one top-k over the prompt"),
+    "filters": OWN,  # auto | prompt | a file (kvbench.methods.artefacts.check_source)
+    "pattern": OWN,
+    "curve": OWN,
+    "stats": OWN,
+    "stats_revision": TEXT,
+    "head_ratio": within(0, 1, "share of the heads that stream"),
+    "sink": at_least(0, "first entries always kept"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

@@ -36,6 +36,8 @@ def configured(name: str):
         cfg.update(lazy_threshold=0.0)
     if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
         cfg.update(page_size=8, dense_layers=1)
+    if name == "duo_attention":  # streaming heads keep 4 sinks + 8 recent (its pattern: 128 + 256)
+        cfg.update(sink_size=4, recent_size=8)
     return instantiate(cfg)
 
 

@@ -68,6 +68,8 @@ def configured(name: str):
         cfg.update(sink_size=4, recent_size=8, bits=4)
     if name == "kvzip":  # prompts as token ids of the tiny vocabulary; chunks of 64
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
+    if name == "duo_attention":  # every head streams (4 sinks + 8 recent), so that every layer shrinks
+        cfg.update(sink_size=4, recent_size=8, head_ratio=1.0)
     return instantiate(cfg)
 
 
