@@ -180,7 +180,8 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
-                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx))
+                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx),
+                         capture.input_scores.pop(layer_idx, None))
         heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head else None
         apply_selection(method, cache, layer_idx, method.select(view, n_keep), n_keep, heads)
 
@@ -345,6 +346,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         cache, state, held_elsewhere = KVCache(), None, 0
         capture.reset()
         capture.window = method.query_window
+        if method.scores_inputs:
+            capture.input_scorer = method.input_scores
         if method.kind is Kind.EVICTOR:
             state = method.start(input_ids.shape[1], budget, max_new_tokens, seed)
             if method.accumulates_attention:
@@ -419,9 +422,10 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
               for i, layer in enumerate(cache.layers) if i not in capture.window_layers}
     span = (0, 0)
 
-    def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None) -> None:
+    def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None, **inputs) -> None:
         if layer_idx in scores:
-            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(query, key, scaling, *span, softcap)
+            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(
+                query, key, scaling, *span, softcap, output_weight=capture.output_weight(layer_idx), **inputs)
 
     window, capture.window, capture.prefill_hook = capture.window, 0, score
     try:

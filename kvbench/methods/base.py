@@ -40,7 +40,8 @@ class LayerView:
     softcap: the model's attention-logit soft cap (Gemma 2: cap * tanh(logits / cap)), or None;
     rotary: the layer's rotary encoding (`kvbench.models.rotary.Rotary`; `Rotary.none()` without RoPE), or None;
     output_weight: the layer's attention output projection W_o `[hidden, H_q * D]` (column block h: query head h),
-    for scorers that weigh values by what they add to the output (CriticalKV), or None.
+    for scorers that weigh values by what they add to the output (CriticalKV), or None;
+    input_scores: `[B, H_kv, n]`, what the method's `input_scores` gave the layer's prefill input (KVzap), or None.
     """
 
     layer_idx: int
@@ -53,6 +54,7 @@ class LayerView:
     softcap: float | None = None
     rotary: Rotary | None = None  # the layer's position encoding (rotary angles), for scorers that rotate queries
     output_weight: Tensor | None = None  # W_o `[hidden, H_q * D]`, for scorers weighing values (CriticalKV)
+    input_scores: Tensor | None = None  # `[B, H_kv, n]` from the layer's attention input (`Method.input_scores`)
 
     @property
     def prompt_len(self) -> int:
@@ -64,6 +66,8 @@ class Method:
     """Base class: subclasses are dataclasses registered with `@METHODS.register(name)`."""
 
     kind: ClassVar[Kind] = Kind.SELECTOR
+    scores_inputs: ClassVar[bool] = False  # True: `input_scores` scores each layer's prefill input (KVzap)
+    threshold_budget: ClassVar[bool] = False  # True: what is kept follows a score threshold, not `budget` (DMS)
     own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
     # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
 
@@ -123,6 +127,11 @@ class Method:
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
+
+    def input_scores(self, layer_idx: int, hidden: Tensor) -> Tensor:  # pragma: no cover - interface
+        """For a method that `scores_inputs`: per-entry scores `[B, H_kv, n]` from the layer's attention input
+        `[B, n, hidden]` at prefill (the capture calls it; `select` reads them as `view.input_scores`)."""
+        raise NotImplementedError
 
     def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor]:  # pragma: no cover - interface
         """Indices of the layer's entries to keep: int64 `[B, H, n_keep]`, each head's unique, in [0, n), sorted
