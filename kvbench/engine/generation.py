@@ -8,6 +8,7 @@ keys keep their original RoPE positions. No Hydra, no files: `kvbench.runs` owns
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -347,7 +348,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         capture.reset()
         capture.window = method.query_window
         if method.scores_inputs:
-            capture.input_scorer = method.input_scores
+            capture.input_scorer = functools.partial(method.input_scores, config=model.config.get_text_config())
         if method.kind is Kind.EVICTOR:
             state = method.start(input_ids.shape[1], budget, max_new_tokens, seed)
             if method.accumulates_attention:

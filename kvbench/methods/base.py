@@ -128,9 +128,10 @@ class Method:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
 
-    def input_scores(self, layer_idx: int, hidden: Tensor) -> Tensor:  # pragma: no cover - interface
+    def input_scores(self, layer_idx: int, hidden: Tensor, config) -> Tensor:  # pragma: no cover - interface
         """For a method that `scores_inputs`: per-entry scores `[B, H_kv, n]` from the layer's attention input
-        `[B, n, hidden]` at prefill (the capture calls it; `select` reads them as `view.input_scores`)."""
+        `[B, n, hidden]` at prefill (the capture calls it; `select` reads them as `view.input_scores`); `config`:
+        the model's text config."""
         raise NotImplementedError
 
     def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor]:  # pragma: no cover - interface

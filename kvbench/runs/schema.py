@@ -179,6 +179,8 @@ RANGES: dict[str, Range] = {
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     "TailorKV.rest": OWN,
+    "DMS.threshold": Range(note="a score: entries below it, outside the window, are evicted"),
+    "weights": TEXT,
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
