@@ -293,6 +293,7 @@ class Prefilled:
     window_bias: dict[int, Tensor] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
     column_sums: dict[int, Tensor] = field(default_factory=dict)  # this configuration's scorer's, if any
+    input_scores: dict[int, Tensor] = field(default_factory=dict)  # its method's scores of the inputs (KVzap)
 
     def restore(self, capture: AttentionCapture) -> None:
         """Put the shared prefill's statistics where `compress` reads them (it clears them after use)."""
@@ -301,6 +302,7 @@ class Prefilled:
         capture.window_bias.update(self.window_bias)
         capture.scaling.update(self.scaling)
         capture.column_sums.update(self.column_sums)
+        capture.input_scores.update(self.input_scores)
 
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,

@@ -29,7 +29,7 @@ from kvbench.registry import METHODS
 @METHODS.register("dms")
 @dataclass
 class DMS(Method):
-    threshold: float = -10.0  # entries scoring below it, outside the window, are evicted (Knorm: -‖k‖ < -10)
+    threshold: float = -17.0  # below it, outside the window, evicted (-‖k‖: about half on the embedded model)
     window: int = 128  # the last prompt positions, never evicted (kvpress sliding_window_size)
 
     threshold_budget: ClassVar[bool] = True
