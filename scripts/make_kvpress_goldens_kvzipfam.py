@@ -16,6 +16,7 @@ whose cut falls within 1e-6 (relative) of another score. Masks: one hex integer 
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import tempfile
@@ -107,7 +108,7 @@ def main() -> None:
             print(f"{name} prompt {p}: {evicted:.2f} of the entries evicted, {len(near)} near the threshold")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
-        "made_by": f"scripts/make_kvpress_goldens_kvzipfam.py: kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '0.5.5'}, "
+        "made_by": f"scripts/make_kvpress_goldens_kvzipfam.py: kvpress {importlib.metadata.version('kvpress')}, "
                    f"transformers {transformers.__version__}, torch {torch.__version__}, fp32, sdpa, {MODEL.name}",
         "prompts": "tests/fixtures/kvpress/prompts.json",
         "presses": {"kvzip_plus": "KVzipPress(compression_ratio, kvzip_plus_normalization=True), no chat template",

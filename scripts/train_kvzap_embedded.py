@@ -1,6 +1,6 @@
 """Train KVzap's linear surrogate for the embedded SmolLM2-135M-Instruct, by the authors' procedure, on the CPU.
 
-    python scripts/train_kvzap_embedded.py            # writes kvbench/methods/kvzap_surrogates/SmolLM2-135M-Instruct-linear/
+    python scripts/train_kvzap_embedded.py   # -> kvbench/methods/kvzap_surrogates/SmolLM2-135M-Instruct-linear/
 
 The procedure is kvpress's `kvzap/data.py` + `kvzap/train.py` (NVIDIA/kvpress @ 8bb29b9), scaled down; the code is
 kvbench's own:
