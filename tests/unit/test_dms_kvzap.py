@@ -120,3 +120,17 @@ def test_the_embedded_model_finds_its_shipped_surrogate():
     assert METHODS["kvzap"]().source("Qwen/Qwen3-8B") == "nvidia/KVzap-mlp-Qwen3-8B"
     with pytest.raises(ValueError, match="ships a linear surrogate only"):
         METHODS["kvzap"]().source("SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("name", ["dms", "kvzap"])
+def test_a_ratio_is_refused_and_a_budget_ignored(name):
+    """What a threshold method keeps is an outcome: `ratio=` fails in one line before weights load; any budget runs."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.runs.config import CONFIG_DIR, setup
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        with pytest.raises(ValueError, match=f"{name}: ratio=0.5 cannot be set") as error:
+            setup(compose("config", overrides=["model=tiny_llama", f"method={name}", "ratio=0.5"]))
+        assert "\n" not in str(error.value)
+        setup(compose("config", overrides=["model=tiny_llama", f"method={name}", "budget=1"]))
