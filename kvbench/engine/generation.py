@@ -8,6 +8,7 @@ keys keep their original RoPE positions. No Hydra, no files: `kvbench.runs` owns
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -181,7 +182,8 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
-                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx), capture.question_len)
+                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx),
+                         question_len=capture.question_len, input_scores=capture.input_scores.pop(layer_idx, None))
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None
@@ -302,6 +304,7 @@ class Prefilled:
     window_bias: dict[int, Tensor] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
     column_sums: dict[int, Tensor] = field(default_factory=dict)  # this configuration's scorer's, if any
+    input_scores: dict[int, Tensor] = field(default_factory=dict)  # its method's scores of the inputs (KVzap)
 
     def restore(self, capture: AttentionCapture) -> None:
         """Put the shared prefill's statistics where `compress` reads them (it clears them after use)."""
@@ -310,6 +313,7 @@ class Prefilled:
         capture.window_bias.update(self.window_bias)
         capture.scaling.update(self.scaling)
         capture.column_sums.update(self.column_sums)
+        capture.input_scores.update(self.input_scores)
 
 
 def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor, budget: int | None,
@@ -362,6 +366,8 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         capture.reset()
         capture.window = max(method.query_window, question_window)
         capture.question_len = question_window
+        if method.scores_inputs:
+            capture.input_scorer = functools.partial(method.input_scores, config=model.config.get_text_config())
         if method.kind is Kind.EVICTOR:
             state = method.start(input_ids.shape[1], budget, max_new_tokens, seed)
             if method.accumulates_attention:
@@ -436,9 +442,10 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
               for i, layer in enumerate(cache.layers) if i not in capture.window_layers}
     span = (0, 0)
 
-    def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None) -> None:
+    def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None, **inputs) -> None:
         if layer_idx in scores:
-            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(query, key, scaling, *span, softcap)
+            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(
+                query, key, scaling, *span, softcap, output_weight=capture.output_weight(layer_idx), **inputs)
 
     window, capture.window, capture.prefill_hook = capture.window, 0, score
     try:

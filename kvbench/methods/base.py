@@ -43,6 +43,7 @@ class LayerView:
     for scorers that weigh values by what they add to the output (CriticalKV), or None;
     question_len: how many of the prompt's last entries are its question, handed to methods whose
     `window_is_question` (FINCH) under query=aware; 0 otherwise.
+    input_scores: `[B, H_kv, n]`, what the method's `input_scores` gave the layer's prefill input (KVzap), or None.
     """
 
     layer_idx: int
@@ -56,6 +57,7 @@ class LayerView:
     rotary: Rotary | None = None  # the layer's position encoding (rotary angles), for scorers that rotate queries
     output_weight: Tensor | None = None  # W_o `[hidden, H_q * D]`, for scorers weighing values (CriticalKV)
     question_len: int = 0  # the prompt's last entries that are its question, for `window_is_question` (0: unknown)
+    input_scores: Tensor | None = None  # `[B, H_kv, n]` from the layer's attention input (`Method.input_scores`)
 
     @property
     def prompt_len(self) -> int:
@@ -67,6 +69,8 @@ class Method:
     """Base class: subclasses are dataclasses registered with `@METHODS.register(name)`."""
 
     kind: ClassVar[Kind] = Kind.SELECTOR
+    scores_inputs: ClassVar[bool] = False  # True: `input_scores` scores each layer's prefill input (KVzap)
+    threshold_budget: ClassVar[bool] = False  # True: what is kept follows a score threshold, not `budget` (DMS)
     own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
     # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
 
@@ -144,6 +148,12 @@ class Method:
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         """Entries kept per head in each layer. Default: uniform, no compression when the prompt fits."""
         return [min(budget, prompt_len)] * n_layers
+
+    def input_scores(self, layer_idx: int, hidden: Tensor, config) -> Tensor:  # pragma: no cover - interface
+        """For a method that `scores_inputs`: per-entry scores `[B, H_kv, n]` from the layer's attention input
+        `[B, n, hidden]` at prefill (the capture calls it; `select` reads them as `view.input_scores`); `config`:
+        the model's text config."""
+        raise NotImplementedError
 
     def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor] | None:  # pragma: no cover - interface
         """Indices of the layer's entries to keep: int64 `[B, H, n_keep]`, each head's unique, in [0, n), sorted

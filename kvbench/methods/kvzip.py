@@ -37,7 +37,11 @@ Where kvbench differs, and why:
   table has per-model templates and `"\n\nAnswer: "` for unknown ones). Under `query=aware` the whole prompt is the
   context: the reconstruction then follows the question (and any assistant header) rather than the user turn.
 - Precision: scores in fp32 (the authors: model dtype; kvpress: model dtype); queries in blocks of 512 rows.
-- Not implemented: KVzip+ normalisation (kvpress `kvzip_plus_normalization`), head-level (`level=head`) scores,
+- KVzip+ (`kvzip_plus=true`; kvpress `KVzipPress(kvzip_plus_normalization=True)`, the KVzap paper arXiv 2601.07891,
+  Sec. 2): each row's probabilities are divided by the norm of that row's attention input (post-norm hidden state)
+  and each entry's by query head h's ‖v W_o,h‖ (what the entry writes into the residual stream), before the max.
+  ‖v W_o,h‖ is computed as sqrt(vᵀ (W_o,hᵀ W_o,h) v) (kvpress materialises v W_o: entries x hidden per query head).
+- Not implemented: head-level (`level=head`) scores,
   uniform per-head budgets (`pair-uniform`), Gemma 3's hybrid cache (its sliding-window layers are kept whole here)
   and ALiBi models (refused by the capture).
 Cost: one more prefill of about the context's length over twice the context (kvpress: "2-3 times the initial
@@ -79,6 +83,7 @@ class KVzip(Method):
     n_sink: int = 4  # first entries: always kept, in every score's softmax, never repeated; inside the budget
     sinks: Literal["apart", "repeated"] = "apart"  # repeated: kvpress without a chat template (repeat from 0)
     chat_template: bool = False  # the model config's: the suffix comes from the tokenizer's chat template
+    kvzip_plus: bool = False  # KVzip+: scores / ‖row input‖ x ‖v W_o‖ (kvpress kvzip_plus_normalization)
     prompt_ids: list | None = None  # [first prompt, next prompt, suffix] token ids; None: `prepare` tokenizes them
     row_block: ClassVar[int] = 512  # query rows scored at once (memory rows x keys per head)
 
@@ -127,13 +132,21 @@ class KVzip(Method):
         return inputs
 
     def chunk_scores(self, query: Tensor, key: Tensor, scaling: float, start: int, end: int,
-                     softcap: float | None = None) -> Tensor:
+                     softcap: float | None = None, value: Tensor | None = None, hidden: Tensor | None = None,
+                     output_weight: Tensor | None = None) -> Tensor:
         """Max attention `[B, H_kv, end - start]` that the reconstruction rows `query` `[B, H_q, q, D]` pay each
         context entry in [start, end); `key` `[B, H_kv, n + q, D]` is the layer's context then the input's own
-        keys. Softmax over sinks + chunk + the input (causal), fp32; max over the group's heads and the rows."""
+        keys. Softmax over sinks + chunk + the input (causal), fp32; max over the group's heads and the rows.
+        KVzip+ also needs `value` (as `key`), the rows' attention input `hidden` `[B, q, hidden]` and W_o."""
         b, h_q, q, d = query.shape
         h_kv = key.shape[1]
         sink = min(self.n_sink, start)
+        row_weight = col_weight = None
+        if self.kvzip_plus:
+            if value is None or hidden is None or output_weight is None:
+                raise ValueError("kvzip: kvzip_plus=true needs the values, the rows' attention input and W_o")
+            row_weight = 1 / hidden.float().norm(dim=-1)[:, None, None]  # [B, 1, 1, q]
+            col_weight = value_output_norm(value[:, :, start:end], output_weight, h_q)[..., None, :]  # [B,H,G,1,c]
         keys = torch.cat([key[:, :, :sink], key[:, :, start:end], key[:, :, -q:]], dim=2).float()
         grouped = query.float().view(b, h_kv, h_q // h_kv, q, d)
         best = keys.new_full((b, h_kv, end - start), float("-inf"))
@@ -146,6 +159,8 @@ class KVzip(Method):
             future = torch.arange(q, device=key.device)[None] > torch.arange(row, row + r, device=key.device)[:, None]
             logits[..., keys.shape[2] - q:] = logits[..., keys.shape[2] - q:].masked_fill(future, float("-inf"))
             probs = logits.softmax(dim=-1)[..., sink:sink + end - start]
+            if row_weight is not None:
+                probs = probs * row_weight[:, :, :, row:row + r, None] * col_weight
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best
 
@@ -168,3 +183,13 @@ class KVzip(Method):
         keep[stacked.flatten().topk(total).indices] = True
         keep = keep.view(n_layers, n_heads, n)
         return {i: [head.nonzero().flatten() for head in keep[k]] for k, i in enumerate(layers)}
+
+
+def value_output_norm(values: Tensor, output_weight: Tensor, n_heads: int) -> Tensor:
+    """‖v W_o,h‖ per query head h and entry: `[B, H_kv, G, T]` from `values` `[B, H_kv, T, D]` and W_o `[hidden,
+    H_q * D]` (column block h: query head h), as sqrt(vᵀ (W_o,hᵀ W_o,h) v): never entries x hidden per head."""
+    b, h_kv, t, d = values.shape
+    weight = output_weight.float().view(-1, h_kv, n_heads // h_kv, d)  # [hidden, H_kv, G, D]
+    gram = torch.einsum("jhgi,jhgk->hgik", weight, weight)  # [H_kv, G, D, D]
+    v = values.float()
+    return torch.einsum("bhti,hgik,bhtk->bhgt", v, gram, v).clamp_min(0).sqrt()

@@ -14,9 +14,13 @@ adds named scorers (`column_scores`, sums in `named_column_sums`) that share eac
 new query over the cache and evict before the next step, and `input_hook(layer_idx, hidden, position_embeddings)`
 runs before each layer's attention with that layer's (post-norm) input, so an offloading cache can prefetch for the
 next layer (`predict_query` turns that input into the next layer's query, TailorKV's q̂).
-`prefill_hook(layer_idx, query, key, scaling, softcap)` runs at each prefill attention (several rows, dense cache)
-with the rows' post-RoPE queries `[B, H_q, q, D]` and every key the rows attend `[B, H_kv, n + q, D]`: KVzip scores
-the context by the attention its reconstruction's rows pay it (`generation.reconstruct`).
+`prefill_hook(layer_idx, query, key, scaling, softcap, value=, hidden=)` runs at each prefill attention (several
+rows, dense cache) with the rows' post-RoPE queries `[B, H_q, q, D]`, every key and value the rows attend
+`[B, H_kv, n + q, D]` and the rows' attention input `[B, q, hidden]`: KVzip scores the context by the attention its
+reconstruction's rows pay it (`generation.reconstruct`; KVzip+ weighs it by the input's norm and ‖v W_o‖).
+`input_scorer(layer_idx, hidden)` runs before each prefill attention with the layer's (post-norm) input
+`[B, n, hidden]`, and its per-entry scores `[B, H_kv, n]` wait in `input_scores` for the layer's selection (KVzap's
+surrogate scores the hidden states; the input itself is not kept).
 
 At decode, a layer with its own storage (Ada-KV, TailorKV: `layer.own_storage`) is attended by the engine's decode
 attention (`kvbench.attention.decode`), with the model's soft cap and, for MPT, its ALiBi slopes.
@@ -70,7 +74,10 @@ class AttentionCapture:
         self.logit_scale: Callable[[int], float] | None = None  # n_keys -> factor on every logit (BUZZ log n)
         self.chunk = chunk
         self.input_hook = input_hook
-        self.prefill_hook: Callable[[int, Tensor, Tensor, float, float | None], None] | None = None  # see module doc
+        self.prefill_hook: Callable[..., None] | None = None  # see module doc
+        self.input_scorer: Callable[[int, Tensor], Tensor] | None = None  # see module doc
+        self.input_scores: dict[int, Tensor] = {}  # what `input_scorer` gave each layer's prefill, `[B, H_kv, n]`
+        self._prefill_inputs: dict[int, Tensor] = {}  # each layer's attention input, held for `prefill_hook`
         self.window_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
@@ -99,6 +106,8 @@ class AttentionCapture:
         self.question_len = 0
         self.column_sums.clear()
         self.key_scores = {}
+        self.input_scores = {}
+        self._prefill_inputs = {}
         self.column_scores = {}
         self.named_column_sums = {}
         self.scaling.clear()
@@ -108,6 +117,7 @@ class AttentionCapture:
         self.column_block = None
         self.input_hook = None
         self.prefill_hook = None
+        self.input_scorer = None
 
     # --- context manager --------------------------------------------------------------------------------------
     def __enter__(self) -> "AttentionCapture":
@@ -146,11 +156,16 @@ class AttentionCapture:
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()
 
-    # --- before each attention module (decode only) -------------------------------------------------------------
+    # --- before each attention module ------------------------------------------------------------------------------
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary:
             self._record_rotary(module, kwargs)
+        if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
+            if self.prefill_hook is not None:
+                self._prefill_inputs[module.layer_idx] = hidden
+            if self.input_scorer is not None:
+                self.input_scores[module.layer_idx] = self.input_scorer(module.layer_idx, hidden)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
             self.input_hook(module.layer_idx, hidden, self.adapter.position_embeddings(module, kwargs))
 
@@ -212,7 +227,8 @@ class AttentionCapture:
                 if self.prefill_hook is not None:  # a scorer of these rows over every key (KVzip's reconstruction)
                     if score_bias is not None:
                         raise NotImplementedError("capture: reconstruction scoring (kvzip) does not support ALiBi")
-                    self.prefill_hook(layer_idx, query, key, scaling, softcap)
+                    self.prefill_hook(layer_idx, query, key, scaling, softcap, value=value,
+                                      hidden=self._prefill_inputs.pop(layer_idx, None))
                 if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
                     score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
                 self.scaling[layer_idx] = scaling

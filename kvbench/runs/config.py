@@ -152,6 +152,9 @@ def setup(cfg: DictConfig):
         cfg.budget = cfg.ratio = None
     if cfg.ratio is None:
         method.check_budget(cfg.budget)
+    elif method.threshold_budget:
+        raise ValueError(f"{method.registry_name}: ratio={cfg.ratio} cannot be set: what a threshold method keeps is "
+                         "an outcome of method.threshold (budget is ignored too); drop ratio")
     from kvbench.runs.shard import Shard
 
     Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line

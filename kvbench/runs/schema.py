@@ -206,6 +206,8 @@ RANGES: dict[str, Range] = {
     "stats_revision": TEXT,
     "head_ratio": within(0, 1, "share of the heads that stream"),
     "sink": at_least(0, "first entries always kept"),
+    "DMS.threshold": Range(note="a score: entries below it, outside the window, are evicted"),
+    "weights": TEXT,
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

@@ -34,6 +34,10 @@ def configured(name: str):
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "simlayerkv":  # every layer lazy: a random model's attention is nowhere near a real threshold
         cfg.update(lazy_threshold=0.0)
+    if name in ("dms", "kvzap"):  # thresholds that evict about half of the tiny model's entries (-‖k‖ ~ -0.8);
+        cfg.update(threshold=-0.8 if name == "dms" else 0.0)  # kvzap: a seeded random surrogate shaped for it
+        if name == "kvzap":
+            cfg.update(weights="random")
     if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
         cfg.update(page_size=8, dense_layers=1)
     if name == "duo_attention":  # streaming heads keep 4 sinks + 8 recent (its pattern: 128 + 256)
@@ -79,6 +83,9 @@ def test_method_contract(name, family):
         elif isinstance(method, DecodingMethod):  # evicting while generating: never above the budget
             assert max(max(layer) for layer in gen.kept_per_head) <= budget
             assert gen.kv_bytes_final / per_entry / heads / model.config.num_hidden_layers <= budget
+        elif method.threshold_budget:  # what a threshold keeps is an outcome: no more than the prompt, window kept
+            assert gen.kv_bytes <= gen.full_kv_bytes
+            assert min(min(layer) for layer in gen.kept_per_head) >= min(method.kept_window, N)
         else:  # one-shot: the mean kept per head is the budget (pyramid rounding may add a few percent)
             assert budget * 0.9 <= mean_kept <= budget * 1.35, (name, budget, mean_kept)
             assert gen.kv_bytes < gen.full_kv_bytes
@@ -100,6 +107,7 @@ def test_method_declares_what_it_is(name):
     assert method.kind is expected.get(name, method.kind)
     # only a selector's `select` reads window queries (the others score from column sums or their own pass)
     assert method.query_window >= 0 and (method.kind is Kind.SELECTOR or method.query_window == 0)
-    if method.kept_window:  # the kept window counts inside the budget, so no budget up to it is accepted
+    if method.kept_window and not method.threshold_budget:  # the kept window counts inside the budget, so no
+        #                                                        budget up to it is accepted (a threshold's ignores it)
         with pytest.raises(ValueError, match=name):
             method.check_budget(method.kept_window)

@@ -66,6 +66,8 @@ def configured(name: str):
         cfg.update(page_size=8, dense_layers=1)
     if name == "pqcache":  # 4 sinks + 8 recent + 20 retrieved; 16 centroids
         cfg.update(sink_size=4, recent_size=8, bits=4)
+    if name in ("dms", "kvzap"):  # thresholds that evict every entry outside the window (dms: -‖k‖ < 0) or about
+        cfg.update(threshold=0.0, **({"weights": "random"} if name == "kvzap" else {}))  # half (a random surrogate)
     if name == "kvzip":  # prompts as token ids of the tiny vocabulary; chunks of 64
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "duo_attention":  # every head streams (4 sinks + 8 recent), so that every layer shrinks
