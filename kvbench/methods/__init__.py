@@ -8,6 +8,8 @@ from kvbench.methods import (  # noqa: F401
     rkv, streamingllm, tailorkv, tova, window,
     chunkkv, critical_kv, cur, keydiff, lagkv, leverage_score, non_causal_attn, random,
 )
+from kvbench.methods import kvcompose  # noqa: F401
+
 from kvbench.methods.base import Kind, LayerView, Method
 
 __all__ = ["Kind", "LayerView", "Method"]

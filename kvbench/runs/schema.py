@@ -179,6 +179,8 @@ RANGES: dict[str, Range] = {
     "low_entropy_chunk_length": at_least(1, "entries a spiky chunk keeps"),
     "first_stage_ratio": within(0, 1, "share of the budget kept by the first scores alone"),
     "TailorKV.rest": OWN,
+    # --- kvpress's presses (issue 35: kvcompose, kvgrad, cam, restorekv)
+    "keep_token_lower_bound": at_least(0, "entries every layer keeps first"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
