@@ -11,8 +11,9 @@ are hex bitmasks (bit i = entry i) per layer and KV head.
 - KVComposePress(structured=False) and KVgradPress mask entries: the kept set is the complement of each module's
   `masked_key_indices`. KVgradPress reads the tokenizer from `model.config.name_or_path`: a copy without the chat
   template is used (no prefix: the replay starts at position 0, kvbench's `sinks=repeated`).
-A budget B per head is asked as the ratio whose int(N (1 - ratio)) is B x (the entries the press counts per B):
-layers (structured), layers x heads (the others).
+A budget B per head is asked as the ratio that makes the press keep B x (layers: structured; layers x heads: the
+others) of its N scored entries: int(N (1 - ratio)) kept (KVComposePress), or int(N ratio) pruned (KVgradPress,
+KVzip's rule).
 This file imports only the standard library at its top, so kvpress's interpreter can run it.
 """
 from __future__ import annotations
@@ -29,12 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests/fixtures/kvpress_scorers3/goldens.json"
 PROMPTS = [(160, 48), (240, 96)]  # (prompt tokens, budget per KV head)
 
-# name -> (kvbench method, its fields, the press as kvpress builds it, attention, masks, per-B unit: "layers"|"heads")
+# name -> (kvbench method, its fields, the press as kvpress builds it, attention, masks, per-B unit: "layers"|"heads",
+#          the count the press takes from the ratio: "kept" | "pruned")
 CASES = {
-    "kvcompose": ("kvcompose", {}, "KVComposePress()", "eager", False, "layers"),
+    "kvcompose": ("kvcompose", {}, "KVComposePress()", "eager", False, "layers", "kept"),
     "kvcompose_unstructured": ("kvcompose", {"structured": False}, "KVComposePress(structured=False)", "eager",
-                               True, "heads"),
-    "kvgrad": ("kvgrad", {"sinks": "repeated"}, "KVgradPress()", "sdpa", True, "heads"),
+                               True, "heads", "kept"),
+    "kvgrad": ("kvgrad", {"sinks": "repeated"}, "KVgradPress()", "sdpa", True, "heads", "pruned"),
 }
 
 
@@ -53,12 +55,15 @@ def child(args) -> None:
     out = {}
     for p, ids in enumerate(prompts):
         n, budget = len(ids), PROMPTS[p][1]
-        for name, (_, _, build, attn, masks, unit) in CASES.items():
+        for name, (_, _, build, attn, masks, unit, count) in CASES.items():
+            if name not in args.cases.split(","):
+                continue
             model = models[attn]
             layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
             entries = layers * (heads if unit == "heads" else 1)
             press = eval(build, vars(kvpress))
-            press.compression_ratio = 1 - (budget * entries + 0.5) / (n * entries)
+            total, numel = budget * entries, n * entries
+            press.compression_ratio = 1 - (total + (0.5 if count == "kept" else -0.5)) / numel
             cache, full = DynamicCache(), DynamicCache()
             with torch.no_grad():
                 model.model(input_ids=torch.tensor([ids]), past_key_values=full)
@@ -88,6 +93,7 @@ def child(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to (re)make; others are kept")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ids-file", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -115,11 +121,13 @@ def main() -> None:
     config.pop("chat_template", None)
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(tmp / "ids.json"), "--model-dir",
-           str(embedded_model_dir()), "--tokenizer-dir", str(no_template)]
+           str(embedded_model_dir()), "--tokenizer-dir", str(no_template), "--cases", args.cases]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode:
         sys.exit(f"make_kvpress_goldens_scorers3: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
     kept = json.loads(done.stdout.splitlines()[-1])
+    earlier = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
+    kept = {**{name: case["kept"] for name, case in earlier.items() if name not in kept}, **kept}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "made_by": "scripts/make_kvpress_goldens_scorers3.py (kvpress 0.5.5, transformers 5.2.0, torch CPU, fp32, "

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
+from kvbench.engine.gradient_replay import reconstruct_with_gradients
 from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
 from kvbench.cache.ledger import TransferLedger
@@ -417,6 +418,10 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
         return
     scores = {i: torch.zeros(*layer.keys.shape[:2], n, device=layer.keys.device)
               for i, layer in enumerate(cache.layers) if i not in capture.window_layers}
+    if method.replay_gradient:  # KVgrad: the replay runs with autograd
+        reconstruct_with_gradients(model, method, capture, cache, context_ids, scores)
+        capture.key_scores = scores
+        return
     span = (0, 0)
 
     def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None) -> None:

@@ -9,6 +9,8 @@ from kvbench.methods import (  # noqa: F401
     chunkkv, critical_kv, cur, keydiff, lagkv, leverage_score, non_causal_attn, random,
 )
 from kvbench.methods import kvcompose  # noqa: F401
+from kvbench.methods import kvgrad  # noqa: F401
+from kvbench.methods import cam  # noqa: F401
 
 from kvbench.methods.base import Kind, LayerView, Method
 
