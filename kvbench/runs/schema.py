@@ -181,6 +181,7 @@ RANGES: dict[str, Range] = {
     "TailorKV.rest": OWN,
     # --- kvpress's presses (issue 35: kvcompose, kvgrad, cam, restorekv)
     "keep_token_lower_bound": at_least(0, "entries every layer keeps first"),
+    "merge_budget": at_least(1, "entries a leaving entry's value is shared with"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
