@@ -30,7 +30,7 @@ def configured(name: str):
         cfg.update(start_size=4, recent_size=12, quant_layers=[0])
     if name == "pqcache":  # 4 sinks + 8 recent; 16 centroids (the 150-token prompt has 146 keys to cluster)
         cfg.update(sink_size=4, recent_size=8, bits=4)
-    if name == "kvzip":  # prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64 (3 per prompt)
+    if "prompt_ids" in cfg:  # kvzip, kvgrad: prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "quest":  # pages of 8: budgets 32 and 64 are 4 and 8 pages of the 150 tokens; layer 0 dense
         cfg.update(page_size=8, dense_layers=1)

@@ -4,11 +4,9 @@ The reference feeds context + context in ONE eager forward of the plain transfor
 the second copy's rows attend the first copy and themselves as the replay does, and rebuilds kvpress's arithmetic
 with plain loops over layers and heads: max over rows, mean over each group, + the layer's mean, sorted curves,
 their mean per layer, layer 0 the max of all, one top-k for the per-layer counts (or per-head counts). kvbench must
-keep those counts and each head's top entries (ties either way), and really hold only them."""
+keep those counts and each head's top entries (ties either way), and really hold only them. Against kvpress's own
+kept sets: tests/unit/test_kvpress_scorers3.py."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from tests.unit.test_presses import assert_top
 from tests.unit.tiny import prompt, tiny_model
 
 N, BUDGET = 60, 20
-GOLDENS = Path(__file__).resolve().parents[1] / "fixtures/kvpress_scorers3/goldens.json"
 
 
 def peaked_model():
@@ -87,34 +84,3 @@ def test_bad_knobs_fail_in_one_line():
         METHODS["kvcompose"](agg_task="sum")
     with pytest.raises(ValueError, match="keep_token_lower_bound"):
         METHODS["kvcompose"](keep_token_lower_bound=-1)
-
-
-@pytest.fixture(scope="module")
-def embedded_scores():
-    """The goldens and, per golden prompt, the embedded model's replay scores (one replay serves every case)."""
-    from kvbench.cache import KVCache
-    from kvbench.engine.generation import prefill, reconstruct
-    from kvbench.models import ModelSpec, load
-
-    goldens = json.loads(GOLDENS.read_text())
-    model, _ = load(ModelSpec(name="smollm2", path="embedded"))
-    scores = []
-    with AttentionCapture(model) as capture:
-        for golden in goldens["prompts"]:
-            ids, cache = torch.tensor([golden["ids"]]), KVCache()
-            prefill(model, ids, cache)
-            reconstruct(model, METHODS["kvcompose"](), capture, cache, ids, golden["budget"])
-            scores.append(capture.key_scores)
-    return goldens, scores
-
-
-@pytest.mark.parametrize("case", ["kvcompose", "kvcompose_unstructured"])
-def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_scores):
-    goldens, scores = embedded_scores
-    golden = goldens["cases"][case]
-    method = METHODS[golden["method"]](**golden["fields"])
-    for prompt_golden, layer_scores, layers in zip(goldens["prompts"], scores, golden["kept"]):
-        kept = method.select_all(layer_scores, prompt_golden["budget"])
-        for i, heads in enumerate(layers):
-            got = kept[i][0] if method.structured else kept[i]
-            assert [sum(1 << j for j in h.tolist()) for h in got] == [int(h, 16) for h in heads], (i, case)
