@@ -10,7 +10,7 @@ differentiated with respect to every a, and the method turns queries, keys, the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -22,12 +22,16 @@ if TYPE_CHECKING:  # as generation.py: importing the engine must not load the ca
     from kvbench.models.capture import AttentionCapture
 
 
-def last_decoder_layer(model) -> torch.nn.Module:
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not layers:
-        raise ValueError(f"kvgrad: cannot find the decoder layers of {type(model).__name__} (model.get_decoder()"
-                         ".layers), whose last output the gradient objective is defined on")
-    return layers[-1]
+def last_decoder_layer(model, attention: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer holding the last attention module: the element of a ModuleList that contains it (every
+    family's layout: `model.layers`, GPT-2's `h`, MPT's `blocks`)."""
+    for modules in model.modules():
+        if isinstance(modules, torch.nn.ModuleList):
+            for layer in modules:
+                if any(m is attention for m in layer.modules()):
+                    return layer
+    raise ValueError(f"kvgrad: cannot find the decoder layer of {type(model).__name__}'s last attention module, "
+                     "whose output the gradient objective is defined on")
 
 
 def output_of(out) -> Tensor:
@@ -35,8 +39,9 @@ def output_of(out) -> Tensor:
 
 
 def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture, cache: KVCache,
-                               context_ids: Tensor, scores: dict[int, Tensor]) -> None:
-    """Fill `scores[layer]` `[B, H_kv, n]` chunk by chunk (`method.gradient_scores`); the cache ends as it began."""
+                               context_ids: Tensor, scores: dict[int, Tensor], prefill: Callable) -> None:
+    """Fill `scores[layer]` `[B, H_kv, n]` chunk by chunk (`method.gradient_scores`); the cache ends as it began.
+    `prefill`: the engine's (`generation.prefill`, handed down: the engine's only prefill call site)."""
     n = cache.layers[0].seen_tokens
     seen: dict[int, tuple] = {}
     outputs: dict = {}
@@ -47,7 +52,8 @@ def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture,
 
     hooks = [module.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, output_of(out)))
              for i, module in capture.attention_modules.items() if i in scores]
-    hooks.append(last_decoder_layer(model).register_forward_hook(
+    last = capture.attention_modules[max(capture.attention_modules)]
+    hooks.append(last_decoder_layer(model, last).register_forward_hook(
         lambda m, a, out: outputs.__setitem__("last", output_of(out))))
     window, capture.window, capture.prefill_hook = capture.window, 0, keep
     embed = model.get_input_embeddings()
@@ -55,9 +61,7 @@ def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture,
         for start, end, ids in method.reconstruction_inputs(context_ids):
             with torch.enable_grad():
                 embeds = embed(ids).detach().requires_grad_(True)
-                pos = torch.arange(n, n + ids.shape[1], device=ids.device)[None]
-                model(inputs_embeds=embeds, past_key_values=cache, position_ids=pos, use_cache=True,
-                      logits_to_keep=1)
+                prefill(model, ids, cache, start=n, inputs_embeds=embeds)
                 layer_ids = sorted(i for i in outputs if i != "last")
                 objective = outputs["last"].float().square().sum()
                 grads = torch.autograd.grad(objective, [outputs[i] for i in layer_ids], allow_unused=True)

@@ -49,27 +49,16 @@ class KVgrad(KVzip):
 
     def gradient_scores(self, query: Tensor, key: Tensor, scaling: float, start: int, end: int,
                         softcap: float | None, grad_norm: Tensor, values: Tensor, output_weight: Tensor) -> Tensor:
-        """`[B, H_kv, end - start]`: max over the group's heads and the rows of A x ||v W_O^h|| x ||dPhi/da||.
-        query `[B, H_q, q, D]` and key `[B, H_kv, n + q, D]` as KVzip's `chunk_scores`; grad_norm `[B, q]`;
+        """`[B, H_kv, end - start]`: max over the group's heads and the rows of A x ||v W_O^h|| x ||dPhi/da||, A
+        KVzip's `chunk_probs` of query `[B, H_q, q, D]` over key `[B, H_kv, n + q, D]`; grad_norm `[B, q]`;
         values `[B, H_kv, end - start, D]` (the chunk's); output_weight W_O `[hidden, H_q * D]`."""
-        b, h_q, q, d = query.shape
+        b, h_q, _, d = query.shape
         h_kv, group = key.shape[1], h_q // key.shape[1]
         w_o = output_weight.float().view(-1, h_q, d)
         value_norm = torch.stack([(values[:, h // group].float() @ w_o[:, h].T).norm(dim=-1) for h in range(h_q)],
                                  dim=1).view(b, h_kv, group, 1, end - start)  # [B, H_kv, G, 1, c]
-        sink = min(self.n_sink, start)
-        keys = torch.cat([key[:, :, :sink], key[:, :, start:end], key[:, :, -q:]], dim=2).float()
-        grouped = query.float().view(b, h_kv, group, q, d)
-        best = keys.new_full((b, h_kv, end - start), float("-inf"))
-        for row in range(0, q, self.row_block):
-            rows = grouped[:, :, :, row:row + self.row_block]
-            logits = rows @ keys[:, :, None].transpose(-1, -2) * scaling  # [B, H_kv, G, r, m]
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
-            r = rows.shape[3]
-            future = torch.arange(q, device=key.device)[None] > torch.arange(row, row + r, device=key.device)[:, None]
-            logits[..., -q:] = logits[..., -q:].masked_fill(future, float("-inf"))
-            probs = logits.softmax(dim=-1)[..., sink:sink + end - start] * value_norm
-            probs = probs * grad_norm[:, None, None, row:row + r, None].float()
-            best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        best = value_norm.new_full((b, h_kv, end - start), float("-inf"))
+        for row, probs in self.chunk_probs(query, key, scaling, start, end, softcap):
+            weighted = probs * value_norm * grad_norm[:, None, None, row:row + probs.shape[3], None].float()
+            best = torch.maximum(best, weighted.amax(dim=(2, 3)))
         return best

@@ -15,18 +15,11 @@ import kvbench.methods  # noqa: F401
 from kvbench.engine.generation import prepare
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
+from tests.unit.test_kvzip import peaked_model
 from tests.unit.test_presses import assert_top
 from tests.unit.tiny import prompt, tiny_model
 
 N, BUDGET = 60, 20
-
-
-def peaked_model():
-    model = tiny_model("llama", layers=3)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
-    return model
 
 
 def reference(model, ids, budget, structured=True):
@@ -61,7 +54,7 @@ def kept_positions(layer) -> list[list[int]]:
 
 @pytest.mark.parametrize("structured", [True, False])
 def test_keeps_the_recomputed_counts_and_each_heads_top_entries(structured):
-    model, ids = peaked_model(), prompt(N)
+    model, ids = peaked_model(layers=3), prompt(N)
     with AttentionCapture(model) as capture:
         gen = prepare(model, METHODS["kvcompose"](structured=structured), capture, ids, BUDGET, 1)
     kept = [kept_positions(layer) for layer in gen.cache.layers]
