@@ -8,7 +8,8 @@ recent_ratio: half the budget each by default). After every decode step's attent
   entries, the step's own token included)), A the step's attention (mean over each KV group's query heads), its
   value / `merge_budget` is added to the values of the `merge_budget` entries after it (those that exist: the
   authors' slice, still divided by `merge_budget`). One Bernoulli draw per KV head from the sample's seeded stream.
-The prompt is cut to the window once after the prefill, without merging (the authors mask it at once). As the
+The prompt is cut to the window once after the prefill, without merging (the authors mask it at once), and so is a
+chunk fed on top of the cache (a `query=agnostic` question, a later turn: the reference feeds none). As the
 reference, the merge writes values the next steps read; the step itself attended the values as they were.
 
 Differences from the reference: GQA (one draw per KV head, the group's mean attention: kvpress `CAMPress`'s
