@@ -10,7 +10,6 @@ near-ties at the cut), give no weight a gradient, and leave no graph in the cach
 tests/unit/test_kvpress_scorers3.py."""
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import DynamicCache
 
