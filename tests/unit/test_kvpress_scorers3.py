@@ -1,7 +1,7 @@
 """kvbench's kept sets equal kvpress 0.5.5's for KVComposePress (both variants) and KVgradPress, on the embedded
-SmolLM2 (tests/fixtures/kvpress_scorers3/goldens.json, made by scripts/make_kvpress_goldens_scorers3.py). One model
-load and one prefill per prompt serve every case: KVCompose's two variants select from one replay's scores; KVgrad
-(a forward and a backward per chunk on the CPU) runs on the first prompt only (both were equal when checked by hand)."""
+SmolLM2 (tests/fixtures/kvpress_scorers3/goldens.json, made by scripts/make_kvpress_goldens_scorers3.py). The suite
+compares the first golden prompt (160 tokens: one prefill, one replay, one backward on the CPU); the second (240)
+was equal too for all three cases when checked by hand. KVCompose's two variants select from one replay's scores."""
 from __future__ import annotations
 
 import json
@@ -26,19 +26,17 @@ def as_masks(heads) -> list[int]:
 
 @pytest.fixture(scope="module")
 def embedded():
-    """The goldens, the model and tokenizer, each golden prompt's prefilled cache and KVCompose's replay scores
-    (both variants score alike: they differ in the selection)."""
+    """The goldens, the model and tokenizer, the first golden prompt's prefilled cache and KVCompose's replay
+    scores on it (both variants score alike: they differ in the selection)."""
     goldens = json.loads(GOLDENS.read_text())
     model, tokenizer = load(ModelSpec(name="smollm2", path="embedded"))
-    caches, scores = [], []
+    golden = goldens["prompts"][0]
+    cache, ids = KVCache(), torch.tensor([golden["ids"]])
     with AttentionCapture(model) as capture:
-        for golden in goldens["prompts"]:
-            cache, ids = KVCache(), torch.tensor([golden["ids"]])
-            prefill(model, ids, cache)
-            caches.append(cache)
-            reconstruct(model, METHODS["kvcompose"](), capture, cache.clone(), ids, golden["budget"])
-            scores.append(capture.key_scores)
-    return goldens, model, tokenizer, caches, scores
+        prefill(model, ids, cache)
+        reconstruct(model, METHODS["kvcompose"](), capture, cache.clone(), ids, golden["budget"])
+        scores = capture.key_scores
+    return goldens, model, tokenizer, cache, scores
 
 
 @pytest.mark.parametrize("case", ["kvcompose", "kvcompose_unstructured"])
@@ -46,18 +44,17 @@ def test_kvcompose_keeps_kvpress_sets(case, embedded):
     goldens, *_, scores = embedded
     golden = goldens["cases"][case]
     method = METHODS[golden["method"]](**golden["fields"])
-    for prompt_golden, layer_scores, layers in zip(goldens["prompts"], scores, golden["kept"]):
-        kept = method.select_all(layer_scores, prompt_golden["budget"])
-        for i, heads in enumerate(layers):
-            assert as_masks(kept[i][0] if method.structured else kept[i]) == [int(h, 16) for h in heads], (case, i)
+    kept = method.select_all(scores, goldens["prompts"][0]["budget"])
+    for i, heads in enumerate(golden["kept"][0]):
+        assert as_masks(kept[i][0] if method.structured else kept[i]) == [int(h, 16) for h in heads], (case, i)
 
 
 def test_kvgrad_keeps_kvpress_sets(embedded):
-    goldens, model, tokenizer, caches, _ = embedded
+    goldens, model, tokenizer, prefilled, _ = embedded
     golden = goldens["cases"]["kvgrad"]
     method = METHODS[golden["method"]](**golden["fields"])
     method.prepare(model, tokenizer)
-    prompt_golden, cache, layers = goldens["prompts"][0], caches[0].clone(), golden["kept"][0]
+    prompt_golden, cache, layers = goldens["prompts"][0], prefilled.clone(), golden["kept"][0]
     ids = torch.tensor([prompt_golden["ids"]])
     with AttentionCapture(model) as capture:
         reconstruct(model, method, capture, cache, ids, prompt_golden["budget"])
