@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
+from kvbench.engine.gradient_replay import reconstruct_with_gradients
 from kvbench.engine.recompress import DecodeCompression, Recompressor
 from kvbench.cache import KVCache
 from kvbench.cache.channels import ChannelPrunedLayer
@@ -88,15 +89,18 @@ class Generation:
         return sum(per_layer) / len(per_layer)
 
 
-@torch.no_grad()
-def prefill(model, input_ids: Tensor, cache: KVCache, start: int = 0) -> Tensor:
+def prefill(model, input_ids: Tensor, cache: KVCache, start: int = 0, inputs_embeds: Tensor | None = None) -> Tensor:
     """Full-attention forward over the prompt; fills `cache`; returns the last position's logits `[B, V]`.
     `start` > 0: a chunk after `start` tokens already in `cache` (compressed or not: the capture masks each layer
     as long as it is; `query=agnostic` feeds the question this way). Such a chunk meets layers of different lengths
-    (PyramidKV's), a new attention shape per layer, so it runs without cuDNN's attention, as decode steps do."""
+    (PyramidKV's), a new attention shape per layer, so it runs without cuDNN's attention, as decode steps do.
+    `inputs_embeds` `[B, q, hidden]` (the embeddings of `input_ids`): the forward starts from them and records
+    autograd where the caller enabled it (KVgrad's replay, `engine.gradient_replay`); otherwise no graph is built."""
     pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
-    with without_cudnn_attention() if start else contextlib.nullcontext():
-        out = model(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    with without_cudnn_attention() if start else contextlib.nullcontext(), \
+            torch.no_grad() if inputs_embeds is None else contextlib.nullcontext():
+        out = model(**inputs, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
 
@@ -440,6 +444,10 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
         return
     scores = {i: torch.zeros(*layer.keys.shape[:2], n, device=layer.keys.device)
               for i, layer in enumerate(cache.layers) if i not in capture.window_layers}
+    if method.replay_gradient:  # KVgrad: the replay runs with autograd
+        reconstruct_with_gradients(model, method, capture, cache, context_ids, scores, prefill)
+        capture.key_scores = scores
+        return
     span = (0, 0)
 
     def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None, **inputs) -> None:

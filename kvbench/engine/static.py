@@ -59,6 +59,8 @@ def unsupported(method: Method, positions: str = "original", decode_compression:
         return "key channels pruned (key_channels) are stored in their own layout"
     if method.kind is Kind.STORAGE and name not in RETRIEVAL:
         return f"{name} keeps layers with their own storage"
+    if getattr(method, "merges_values", False):
+        return f"{name} merges leaving entries' values into kept ones, a write the static rows do not make"
     if method.kind is Kind.EVICTOR and method.evicts_while_decoding and static_form(method) is None:
         return f"{name}'s eviction rule decides across layers or keeps per-sample state"
     if model is not None:

@@ -13,6 +13,10 @@ from kvbench.methods import simlayerkv  # noqa: F401
 from kvbench.methods import cap, compactor, finch  # noqa: F401  (kvpress's presses, issue 35)
 from kvbench.methods import duo_attention, lukv, qfilter  # noqa: F401  (learned artefacts)
 from kvbench.methods import dms, kvzap  # noqa: F401
+from kvbench.methods import kvcompose  # noqa: F401
+from kvbench.methods import kvgrad  # noqa: F401
+from kvbench.methods import cam  # noqa: F401
+
 from kvbench.methods.base import Kind, LayerView, Method
 
 __all__ = ["Kind", "LayerView", "Method"]

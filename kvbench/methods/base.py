@@ -73,6 +73,7 @@ class Method:
     threshold_budget: ClassVar[bool] = False  # True: what is kept follows a score threshold, not `budget` (DMS)
     own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
     # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
+    replay_gradient: ClassVar[bool] = False  # a reconstructor whose replay runs with autograd (KVgrad)
 
     @property
     def compresses(self) -> bool:

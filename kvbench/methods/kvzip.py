@@ -51,6 +51,7 @@ and the K/V held at the peak 2x the full cache (the reconstruction's K/V on top 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import ClassVar, Literal
 
 import torch
@@ -131,25 +132,17 @@ class KVzip(Method):
             inputs.append((start, end, torch.cat([prompt, suffix, ids[start:end]])[None]))
         return inputs
 
-    def chunk_scores(self, query: Tensor, key: Tensor, scaling: float, start: int, end: int,
-                     softcap: float | None = None, value: Tensor | None = None, hidden: Tensor | None = None,
-                     output_weight: Tensor | None = None) -> Tensor:
-        """Max attention `[B, H_kv, end - start]` that the reconstruction rows `query` `[B, H_q, q, D]` pay each
-        context entry in [start, end); `key` `[B, H_kv, n + q, D]` is the layer's context then the input's own
-        keys. Softmax over sinks + chunk + the input (causal), fp32; max over the group's heads and the rows.
-        KVzip+ also needs `value` (as `key`), the rows' attention input `hidden` `[B, q, hidden]` and W_o."""
+    def chunk_probs(self, query: Tensor, key: Tensor, scaling: float, start: int, end: int,
+                    softcap: float | None = None) -> Iterator[tuple[int, Tensor]]:
+        """(first row, probs `[B, H_kv, G, r, end - start]`) per block of `row_block` reconstruction rows: each row
+        of `query` `[B, H_q, q, D]` takes a softmax over the sinks, the chunk [start, end) and the input itself
+        (causal) among `key` `[B, H_kv, n + q, D]` (the layer's context, then the input's own keys), fp32, sliced
+        to the chunk's entries; G = the query heads of a KV group."""
         b, h_q, q, d = query.shape
         h_kv = key.shape[1]
         sink = min(self.n_sink, start)
-        row_weight = col_weight = None
-        if self.kvzip_plus:
-            if value is None or hidden is None or output_weight is None:
-                raise ValueError("kvzip: kvzip_plus=true needs the values, the rows' attention input and W_o")
-            row_weight = 1 / hidden.float().norm(dim=-1)[:, None, None]  # [B, 1, 1, q]
-            col_weight = value_output_norm(value[:, :, start:end], output_weight, h_q)[..., None, :]  # [B,H,G,1,c]
         keys = torch.cat([key[:, :, :sink], key[:, :, start:end], key[:, :, -q:]], dim=2).float()
         grouped = query.float().view(b, h_kv, h_q // h_kv, q, d)
-        best = keys.new_full((b, h_kv, end - start), float("-inf"))
         for row in range(0, q, self.row_block):
             rows = grouped[:, :, :, row:row + self.row_block]
             logits = rows @ keys[:, :, None].transpose(-1, -2) * scaling  # [B, H_kv, G, r, m]
@@ -158,9 +151,25 @@ class KVzip(Method):
             r = rows.shape[3]
             future = torch.arange(q, device=key.device)[None] > torch.arange(row, row + r, device=key.device)[:, None]
             logits[..., keys.shape[2] - q:] = logits[..., keys.shape[2] - q:].masked_fill(future, float("-inf"))
-            probs = logits.softmax(dim=-1)[..., sink:sink + end - start]
+            yield row, logits.softmax(dim=-1)[..., sink:sink + end - start]
+
+    def chunk_scores(self, query: Tensor, key: Tensor, scaling: float, start: int, end: int,
+                     softcap: float | None = None, value: Tensor | None = None, hidden: Tensor | None = None,
+                     output_weight: Tensor | None = None) -> Tensor:
+        """Max attention `[B, H_kv, end - start]` that the reconstruction rows pay each context entry in
+        [start, end) (`chunk_probs`): max over the group's heads and the rows. KVzip+ weighs each row by
+        1 / its attention input's norm and each entry by its ‖v W_o‖, so it also needs `value` (as `key`), the rows'
+        attention input `hidden` `[B, q, hidden]` and W_o."""
+        row_weight = col_weight = None
+        if self.kvzip_plus:
+            if value is None or hidden is None or output_weight is None:
+                raise ValueError("kvzip: kvzip_plus=true needs the values, the rows' attention input and W_o")
+            row_weight = 1 / hidden.float().norm(dim=-1)[:, None, None]  # [B, 1, 1, q]
+            col_weight = value_output_norm(value[:, :, start:end], output_weight, query.shape[1])[..., None, :]
+        best = query.new_full((query.shape[0], key.shape[1], end - start), float("-inf"), dtype=torch.float32)
+        for row, probs in self.chunk_probs(query, key, scaling, start, end, softcap):
             if row_weight is not None:
-                probs = probs * row_weight[:, :, :, row:row + r, None] * col_weight
+                probs = probs * row_weight[:, :, :, row:row + probs.shape[3], None] * col_weight
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best
 

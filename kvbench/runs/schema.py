@@ -208,6 +208,9 @@ RANGES: dict[str, Range] = {
     "sink": at_least(0, "first entries always kept"),
     "DMS.threshold": Range(note="a score: entries below it, outside the window, are evicted"),
     "weights": TEXT,
+    # --- kvpress's presses (issue 35: kvcompose, kvgrad, cam, restorekv)
+    "keep_token_lower_bound": at_least(0, "entries every layer keeps first"),
+    "merge_budget": at_least(1, "entries a leaving entry's value is shared with"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

@@ -30,7 +30,7 @@ def configured(name: str):
         cfg.update(start_size=4, recent_size=12, quant_layers=[0])
     if name == "pqcache":  # 4 sinks + 8 recent; 16 centroids (the 150-token prompt has 146 keys to cluster)
         cfg.update(sink_size=4, recent_size=8, bits=4)
-    if name == "kvzip":  # prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64 (3 per prompt)
+    if "prompt_ids" in cfg:  # kvzip, kvgrad: prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "simlayerkv":  # every layer lazy: a random model's attention is nowhere near a real threshold
         cfg.update(lazy_threshold=0.0)

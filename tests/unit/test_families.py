@@ -68,7 +68,7 @@ def configured(name: str):
         cfg.update(sink_size=4, recent_size=8, bits=4)
     if name in ("dms", "kvzap"):  # thresholds that evict every entry outside the window (dms: -‖k‖ < 0) or about
         cfg.update(threshold=0.0, **({"weights": "random"} if name == "kvzap" else {}))  # half (a random surrogate)
-    if name == "kvzip":  # prompts as token ids of the tiny vocabulary; chunks of 64
+    if "prompt_ids" in cfg:  # kvzip, kvgrad: prompts as token ids of the tiny vocabulary; chunks of 64
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "duo_attention":  # every head streams (4 sinks + 8 recent), so that every layer shrinks
         cfg.update(sink_size=4, recent_size=8, head_ratio=1.0)
@@ -168,7 +168,7 @@ def check_contract(family: str, name: str):
             with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:  # (the prompt exceeds it)
                 generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
         return
-    if name == "kvzip" and family == "mpt":  # ALiBi: the reconstruction's scores are not implemented for it
+    if method.kind is Kind.RECONSTRUCTOR and family == "mpt":  # ALiBi: reconstruction scores not implemented
         with pytest.raises(NotImplementedError, match="ALiBi"):
             with AttentionCapture(model) as capture:
                 generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())

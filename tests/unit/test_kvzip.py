@@ -22,9 +22,9 @@ PROMPT_IDS = [[5, 6, 7], [8, 9, 10, 11], [12]]  # first prompt, next prompt, suf
 N, BUDGET, CHUNK, SINK, POSTFIX = 150, 40, 64, 4, 8
 
 
-def peaked_model():
+def peaked_model(layers: int = 2):
     """Two layers of GQA (6 query heads, 2 KV heads) with queries scaled up, so attention is far from uniform."""
-    model = tiny_model("llama", layers=2)
+    model = tiny_model("llama", layers=layers)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(30)
