@@ -449,11 +449,12 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
         capture.key_scores = scores
         return
     span = (0, 0)
+    kvzip_plus = getattr(method, "kvzip_plus", False)  # KVzip+ also reads the values, the rows' input and W_o
 
     def score(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None, **inputs) -> None:
         if layer_idx in scores:
-            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(
-                query, key, scaling, *span, softcap, output_weight=capture.output_weight(layer_idx), **inputs)
+            plus = dict(output_weight=capture.output_weight(layer_idx), **inputs) if kvzip_plus else {}
+            scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(query, key, scaling, *span, softcap, **plus)
 
     window, capture.window, capture.prefill_hook = capture.window, 0, score
     try:

@@ -46,7 +46,8 @@ def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture,
     seen: dict[int, tuple] = {}
     outputs: dict = {}
 
-    def keep(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None) -> None:
+    def keep(layer_idx: int, query: Tensor, key: Tensor, scaling: float, softcap: float | None, **_) -> None:
+        # (the capture also hands the rows' values and input, which KVzip+ reads)
         if layer_idx in scores:
             seen[layer_idx] = (query.detach(), key.detach(), scaling, softcap)
 

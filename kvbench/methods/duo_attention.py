@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvbench.methods import artefacts
+import kvbench.methods.artefacts as artefacts
 from kvbench.methods.base import LayerView, Method
 from kvbench.models.rotary import Rotary
 from kvbench.registry import METHODS

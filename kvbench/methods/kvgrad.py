@@ -39,6 +39,11 @@ class KVgrad(KVzip):
 
     chunk_size: int = 512
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kvzip_plus:
+            raise ValueError("kvgrad: kvzip_plus is KVzip's switch; KVgrad weighs entries by its gradients instead")
+
     def prepare(self, model, tokenizer, *, prefill=None) -> dict | None:
         """kvpress's prompts (its later-chunk prompt has no trailing space) and KVzip's suffix rule."""
         if self.prompt_ids is None:

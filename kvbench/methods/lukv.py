@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.methods import artefacts
+import kvbench.methods.artefacts as artefacts
 from kvbench.methods.base import LayerView
 from kvbench.methods.expected_attention import ExpectedAttention
 from kvbench.registry import METHODS

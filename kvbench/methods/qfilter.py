@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.methods import artefacts
+import kvbench.methods.artefacts as artefacts
 from kvbench.methods.base import LayerView, Method
 from kvbench.registry import METHODS
 

@@ -44,8 +44,8 @@ def rows(t: str) -> list:
     return [
         (["budgt=1"], "key", "Unknown config key 'budgt'. Did you mean: budget? Valid keys: "),
         (["method=snapkv", "method.windw=8"], "field",
-         "method snapkv has no field 'windw'. Did you mean: window? Fields: gqa_reduce, granularity, kernel, "
-         "pooling, window"),
+         "method snapkv has no field 'windw'. Did you mean: window? Fields: channel_window, gqa_reduce, "
+         "granularity, kernel, key_channels, pooling, window"),
         (["budget=[1"], "syntax", "cannot parse the override 'budget=[1'"),
         (["model=hf", f"model.path={t}/no/such/dir"], "path",
          f"model: path='{t}/no/such/dir' does not exist (a local path is never taken for a Hub id)"),
