@@ -29,7 +29,8 @@ Attention modules, the family's eager kernel, predicted queries and window layer
 adapter (`kvbench.models.adapters`), never from attribute names; an unsupported family is refused there.
 
 While active it also computes the family's gated MLP in place on each instance (`kvbench.models.mlp`: one
-`[B, n, intermediate]` tensor fewer at a prefill's peak, the same output bit for bit).
+`[B, n, intermediate]` tensor fewer at a prefill's peak, the same output bit for bit), and frees each decoder layer's
+input once the layer has read it for the last time (`kvbench.models.release`).
 
 The wrapper also lets a layer hold one KV copy per query head (the paper-era `query_head` layout): the wrapped
 function then sees as many key heads as query heads and is told not to repeat them.
@@ -53,6 +54,7 @@ from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
 from kvbench.models.mlp import lean_mlp_forward
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
+from kvbench.models.release import LayerInputRelease
 from kvbench.models.rotary import Rotary
 
 _ids = itertools.count()
@@ -96,6 +98,7 @@ class AttentionCapture:
         self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
         self._handles: list = []
         self._lean_mlps: list[torch.nn.Module] = []
+        self._release: LayerInputRelease | None = None
         self._placement: dict[int, tuple[torch.device, bool]] = {}  # layer -> (device, weights offloaded): fixed
         # once loaded, so found once (walking the module tree on every predicted query cost ~3 % of a batched step)
 
@@ -138,6 +141,8 @@ class AttentionCapture:
             if "forward" not in module.__dict__:  # (an instance forward of its own, e.g. accelerate's hook, stays)
                 module.forward = lean_mlp_forward(module, self.adapter.mlp_layout)
                 self._lean_mlps.append(module)
+        self._release = LayerInputRelease(self.model, self._lean_mlps)
+        self._release.install()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -152,6 +157,7 @@ class AttentionCapture:
         for module in self._lean_mlps:
             module.__dict__.pop("forward", None)
         self._lean_mlps.clear()
+        self._release.remove()
         AttentionInterface._global_mapping.pop(self.name, None)
         AttentionMaskInterface._global_mapping.pop(self.name, None)
         self.reset()

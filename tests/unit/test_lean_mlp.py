@@ -61,3 +61,46 @@ def test_an_instance_forward_of_its_own_is_left_alone():
     with AttentionCapture(model):
         assert mlp.__dict__["forward"] is own
     assert mlp.__dict__["forward"] is own
+
+
+def layer_inputs(model, family: str) -> list[torch.Tensor]:
+    """Each decoder layer's input of the next forward, as the layer received it (hooked after the capture's)."""
+    seen: list[torch.Tensor] = []
+    for mlp in BY_FAMILY[family].mlp_modules(model):
+        layer = next(m for m in model.modules() if getattr(m, "mlp", None) is mlp)
+        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("hidden_states", args[0])),
+                                        with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # layer 0's input is the embeddings / a scaled copy
+def test_each_layer_input_is_freed_once_read(family):
+    model = tiny_random_model(family, layers=2)
+    ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(2))
+    plain_logits, plain_kv = forward(model, ids)
+    with AttentionCapture(model, window=8):
+        seen = layer_inputs(model, family)
+        logits, kv = forward(model, ids)
+        assert len(seen) == 2 and all(t.untyped_storage().nbytes() == 0 for t in seen)
+        seen.clear()
+        model(ids[:, :1], use_cache=False)  # a decode-sized step keeps its input
+        assert len(seen) == 2 and all(t.untyped_storage().nbytes() > 0 for t in seen)
+    assert torch.equal(logits, plain_logits)
+    assert all(torch.equal(a, b) for a, b in zip(kv, plain_kv))
+
+
+def test_layer_inputs_someone_else_holds_are_kept():
+    model = tiny_random_model("llama", layers=2)
+    ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = model(ids, output_hidden_states=True).hidden_states
+    embeds = model.get_input_embeddings()(ids).detach()
+    with AttentionCapture(model):
+        seen = layer_inputs(model, "llama")
+        with torch.no_grad():
+            recorded = model(ids, output_hidden_states=True).hidden_states  # every layer input is returned
+            model(inputs_embeds=embeds)  # the caller's embeddings stay the caller's
+        model(ids)  # autograd records: backward may need them
+    assert all(torch.equal(a, b) for a, b in zip(recorded, plain))
+    assert torch.equal(embeds, plain[0])
+    assert len(seen) == 6 and all(t.untyped_storage().nbytes() > 0 for t in seen)
