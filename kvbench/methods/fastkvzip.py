@@ -50,7 +50,8 @@ LONG_CONTEXT = 32000  # kvpress: from this length on the recent window is `windo
 def gate_file(model_name: str, n_groups: int) -> Path:
     """Where `gates=auto` looks for a model's gate (the authors' file name, lower-cased model name)."""
     name = artefacts.EMBEDDED if artefacts.EMBEDDED in model_name else model_name.rstrip("/").split("/")[-1]
-    return artefacts.cache_dir() / "fastkvzip" / name.lower() / f"q{n_groups}_dim{OUTPUT_DIM}_sink{N_SINK_KEYS}.safetensors"
+    filename = f"q{n_groups}_dim{OUTPUT_DIM}_sink{N_SINK_KEYS}.safetensors"
+    return artefacts.cache_dir() / "fastkvzip" / name.lower() / filename
 
 
 def gate_scores(params: dict[str, Tensor], hidden: Tensor) -> Tensor:
@@ -144,7 +145,7 @@ class FastKVzip(Method):
             path = gate_file(model_name, n_groups) if self.gates == "auto" else Path(self.gates).expanduser()
             if not path.is_file():
                 script = ("scripts/train_fastkvzip_embedded.py" if artefacts.EMBEDDED in model_name else
-                          f"scripts/convert_fastkvzip_gates.py --model {model_name} --revision <commit> (needs the Hub)")
+                          f"scripts/convert_fastkvzip_gates.py --model {model_name} --revision <commit> (Hub)")
                 raise ValueError(f"fastkvzip: no gates for {model_name!r} at {path}; make them with {script}, or "
                                  "set method.gates=<file>")
             self._gates, metadata = load_gates(path)

@@ -5,6 +5,7 @@ entries whose kvpress score lay within 1e-6 of the cut may differ: ties, e.g. re
 sees the token alone); the static step; the one-line refusals."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from functools import partial
@@ -18,7 +19,7 @@ from kvbench.cache.kv_cache import KVCache
 from kvbench.engine.batching import generate_batched
 from kvbench.engine.generation import compress, prefill, prepare, reconstruct
 from kvbench.engine.static import StaticDecoder, unsupported
-from kvbench.methods.fastkvzip import gate_scores, random_gates
+from kvbench.methods.fastkvzip import gate_file, gate_scores, random_gates
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 from tests.unit.test_compiled_step import FIELDS, requests
@@ -159,3 +160,23 @@ def test_bad_settings_and_missing_gates_fail_in_one_line(tiny, tmp_path, monkeyp
         METHODS["fastkvzip"]().load(tiny.config, "Qwen/Qwen3-8B")
     with pytest.raises(ValueError, match="n_sink=4 must be < budget=4"):
         METHODS["fastkvzip"]().check_budget(4)
+
+
+def test_a_published_gate_file_converts_to_what_gates_auto_reads(tiny, tmp_path, monkeypatch):
+    """scripts/convert_fastkvzip_gates.py on a .pt shaped as the authors' (bf16 state dicts under "module"): the
+    file lands where `gates=auto` looks, its revision goes into the manifest, its scores are the gate's."""
+    script = Path(__file__).parents[2] / "scripts/convert_fastkvzip_gates.py"
+    spec = importlib.util.spec_from_file_location("convert", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    gates = [{name: t.bfloat16() for name, t in layer.items()} for layer in random_gates(tiny.config, seed=5)]
+    torch.save({"module": gates, "loss": [0.1]}, tmp_path / "q3_dim16_sink16.pt")
+    out = gate_file("org/Tiny-Model", 3)
+    convert.convert(convert.read_published(tmp_path / "q3_dim16_sink16.pt"), out, {"revision": "abc123"})
+    method = METHODS["fastkvzip"]()
+    manifest = method.load(tiny.config, "org/Tiny-Model")
+    assert manifest["revision"] == "abc123" and manifest["file"] == str(out)
+    hidden = torch.randn(1, 5, tiny.config.hidden_size)
+    torch.testing.assert_close(method.input_scores(0, hidden, tiny.config),
+                               method.protect(gate_scores({k: v.float() for k, v in gates[0].items()}, hidden)))
