@@ -70,6 +70,14 @@ def gate_scores(params: dict[str, Tensor], hidden: Tensor) -> Tensor:
     return score.mean(-1).transpose(1, 2)
 
 
+def kv_heads(config) -> int:
+    """The model's KV heads, whatever its config calls them (Falcon's multi-query attention: one)."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+            or config.num_attention_heads)
+
+
 def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
 
@@ -77,8 +85,7 @@ def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
 def random_gates(config, seed: int = 0) -> list[dict[str, Tensor]]:
     """Seeded gates shaped for `config` (nn.Linear's init scale, unit norms, random sink keys and biases)."""
     generator = torch.Generator().manual_seed(seed)
-    hidden, h_q = config.hidden_size, config.num_attention_heads
-    h_kv = getattr(config, "num_key_value_heads", None) or h_q
+    hidden, h_q, h_kv = config.hidden_size, config.num_attention_heads, kv_heads(config)
     bound = hidden ** -0.5
     uniform = lambda *shape: (torch.rand(*shape, generator=generator) * 2 - 1) * bound  # noqa: E731
     return [{"q_proj.weight": uniform(h_q * OUTPUT_DIM, hidden), "q_proj.bias": uniform(h_q * OUTPUT_DIM),
@@ -100,8 +107,7 @@ def load_gates(path: Path) -> tuple[list[dict[str, Tensor]], dict]:
 
 def check_gates(gates: list[dict[str, Tensor]], config, source: str) -> None:
     """One gate per layer, fed the model's hidden size, one key per KV head, one query per query head."""
-    h_q = config.num_attention_heads
-    h_kv = getattr(config, "num_key_value_heads", None) or h_q
+    h_q, h_kv = config.num_attention_heads, kv_heads(config)
     got = (len(gates), gates[0]["q_proj.weight"].shape[1], gates[0]["k_base"].shape[0],
            gates[0]["q_proj.weight"].shape[0] // gates[0]["k_base"].shape[-1])
     want = (config.num_hidden_layers, config.hidden_size, h_kv, h_q)
@@ -137,8 +143,7 @@ class FastKVzip(Method):
 
     def load(self, config, model_name: str) -> dict:
         """The gates `gates` names for the model (checked against its shape); what goes into the manifest."""
-        n_groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or
-                                                  config.num_attention_heads)
+        n_groups = config.num_attention_heads // kv_heads(config)
         if self.gates == "random":
             self._gates, described = random_gates(config), {"source": "random"}
         else:
