@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.methods import artefacts
+from kvbench.methods.artefacts import EMBEDDED, cache_dir, describe, model_id, warn_unprepared
 from kvbench.methods.base import Kind, Method
 from kvbench.registry import METHODS
 
@@ -49,9 +49,9 @@ LONG_CONTEXT = 32000  # kvpress: from this length on the recent window is `windo
 
 def gate_file(model_name: str, n_groups: int) -> Path:
     """Where `gates=auto` looks for a model's gate (the authors' file name, lower-cased model name)."""
-    name = artefacts.EMBEDDED if artefacts.EMBEDDED in model_name else model_name.rstrip("/").split("/")[-1]
+    name = EMBEDDED if EMBEDDED in model_name else model_name.rstrip("/").split("/")[-1]
     filename = f"q{n_groups}_dim{OUTPUT_DIM}_sink{N_SINK_KEYS}.safetensors"
-    return artefacts.cache_dir() / "fastkvzip" / name.lower() / filename
+    return cache_dir() / "fastkvzip" / name.lower() / filename
 
 
 def gate_scores(params: dict[str, Tensor], hidden: Tensor) -> Tensor:
@@ -149,22 +149,22 @@ class FastKVzip(Method):
         else:
             path = gate_file(model_name, n_groups) if self.gates == "auto" else Path(self.gates).expanduser()
             if not path.is_file():
-                script = ("scripts/train_fastkvzip_embedded.py" if artefacts.EMBEDDED in model_name else
+                script = ("scripts/train_fastkvzip_embedded.py" if EMBEDDED in model_name else
                           f"scripts/convert_fastkvzip_gates.py --model {model_name} --revision <commit> (Hub)")
                 raise ValueError(f"fastkvzip: no gates for {model_name!r} at {path}; make them with {script}, or "
                                  "set method.gates=<file>")
             self._gates, metadata = load_gates(path)
-            described = {**artefacts.describe(path), **metadata}
+            described = {**describe(path), **metadata}
         check_gates(self._gates, config, described.get("file", "random"))
         return described
 
     def prepare(self, model, tokenizer, *, prefill=None) -> dict | None:
         """Load the gates before the first sample, so a missing or misshapen file fails the run at its start."""
-        return {"fastkvzip_gates": self.load(model.config.get_text_config(), artefacts.model_id(model))}
+        return {"fastkvzip_gates": self.load(model.config.get_text_config(), model_id(model))}
 
     def input_scores(self, layer_idx: int, hidden: Tensor, config) -> Tensor:
         if self._gates is None:
-            artefacts.warn_unprepared(self, "a seeded random gate stands in (scores mean nothing)")
+            warn_unprepared(self, "a seeded random gate stands in (scores mean nothing)")
             self._gates = random_gates(config)
         params = {name: p.to(hidden.device) for name, p in self._gates[layer_idx].items()}
         return self.protect(gate_scores(params, hidden))
