@@ -28,7 +28,6 @@ nothing). A run through the engine without `prepare` (unit tests) falls back to 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -40,7 +39,6 @@ from kvbench.methods.artefacts import EMBEDDED, cache_dir, describe, model_id, w
 from kvbench.methods.base import Kind, Method
 from kvbench.registry import METHODS
 
-logger = logging.getLogger(__name__)
 
 OUTPUT_DIM, N_SINK_KEYS, EPS = 16, 16, 1e-6  # the published gates' shape (q<G>_dim16_sink16) and Qwen3RMSNorm's eps
 PARAMS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
