@@ -28,6 +28,7 @@ class Kind(enum.Enum):
     #                                   `DecodingMethod` (H2O, Keyformer, BUZZ, the rolling windows)
     RECONSTRUCTOR = "reconstruction selector"  # scores the prompt by prefilling a reconstruction of it on top of
     #                                   the full cache, then picks entries across all layers and heads: `select_all` (KVzip)
+    #                                   (Fast KVzip: a gate scores each layer's input instead, `scores_inputs`)
     STORAGE = "storage"  # keeps every entry in layers with their own storage and retrieval: `attach` (TailorKV)
 
 

@@ -217,7 +217,8 @@ def check_feeding(cfg: DictConfig, method, dataset, adapter) -> None:
     turns = getattr(dataset, "turns", 1)
     feeds = "query=agnostic" if cfg.get("query", "aware") == "agnostic" else (
         f"dataset.turns={turns}" if turns > 1 else None)
-    if adapter.positions == "alibi" and (feeds or method.kind is Kind.RECONSTRUCTOR):
+    replays = method.kind is Kind.RECONSTRUCTOR and not method.scores_inputs  # (Fast KVzip replays nothing)
+    if adapter.positions == "alibi" and (feeds or replays):
         raise ValueError(f"{feeds or 'method=' + method.registry_name}: {adapter.family} has ALiBi attention, which "
                          "tokens fed on top of a cache (an agnostic question, later turns, KVzip's reconstruction) "
                          "do not apply yet; use query=aware, one turn and another method")

@@ -211,6 +211,10 @@ RANGES: dict[str, Range] = {
     # --- kvpress's presses (issue 35: kvcompose, kvgrad, cam, restorekv)
     "keep_token_lower_bound": at_least(0, "entries every layer keeps first"),
     "merge_budget": at_least(1, "entries a leaving entry's value is shared with"),
+    # --- Fast KVzip
+    "gates": OWN,  # auto | random | a file (FastKVzip.__post_init__)
+    "window_ratio": within(0, 1, "share of the context kept as the recent window", open_high=True),
+    "window_size": at_least(1, "recent entries kept from 32k tokens on"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
