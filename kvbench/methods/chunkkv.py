@@ -53,28 +53,23 @@ def normalised_entropy(scores: Tensor) -> Tensor:
     return (-(p * (p + EPSILON).log()).sum(dim=-1) / math.log(scores.shape[-1])).clamp(0.0, 1.0)
 
 
-@METHODS.register("chunkkv")
 @dataclass
-class ChunkKV(Method):
+class KvpressWindowScorer(Method):
+    """Scores entries as kvpress's SnapKVPress (`kvpress_snapkv_scores`): its window, pooling and checks, shared by
+    ChunkKV and CriticalKV."""
+
     window: int = 64  # last prompt queries that score the entries (kvpress SnapKVPress window_size)
     kernel: int = 5
     pooling: Literal["avg", "max", "none"] = "avg"
-    chunk_length: int = 20  # entries per chunk (kvpress ChunkKVPress; its entropy-gated press: 10)
-    entropy_gate: bool = False  # kvpress EntropyGatedChunkKVPress
-    low_entropy_chunk_length: int = 4  # entries a spiky chunk keeps under the gate
 
     def __post_init__(self):
+        name = type(self).registry_name
         if self.window < 1:
-            raise ValueError(f"chunkkv: window={self.window} must be >= 1")
+            raise ValueError(f"{name}: window={self.window} must be >= 1")
         if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"chunkkv: kernel={self.kernel} must be odd and >= 1 (length-preserving pooling)")
+            raise ValueError(f"{name}: kernel={self.kernel} must be odd and >= 1 (length-preserving pooling)")
         if self.pooling not in ("avg", "max", "none"):
-            raise ValueError(f"chunkkv: pooling={self.pooling!r} is not one of avg, max, none")
-        if self.chunk_length < 1:
-            raise ValueError(f"chunkkv: chunk_length={self.chunk_length} must be >= 1")
-        if self.entropy_gate and not self.chunk_length > self.low_entropy_chunk_length >= 1:
-            raise ValueError(f"chunkkv: low_entropy_chunk_length={self.low_entropy_chunk_length} must be in [1, "
-                             f"chunk_length={self.chunk_length}) with entropy_gate=true")
+            raise ValueError(f"{name}: pooling={self.pooling!r} is not one of avg, max, none")
 
     @property
     def query_window(self) -> int:
@@ -84,8 +79,27 @@ class ChunkKV(Method):
         super().check_budget(budget)
         self.check_below_budget("window", budget, "the window's entries score highest")
 
-    def token_scores(self, view: LayerView) -> Tensor:
+    def snapkv_scores(self, view: LayerView) -> Tensor:
         return kvpress_snapkv_scores(view, self.window, self.kernel, self.pooling)
+
+
+@METHODS.register("chunkkv")
+@dataclass
+class ChunkKV(KvpressWindowScorer):
+    chunk_length: int = 20  # entries per chunk (kvpress ChunkKVPress; its entropy-gated press: 10)
+    entropy_gate: bool = False  # kvpress EntropyGatedChunkKVPress
+    low_entropy_chunk_length: int = 4  # entries a spiky chunk keeps under the gate
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.chunk_length < 1:
+            raise ValueError(f"chunkkv: chunk_length={self.chunk_length} must be >= 1")
+        if self.entropy_gate and not self.chunk_length > self.low_entropy_chunk_length >= 1:
+            raise ValueError(f"chunkkv: low_entropy_chunk_length={self.low_entropy_chunk_length} must be in [1, "
+                             f"chunk_length={self.chunk_length}) with entropy_gate=true")
+
+    def token_scores(self, view: LayerView) -> Tensor:
+        return self.snapkv_scores(view)
 
     def keep_row(self, scores: Tensor, n_keep: int) -> Tensor:
         """One batch row's token scores `[n]` (summed over heads) -> the kept positions `[n_keep]`, sorted."""

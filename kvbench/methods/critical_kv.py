@@ -20,13 +20,13 @@ SnapKV reference's; kvbench's own `snapkv` also sums rather than averages the wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from kvbench.methods.base import LayerView, Method
-from kvbench.methods.chunkkv import kvpress_snapkv_scores
+from kvbench.methods.base import LayerView
+from kvbench.methods.chunkkv import KvpressWindowScorer
 from kvbench.registry import METHODS
 
 
@@ -41,36 +41,20 @@ def output_l1_norms(values: Tensor, weight: Tensor) -> Tensor:
 
 @METHODS.register("critical_kv")
 @dataclass
-class CriticalKV(Method):
-    window: int = 64  # last prompt queries scoring the entries (kvpress SnapKVPress window_size)
-    kernel: int = 5
-    pooling: Literal["avg", "max", "none"] = "avg"
+class CriticalKV(KvpressWindowScorer):
     epsilon: float = 1e-4  # added to the first scores before weighing by the output norm
     first_stage_ratio: float = 0.5  # share of the budget kept by the first scores alone
 
     def __post_init__(self):
+        super().__post_init__()
         name = type(self).registry_name
-        if self.window < 1:
-            raise ValueError(f"{name}: window={self.window} must be >= 1")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{name}: kernel={self.kernel} must be odd and >= 1 (length-preserving pooling)")
-        if self.pooling not in ("avg", "max", "none"):
-            raise ValueError(f"{name}: pooling={self.pooling!r} is not one of avg, max, none")
         if not 0 <= self.first_stage_ratio <= 1:
             raise ValueError(f"{name}: first_stage_ratio={self.first_stage_ratio} must be in [0, 1]")
         if self.epsilon < 0:
             raise ValueError(f"{name}: epsilon={self.epsilon} must be >= 0")
 
-    @property
-    def query_window(self) -> int:
-        return self.window
-
-    def check_budget(self, budget: int | None) -> None:
-        super().check_budget(budget)
-        self.check_below_budget("window", budget, "the window's entries score highest")
-
     def first_scores(self, view: LayerView) -> Tensor:
-        return kvpress_snapkv_scores(view, self.window, self.kernel, self.pooling)
+        return self.snapkv_scores(view)
 
     def output_norms(self, view: LayerView) -> Tensor:
         if view.output_weight is None:

@@ -15,23 +15,19 @@ from transformers import DynamicCache
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.engine.generation import compress, prefill
+from kvbench.engine.generation import prefill
 from kvbench.models import AttentionCapture
 from kvbench.models.rotary import Rotary
 from kvbench.models.tiny import tiny_random_model
 from kvbench.registry import METHODS
+from tests.unit import tiny
 from tests.unit.tiny import prompt, tiny_model
 
 N, BUDGET = 90, 24
 
 
 def kept_by_kvbench(model, ids, method, budget=BUDGET):
-    """Original positions `[H_kv, budget]` per layer right after kvbench's prefill compression."""
-    cache = KVCache()
-    with AttentionCapture(model, window=method.query_window) as capture:
-        prefill(model, ids, cache)
-        compress(method, cache, capture, budget)
-    return [layer.positions[0] for layer in cache.layers]
+    return tiny.kept_by_kvbench(model, ids, method, budget)
 
 
 def reference_prefill(model, ids):

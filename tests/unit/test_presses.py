@@ -25,6 +25,7 @@ from kvbench.engine.generation import compress, prefill
 from kvbench.methods.base import LayerView
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
+from tests.unit import tiny
 from tests.unit.tiny import prompt, tiny_model
 
 N, BUDGET = 90, 24
@@ -32,12 +33,7 @@ GOLDENS = Path(__file__).resolve().parents[1] / "fixtures/kvpress_new/goldens.js
 
 
 def kept_by_kvbench(model, ids, method, budget=BUDGET):
-    """Original positions `[H_kv, budget]` per layer right after kvbench's prefill compression."""
-    cache = KVCache()
-    with AttentionCapture(model, window=method.query_window) as capture:
-        prefill(model, ids, cache)
-        compress(method, cache, capture, budget)
-    return [layer.positions[0] for layer in cache.layers]
+    return tiny.kept_by_kvbench(model, ids, method, budget)
 
 
 def reference_prefill(model, ids, attentions=False):

@@ -35,3 +35,17 @@ def attention_function(model, fn, name: str = "test_reference"):
     finally:
         model.set_attn_implementation(original)
         AttentionInterface._global_mapping.pop(name, None)
+
+
+def kept_by_kvbench(model, ids, method, budget: int):
+    """Original positions `[H_kv, budget]` per layer right after kvbench's prefill compression (kvpress's presses
+    are checked against these)."""
+    from kvbench.cache import KVCache
+    from kvbench.engine.generation import compress, prefill
+    from kvbench.models import AttentionCapture
+
+    cache = KVCache()
+    with AttentionCapture(model, window=method.query_window) as capture:
+        prefill(model, ids, cache)
+        compress(method, cache, capture, budget)
+    return [layer.positions[0] for layer in cache.layers]
