@@ -177,6 +177,7 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
     if layer_idx in capture.window_layers:  # sliding-window layers keep the model's own window semantics
         return
     layer = cache.layers[layer_idx]
+    input_scores = capture.input_scores.pop(layer_idx, None)  # (KVzap's; dropped even where nothing is evicted)
     if state is not None:
         held = layer.nbytes()
         state.prefill(layer_idx, layer, capture.column_sums.pop(layer_idx, None))
@@ -187,7 +188,7 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx), capture.output_weight(layer_idx),
-                         question_len=capture.question_len, input_scores=capture.input_scores.pop(layer_idx, None))
+                         question_len=capture.question_len, input_scores=input_scores)
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None
