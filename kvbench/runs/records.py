@@ -27,6 +27,12 @@ def git_sha() -> str | None:
         return None
 
 
+def recorded_budget(cfg) -> int | None:
+    """The run's budget as its manifest and summary state it: None on a ratio run, whose budget is set per sample
+    from its prompt length (each record carries its own); the config's default budget was never used there."""
+    return None if cfg.ratio is not None else cfg.budget
+
+
 def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples, provenance=None) -> dict:
     """manifest.json's fields at a run's start. `dataset_provenance`: where the data came from (the download
     script's provenance.json: source, revision, the commit read; RULER's length tokenizer), `provenance` or the
@@ -48,7 +54,7 @@ def manifest(cfg, method_name, dataset_name, dataset, spec, data_sha, n_samples,
             versions[pkg] = None
     return {
         "kvbench_version": kvbench.__version__, "git_sha": git_sha(),
-        "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+        "method": method_name, "budget": recorded_budget(cfg), "ratio": cfg.ratio,
         "query": cfg.get("query", "aware"),  # aware: the question prefilled before compression | agnostic: after
         "model": spec.name, "model_source": describe_source(spec),
         "dataset": dataset_name, "dataset_version": getattr(dataset, "version", None),
@@ -111,7 +117,7 @@ def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_n
     """scores.json over the records of this run's samples (written atomically); returns it."""
     ids_now = {s.id for s in samples}
     finished = [r for r in latest_per_id(records) if r["id"] in ids_now]  # failure records included: n_failed
-    summary = {"dataset": dataset_name, "method": method_name, "budget": cfg.budget, "ratio": cfg.ratio,
+    summary = {"dataset": dataset_name, "method": method_name, "budget": recorded_budget(cfg), "ratio": cfg.ratio,
                "model": spec.name, "primary_metric": dataset.primary_metric,
                **aggregate(finished, getattr(dataset, "corpus_metrics", None)),
                **dataset.summarize([r for r in finished if not is_failure(r)])}

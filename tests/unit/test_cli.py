@@ -146,6 +146,15 @@ def test_ratio_sets_the_budget_from_each_prompt_length(tmp_path):
     assert run_dirs(tmp_path) == [run_dir] and run_dir.name.startswith("r0.75-")
     for r in records(run_dir):
         assert r["budget"] == int(r["prompt_tokens"] * 0.25) and r["effective_budget"] == r["budget"]
+    # the run as a whole has no budget (not the config's default 128): its ratio says what it kept
+    for name in ("manifest.json", "scores.json"):
+        written = json.loads((run_dir / name).read_text())
+        assert (written["budget"], written["ratio"]) == (None, 0.75), name
+    from kvbench.report import load_runs, summary_table, to_markdown
+
+    table = summary_table(load_runs([run_dir]))
+    assert len(table) == 1 and table["budget"].isna().all() and table.loc[0, "ratio"] == 0.75
+    assert "| SnapKV | – | 0.75 |" in to_markdown(table)  # KV Size "–", Ratio 0.75
 
 
 def test_multirun_sweeps_methods_and_budgets(tmp_path):
