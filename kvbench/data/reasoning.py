@@ -30,6 +30,7 @@ independent draws of the benchmark, so the per-sample sd / sqrt(n * problems) wo
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple
@@ -40,7 +41,7 @@ from kvbench.data.base import Dataset, Sample
 from kvbench.data.jsonl import find_file, read_jsonl, read_provenance
 from kvbench.metrics.reasoning import answered, math_verify
 from kvbench.registry import DATASETS
-from kvbench.metrics.stats import mean_se
+from kvbench.metrics.stats import unit_mean_se
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,9 @@ def pass_at_1(records: list[dict], metrics: tuple[str, ...]) -> dict:
     """Per metric: the mean over problems (`meta.problem`) of each problem's mean score, and the se over problems."""
     out = {}
     for metric in metrics:
-        by_problem: dict[str, list[float]] = {}
-        for r in records:
-            if metric in r.get("scores", {}):
-                by_problem.setdefault(r["meta"]["problem"], []).append(r["scores"][metric])
-        est = mean_se(float(np.mean(v)) for v in by_problem.values())
-        counts = [len(v) for v in by_problem.values()]
+        scored = [r for r in records if metric in r.get("scores", {})]
+        est = unit_mean_se([r["scores"][metric] for r in scored], [r["meta"]["problem"] for r in scored])
+        counts = list(Counter(r["meta"]["problem"] for r in scored).values())
         out[metric] = {"mean": est.mean, "se": est.se, "n_problems": est.n,
                        "samples_per_problem": [min(counts), max(counts)] if counts else None,
                        "se_method": "sd of per-problem means / sqrt(problems)"}

@@ -6,6 +6,9 @@ module gives every number its uncertainty, the way lm-evaluation-harness does:
 - a mean over samples gets the analytic standard error, sample sd / sqrt(n) (`mean_se`);
 - an average of group means (LongBench's or RULER's "Avg." over tasks) gets the se of that weighted mean of the
   samples, sqrt(sum_t w_t^2 sd_t^2 / n_t) (`stratified_mean_se`, `combine_se`), never the mean of the tasks' se's;
+- samples that are not independent draws (the k generations of one problem, `dataset.samples=k`) are averaged per
+  unit first, and the unit counts once (`unit_means`, `unit_mean_se`): pass@1's se is over problems, as R-KV's and
+  lm-eval's; the paired bootstrap takes the same units (`paired_bootstrap(units=...)`);
 - a score that is not a mean over samples (BUZZ's geometric-mean ROUGE, perplexity = exp of the mean NLL) gets a
   bootstrap se over samples (`CorpusMetric`, `bootstrap_se`), seeded, with the resample count recorded;
 - two methods are compared by a paired bootstrap over the sample ids both ran (`pair_by_id`, `paired_bootstrap`):
@@ -56,6 +59,26 @@ def mean_se(values: Iterable[float]) -> Estimate:
         return Estimate(None, None, 0)
     se = float(np.std(x, ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
     return Estimate(float(x.mean()), se, len(x))
+
+
+def unit_means(values: Iterable[float], units: Iterable[Hashable]) -> tuple[np.ndarray, list]:
+    """Each unit's mean of its values, in first-seen order, and the units: the samples of one unit (the generations
+    of one problem) are one draw of the benchmark, not several. NaN values (failed samples) are left out first."""
+    x = np.asarray(list(values), dtype=float)
+    u = list(units)
+    if len(u) != len(x):
+        raise ValueError(f"stats: {len(u)} unit labels for {len(x)} samples")
+    index: dict[Hashable, int] = {}
+    keep = ~np.isnan(x)
+    inverse = np.array([index.setdefault(k, len(index)) for k, ok in zip(u, keep) if ok], dtype=int)
+    sums = np.bincount(inverse, weights=x[keep], minlength=len(index))
+    return sums / np.bincount(inverse, minlength=len(index)), list(index)
+
+
+def unit_mean_se(values: Iterable[float], units: Iterable[Hashable]) -> Estimate:
+    """The mean over units of each unit's mean and its se, sd of the unit means / sqrt(units); n = units. With one
+    sample per unit this is `mean_se`."""
+    return mean_se(unit_means(values, units)[0])
 
 
 def combine_se(ses: Sequence[float | None], weights: Sequence[float]) -> float | None:
@@ -239,6 +262,15 @@ def _mean_of_stratum_means(batches: list[np.ndarray]) -> np.ndarray:
     return np.mean([b.mean(axis=1) for b in batches], axis=0)
 
 
+def _per_unit(d: np.ndarray, units: Sequence[Hashable], strata: Sequence[Hashable] | None):
+    """The differences averaged per unit, and each unit's stratum (its first sample's)."""
+    means, keys = unit_means(d, units)
+    if strata is None:
+        return means, None
+    first = dict(zip(reversed(list(units)), reversed(list(strata))))
+    return means, [first[k] for k in keys]
+
+
 def paired_statistic_bootstrap(a: np.ndarray, b: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray],
                                resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL) -> Interval | None:
     """Percentile interval of statistic(a) - statistic(b) for a score that is not a mean (geometric-mean ROUGE,
@@ -256,13 +288,18 @@ def paired_statistic_bootstrap(a: np.ndarray, b: np.ndarray, statistic: Callable
 
 
 def paired_bootstrap(diffs: Sequence[float], strata: Sequence[Hashable] | None = None, resamples: int = RESAMPLES,
-                     seed: int = SEED, level: float = LEVEL) -> Interval | None:
+                     seed: int = SEED, level: float = LEVEL,
+                     units: Sequence[Hashable] | None = None) -> Interval | None:
     """Percentile bootstrap interval of the mean of paired differences (method - reference, one per sample id).
 
     With `strata` (e.g. each sample's task), the statistic is the mean over strata of the stratum means, the way
-    "Avg." is computed, and samples are resampled within their stratum. None for fewer than two pairs.
+    "Avg." is computed, and samples are resampled within their stratum. With `units` (each sample's problem, where a
+    problem ran several times), the differences are averaged per unit first and the units are resampled (a unit lies
+    in one stratum); n is then the number of units. None for fewer than two pairs (units).
     """
     d = np.asarray(diffs, dtype=float)
+    if units is not None:
+        d, strata = _per_unit(d, units, strata)
     if len(d) < 2:
         return None
     if strata is None:
