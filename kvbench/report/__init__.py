@@ -55,7 +55,8 @@ def write_run_report(run_dir: str | Path) -> None:
 
     Works on a partial run too (it reads whatever predictions.jsonl holds), so it can also be rerun by hand.
     """
-    from kvbench.metrics.stats import mean_se
+    from kvbench.metrics.stats import unit_mean_se
+    from kvbench.report.compare import sample_units
     from kvbench.report.escape import md_row, md_text, plain_figure_text
     from kvbench.report.heatmap import has_needle_grid, needle_heatmap
     from kvbench.report.runs import load_runs
@@ -69,11 +70,12 @@ def write_run_report(run_dir: str | Path) -> None:
         lines.append("No complete prediction records yet.")
     else:
         lines += [to_markdown(summary_table(df), stderr=True),
-                  "Every metric (mean over samples, native scale; se = sd / sqrt(n)):", "",
+                  "Every metric (mean over samples, native scale; se = sd / sqrt(n); where a problem ran several "
+                  "times, over problems: n problems, each its samples' mean):", "",
                   "| metric | mean | se | n |", "|:---|---:|---:|---:|"]
         metric_cols = sorted(c for c in df.columns if c.startswith("scores."))
         for c in metric_cols:
-            est = mean_se(df[c].astype(float))
+            est = unit_mean_se(df[c].astype(float), sample_units(df))
             mean, se = ("–" if v is None else f"{v:.4f}" for v in (est.mean, est.se))
             lines.append(md_row([c.removeprefix("scores."), mean, se, est.n]))
         with plain_figure_text():

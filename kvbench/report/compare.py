@@ -4,7 +4,9 @@ A gap between two rows of a table is only worth reporting if it is larger than w
 would give. Two runs of one benchmark share sample ids, so the fair comparison is paired: per id, method score minus
 reference score; its mean is the cell's difference, and a seeded percentile bootstrap over the ids gives the 95 %
 interval (kvbench.metrics.stats.paired_bootstrap). An average over tasks ("Avg.") is bootstrapped within each task, so
-it matches how the average is computed. Ids only one run has are left out and counted in the table's note.
+it matches how the average is computed. Where a problem ran several times (`dataset.samples`, ids `<problem>#<k>`),
+the problem is the unit: its paired differences are averaged and the problems resampled (`sample_units`). Ids only one
+run has are left out and counted in the table's note.
 
 The table modules (tables, longbench, ruler) call `Compare.cells` per row and mark a cell whose interval excludes 0.
 """
@@ -69,6 +71,16 @@ def select(records: pd.DataFrame, row, keys: list[str]) -> pd.DataFrame:
     return records[mask]
 
 
+UNIT = "meta.problem"  # the reasoning sets' problem of a sample (kvbench.data.reasoning), k samples each
+
+
+def sample_units(records: pd.DataFrame) -> pd.Series:
+    """Each record's unit of resampling: its problem where the dataset ran each problem several times (those k
+    generations are one draw of the benchmark, not k), else its own id. Indexed like `records`."""
+    ids = records["id"] if "id" in records else records.index.to_series(index=records.index)
+    return records[UNIT].where(records[UNIT].notna(), ids) if UNIT in records else ids
+
+
 def _by_id(records: pd.DataFrame) -> pd.DataFrame:
     """One row per sample id (a resumed run may hold an id twice: the last record wins, as in scores.json)."""
     return records.drop_duplicates("id", keep="last").set_index("id")
@@ -84,6 +96,7 @@ class Compare:
     level: float = LEVEL
     unpaired: list[tuple[str, int, int]] = field(default_factory=list)
     axis: str = "method"  # "query": `reference` is a query mode, each row compared with its own method in it
+    per_problem: bool = False  # some row's samples repeated a problem: its differences were averaged per problem
 
     def cells(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, scale: float = 1.0,
               task: str | None = None, tasks: list[str] | None = None,
@@ -97,14 +110,17 @@ class Compare:
         if (pairing.only_a or pairing.only_b) and entry not in self.unpaired:
             self.unpaired.append(entry)
         diffs = pd.Series(pairing.a - pairing.b, index=pairing.ids, dtype=float)
+        units = sample_units(m).reindex(pairing.ids)
+        self.per_problem |= units.nunique() < len(units)
         if task is None:
-            return {"score": self._interval(diffs.to_numpy(), None, scale)}
+            return {"score": self._interval(diffs.to_numpy(), None, scale, units.to_numpy())}
         strata = m.loc[pairing.ids, task] if len(pairing.ids) else pd.Series(dtype=object)
-        out: dict[Hashable, Interval | None] = {t: self._interval(diffs[strata == t].to_numpy(), None, scale)
-                                                for t in tasks or []}
+        out: dict[Hashable, Interval | None] = {
+            t: self._interval(diffs[strata == t].to_numpy(), None, scale, units[strata == t].to_numpy())
+            for t in tasks or []}
         keep = strata.isin(tasks or [])
-        out[average] = (self._interval(diffs[keep].to_numpy(), strata[keep].to_numpy(), scale)
-                        if tasks and set(tasks) <= set(strata) else None)
+        out[average] = (self._interval(diffs[keep].to_numpy(), strata[keep].to_numpy(), scale,
+                                       units[keep].to_numpy()) if tasks and set(tasks) <= set(strata) else None)
         return out
 
     def statistic_cell(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, columns: list[str],
@@ -120,16 +136,17 @@ class Compare:
                                         self.seed, self.level)
         return None if ci is None else ci.scaled(scale)
 
-    def _interval(self, diffs, strata, scale: float) -> Interval | None:
-        ci = paired_bootstrap(diffs, strata, self.resamples, self.seed, self.level)
+    def _interval(self, diffs, strata, scale: float, units=None) -> Interval | None:
+        ci = paired_bootstrap(diffs, strata, self.resamples, self.seed, self.level, units)
         return None if ci is None else ci.scaled(scale)
 
     def note(self) -> list[str]:
         """The lines under a compared table: what the mark means, resamples, seed, and the unpaired samples."""
         ref = f"the same method with query={self.reference}" if self.axis == "query" else \
             METHOD_NAMES.get(self.reference, self.reference)
+        unit = "; a problem's samples averaged, problems resampled" if self.per_problem else ""
         lines = [f"{MARK} the {self.level:.0%} paired-bootstrap interval of the difference to {ref} excludes 0 "
-                 f"(samples paired by id; {self.resamples} resamples, seed {self.seed})."]
+                 f"(samples paired by id{unit}; {self.resamples} resamples, seed {self.seed})."]
         if self.unpaired:
             lines.append("Unpaired samples, excluded: " + "; ".join(
                 f"{label}: {a} ids only in this run, {b} only in {ref}'s" for label, a, b in self.unpaired) + ".")

@@ -6,8 +6,9 @@ longer answer costs decode steps that a smaller cache saved ("Rethinking Key-Val
 same samples' full-cache lengths (`length_ratio` = new_tokens / the full-cache run's new_tokens for that sample id,
 joined by `add_length_ratio` when a full-cache run of the same model, dataset and query mode exists), the KV held
 while decoding (`kv_bytes_peak`, `kv_bytes_mean`), the end-to-end time per sample (`e2e_s`) and how many answers
-hit `max_new_tokens`. Every mean carries its standard error (sd / sqrt(n)). Written for the long-generation
-datasets (`LONG_GENERATION`) and, with `--lengths`, for any run.
+hit `max_new_tokens`. Every mean carries its standard error (sd / sqrt(n); where a problem ran several times, the
+mean of the problems' means and sd of those / sqrt(problems), as pass@1: kvbench.report.compare.sample_units).
+Written for the long-generation datasets (`LONG_GENERATION`) and, with `--lengths`, for any run.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import pandas as pd
 
 from kvbench.report.escape import md_row, slug
 from kvbench.report.labels import method_label
-from kvbench.metrics.stats import mean_se
-from kvbench.report.tables import score_scale, sort_runs
+from kvbench.metrics.stats import unit_mean_se
+from kvbench.report.compare import sample_units
+from kvbench.report.tables import score_scale, size_keys, sort_runs
 
 LONG_GENERATION = ("gsm8k", "math500", "aime24", "aime25")  # datasets whose reports always get this table
-KEYS = ["model", "dataset", "query", "method", "budget"]
+KEYS = ["model", "dataset", "query", "method"]  # and the size columns (tables.size_keys: budget, ratio)
 OPTIONAL = ("e2e_s", "kv_bytes_peak", "kv_bytes_mean", "stop_reason")  # fields records gained later
 MIB = 2 ** 20
 
@@ -45,12 +47,13 @@ def length_table(df: pd.DataFrame) -> pd.DataFrame:
     df = df[df["new_tokens"].notna()].reindex(columns=[*df.columns, *(c for c in OPTIONAL if c not in df)])
     df = add_length_ratio(df)
     rows = []
-    for key, g in df.groupby(KEYS, dropna=False, sort=False):
-        row = dict(zip(KEYS, key), n=len(g))
+    keys = [*KEYS, *size_keys(df)]
+    for key, g in df.groupby(keys, dropna=False, sort=False):
+        row, units = dict(zip(keys, key), n=len(g)), sample_units(g)
         for name, values in (("score", g["score"] * score_scale(g["score"])), ("length", g["new_tokens"]),
                              ("inflation", g["length_ratio"]), ("e2e_s", g["e2e_s"]),
                              ("kv_peak_mib", g["kv_bytes_peak"] / MIB), ("kv_mean_mib", g["kv_bytes_mean"] / MIB)):
-            estimate = mean_se(values.astype(float))
+            estimate = unit_mean_se(values.astype(float), units)
             row[name], row[f"{name}_se"] = estimate.mean, estimate.se
         stops = g["stop_reason"].dropna()
         row["truncated"] = float((stops == "max_new_tokens").mean()) if len(stops) else None
@@ -67,6 +70,8 @@ COLUMNS = [("model", "Model", "{}"), ("dataset", "Dataset", "{}"), ("method", "M
 
 def _cell(row, column: str, fmt: str) -> str:
     value = row.get(column)
+    if column == "budget" and pd.notna(row.get("ratio")):  # a ratio run: each sample's budget from its length
+        return f"r{float(row['ratio']):g}"
     if value is None or (isinstance(value, float) and pd.isna(value)):
         return "–"
     if column == "method":

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.metrics.stats import mean_se, stratified_mean_se
-from kvbench.report.tables import sort_runs, to_markdown
+from kvbench.report.tables import size_keys, sort_runs, to_markdown
 
-KEYS = ["model", "mode", "turn_mode", "query", "method", "budget"]
+KEYS = ["model", "mode", "turn_mode", "query", "method"]  # and the size columns (tables.size_keys: budget, ratio)
 LABELS = {"scbench_kv": "Retr.KV", "scbench_prefix_suffix": "Retr.Prefix-Suffix", "scbench_qa_eng": "En.QA",
           "scbench_choice_eng": "En.MultiChoice", "scbench_many_shot": "ICL.ManyShot", "scbench_summary": "En.Sum"}
 
@@ -28,8 +28,9 @@ def scbench_table(df: pd.DataFrame) -> pd.DataFrame:
                    turn_mode=df["turn_mode"].fillna("-") if "turn_mode" in df else "-",
                    query=df["query"].fillna("aware") if "query" in df else "aware")
     rows = []
-    for key, g in df.groupby(KEYS, dropna=False, sort=False):
-        row = dict(zip(KEYS, key), n=len(g))
+    keys = [*KEYS, *size_keys(df)]
+    for key, g in df.groupby(keys, dropna=False, sort=False):
+        row = dict(zip(keys, key), n=len(g))
         tasks = [t for t in LABELS if t in set(g["meta.task"])]
         for task in tasks:
             t = g[g["meta.task"] == task]

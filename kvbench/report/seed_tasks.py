@@ -27,10 +27,14 @@ import pandas as pd
 from kvbench.metrics.stats import exp_of_ratio, geometric_mean_of_means, mean_se, stratified_mean_se
 from kvbench.metrics.summarization import mean_rouge
 from kvbench.report.labels import method_label
-from kvbench.report.tables import sort_runs, to_markdown
+from kvbench.report.tables import size_keys, sort_runs, to_markdown
 
 DATASETS = ("cnn_dailymail", "xsum", "lost_in_the_middle", "wikitext_ppl", "infinitebench")
-KEYS = ["model", "method", "budget"]
+
+
+def run_keys(df: pd.DataFrame) -> list[str]:
+    """A row's configuration: model, method and KV size (budget, and ratio where a run has one: BUZZ's sweeps)."""
+    return ["model", "method", *size_keys(df)]
 
 
 def _col(df: pd.DataFrame, name: str) -> pd.Series:
@@ -38,10 +42,10 @@ def _col(df: pd.DataFrame, name: str) -> pd.Series:
 
 
 def summarization_table(df: pd.DataFrame) -> pd.DataFrame:
-    rows = []
+    rows, keys = [], [*run_keys(df), "protocol"]
     df = df.assign(protocol=_col(df, "meta.protocol"))
-    for key, g in df.groupby([*KEYS, "protocol"], dropna=False, sort=False):
-        row = dict(zip([*KEYS, "protocol"], key), n=len(g))
+    for key, g in df.groupby(keys, dropna=False, sort=False):
+        row = dict(zip(keys, key), n=len(g))
         for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
             row[f"KF {k}"] = round(100 * g[f"scores.{k}"].astype(float).mean(), 4)
             row[f"se:KF {k}"] = _se100(g[f"scores.{k}"])
@@ -59,9 +63,9 @@ def summarization_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def qa_table(df: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for key, g in df.groupby(KEYS, dropna=False, sort=False):
-        row = dict(zip(KEYS, key), n=len(g))
+    rows, keys = [], run_keys(df)
+    for key, g in df.groupby(keys, dropna=False, sort=False):
+        row = dict(zip(keys, key), n=len(g))
         groups = g.groupby("meta.gold_position")["scores.best_subspan_em"]
         per = groups.mean() * 100
         row.update({f"gold@{int(p)}": v for p, v in per.items()})
@@ -73,21 +77,21 @@ def qa_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def perplexity_table(df: pd.DataFrame) -> pd.DataFrame:
-    rows = []
+    rows, keys = [], [*run_keys(df), "mode"]
     df = df.assign(mode=_col(df, "meta.task"))
-    for key, g in df.groupby([*KEYS, "mode"], dropna=False, sort=False):
+    for key, g in df.groupby(keys, dropna=False, sort=False):
         nll, n = g["nll_sum"].sum(), g["n_tokens"].sum()
         ppl_se = exp_of_ratio("nll_sum", "n_tokens").estimate(g[["nll_sum", "n_tokens"]].to_numpy(dtype=float))["se"]
-        rows.append({**dict(zip([*KEYS, "mode"], key)), "records": len(g), "tokens": int(n),
+        rows.append({**dict(zip(keys, key)), "records": len(g), "tokens": int(n),
                      "PPL": math.exp(nll / n) if n else math.nan,
                      "kv_bytes_frac": g["kv_bytes"].sum() / g["full_kv_bytes"].sum(), "se:PPL": ppl_se})
     return sort_runs(pd.DataFrame(rows)).reset_index(drop=True)
 
 
 def task_table(df: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for key, g in df.groupby(KEYS, dropna=False, sort=False):
-        row = dict(zip(KEYS, key), n=len(g))
+    rows, keys = [], run_keys(df)
+    for key, g in df.groupby(keys, dropna=False, sort=False):
+        row = dict(zip(keys, key), n=len(g))
         per = g.groupby("meta.task", sort=False)["score"].mean() * 100
         row.update(per.to_dict())
         row["Avg."] = per.mean()
@@ -153,17 +157,19 @@ def add_differences(table: pd.DataFrame, df: pd.DataFrame, dataset: str, compare
     from kvbench.report.compare import reference_key, select
 
     extra_keys = {"cnn_dailymail": "protocol", "xsum": "protocol", "wikitext_ppl": "mode"}.get(dataset)
-    keys = [*KEYS, *([extra_keys] if extra_keys else [])]
+    keys = [*run_keys(df), *([extra_keys] if extra_keys else [])]
     records = df.assign(protocol=_col(df, "meta.protocol"), mode=_col(df, "meta.task"))
     extra, marks = [], {}
     for i, row in table.iterrows():
         same = table[(table["method"] == compare.reference) & (table["model"] == row["model"])]
         if extra_keys:
             same = same[same[extra_keys].astype(str) == str(row[extra_keys])]
-        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in same.iterrows()], ["budget"])
+        ref = reference_key(row.to_dict(), [c.to_dict() for _, c in same.iterrows()], size_keys(df))
         cis = {}
         if ref is not None and row["method"] != compare.reference:
-            label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else int(row['budget'])}".strip()
+            size = (f"r{row['ratio']:g}" if pd.notna(row.get("ratio", None)) else
+                    "" if pd.isna(row["budget"]) else str(int(row["budget"])))
+            label = f"{method_label(row['method'])} {size}".strip()
             cis = _row_cells(dataset, row, select(records, row, keys), select(records, ref, keys), label, compare)
         extra.append({f"{k}:{c}": getattr(ci, k, None) for c, ci in cis.items() for k in ("diff", "lo", "hi")})
         marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.compare import MARK, fmt_interval, reference_key
+from kvbench.metrics.stats import unit_mean_se
+from kvbench.report.compare import MARK, fmt_interval, reference_key, sample_units
 from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
 
@@ -32,6 +33,12 @@ MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
 DIFF_COLUMNS = ("diff", "diff_lo", "diff_hi", "diff_se", "diff_excludes_0", "n_paired", "reference", "resamples",
                 "seed")
 HIDDEN = ("se", *DIFF_COLUMNS)
+
+
+def size_keys(df: pd.DataFrame) -> list[str]:
+    """The columns that say how much a run kept: `budget`, and `ratio` when a run in `df` has one (a ratio run
+    records no budget, each sample's comes from its prompt length, so its ratio is what tells its rows apart)."""
+    return ["budget", *(["ratio"] if "ratio" in df and df["ratio"].notna().any() else [])]
 
 
 def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
@@ -56,9 +63,11 @@ def score_scale(scores: pd.Series) -> float:
 
 
 def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
-    """One row per (model, dataset, method, budget[, ratio]) with n, the primary score, its standard error (`se`,
-    sd / sqrt(n) on the score's scale) and cost columns. With `compare` (a kvbench.report.compare.Compare), also each
-    row's paired-bootstrap difference to the reference method (`diff`, `diff_lo`, `diff_hi`, ...).
+    """One row per (model, dataset, method, budget[, ratio]) with n (records), the primary score, its standard error
+    (`se`, sd / sqrt(n) on the score's scale) and cost columns. Where a problem ran several times (`dataset.samples`)
+    the problem is the unit: the score is the mean of the problems' means (pass@1) and se is over problems, as in
+    the dataset's own summary (kvbench.report.compare.sample_units). With `compare` (a kvbench.report.compare.Compare),
+    also each row's paired-bootstrap difference to the reference method (`diff`, `diff_lo`, `diff_hi`, ...).
 
     The score column is named after the primary metric ("Acc." for pyramidkv_recall); when runs with different
     primary metrics are mixed it is named "score" and a "metric" column says which. kv_bytes_frac is the total KV
@@ -69,7 +78,7 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
         if col not in df:
             df[col] = math.nan
     df["primary_metric"] = df["primary_metric"].fillna("score") if "primary_metric" in df else "score"
-    keys = ["model", "dataset", "method", "budget"] + (["ratio"] if "ratio" in df and df["ratio"].notna().any() else [])
+    keys = ["model", "dataset", "method", *size_keys(df)]
     if "query" in df and set(df["query"].dropna()) - {"aware"}:  # aware and agnostic rows side by side
         keys.append("query")
     if "turn_mode" in df and df["turn_mode"].notna().any():  # multi-turn: append and reset conversations apart
@@ -78,9 +87,11 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     scale = {m: score_scale(g["score"]) for m, g in df.groupby("primary_metric")}
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
     df["_group"] = g.ngroup()
-    out = g.agg(n=("score", "size"), score=("score", "mean"), se=("score", _se), kv_bytes=("kv_bytes", "sum"),
-                full_kv_bytes=("full_kv_bytes", "sum"), _group=("_group", "first"),
-                **{c: (c, "mean") for c in MEANS}).reset_index()
+    out = g.agg(n=("score", "size"), kv_bytes=("kv_bytes", "sum"), full_kv_bytes=("full_kv_bytes", "sum"),
+                _group=("_group", "first"), **{c: (c, "mean") for c in MEANS}).reset_index()
+    estimates = {k: unit_mean_se(x["score"].astype(float), sample_units(x)) for k, x in df.groupby("_group")}
+    out["score"] = out["_group"].map(lambda k: estimates[k].mean).astype(float)
+    out["se"] = out["_group"].map(lambda k: math.nan if estimates[k].se is None else estimates[k].se).astype(float)
     out["score"] = out["score"] * out["primary_metric"].map(scale)
     out["se"] = out["se"] * out["primary_metric"].map(scale)
     if compare is not None:
@@ -96,13 +107,6 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     if compare is not None:
         out.attrs["notes"] = compare.note()
     return out
-
-
-def _se(scores: pd.Series) -> float:
-    from kvbench.metrics.stats import mean_se
-
-    se = mean_se(scores.astype(float)).se
-    return math.nan if se is None else se
 
 
 def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale: dict, compare) -> pd.DataFrame:
