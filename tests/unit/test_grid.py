@@ -186,10 +186,11 @@ SCORING_INPUTS = [["method=kvzap", "method.weights=random", "method.window=16", 
 
 def test_methods_scoring_the_inputs_share_the_prefill_and_equal_the_basic_launcher(tmp_path):
     """KVzap and Fast KVzip read each layer's input at prefill: the grid's one prefill per sample scores it for each
-    of them, beside SnapKV's window, and every record equals the basic launcher's."""
+    of them, beside SnapKV's window; the three decode together (batch_size=3), and every record equals the basic
+    launcher's."""
     for overrides in SCORING_INPUTS:
         run_here(*INPUTS, *overrides, results=tmp_path / "basic")
-    grid_here([[*INPUTS, *overrides] for overrides in SCORING_INPUTS], tmp_path / "grid")
+    grid_here([[*INPUTS, *overrides, "batch_size=3"] for overrides in SCORING_INPUTS], tmp_path / "grid")
     expected, got = outputs(tmp_path / "basic"), outputs(tmp_path / "grid")
     assert len(expected) == 3 and all("error" not in r for recs, _ in expected.values() for r in recs)
     assert all(r["kv_bytes"] < r["full_kv_bytes"] for recs, _ in expected.values() for r in recs)  # all evict
