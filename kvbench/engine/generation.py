@@ -445,8 +445,8 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
         return
     if method.scores_inputs:  # Fast KVzip: a gate scored each layer's prefill input; nothing to replay
         if not capture.input_scores:
-            raise ValueError(f"{method.registry_name}: no scores from the layers' inputs reached the selection (a "
-                             "shared prefill, the grid launcher, computes none); run it with the basic launcher")
+            raise ValueError(f"{method.registry_name}: no scores from the layers' inputs reached the selection (the "
+                             "prefill ran without the capture's input scorer, `capture.input_scorer`)")
         capture.key_scores = {i: s for i, s in capture.input_scores.items() if i not in capture.window_layers}
         return
     scores = {i: torch.zeros(*layer.keys.shape[:2], n, device=layer.keys.device)

@@ -146,6 +146,6 @@ class KVzap(DMS):
 
     def scores(self, view: LayerView) -> Tensor:
         if view.input_scores is None:
-            raise ValueError("kvzap: no scores from the layer's input reached its selection (a shared prefill, the "
-                             "grid launcher, does not compute them); run it with the basic launcher")
+            raise ValueError("kvzap: no scores from the layer's input reached its selection (the prefill ran "
+                             "without the capture's input scorer, `capture.input_scorer`)")
         return view.input_scores.expand(-1, view.keys.shape[1], -1)  # (`random`: one score for every head)

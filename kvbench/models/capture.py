@@ -20,7 +20,8 @@ rows, dense cache) with the rows' post-RoPE queries `[B, H_q, q, D]`, every key 
 reconstruction's rows pay it (`generation.reconstruct`; KVzip+ weighs it by the input's norm and ‖v W_o‖).
 `input_scorer(layer_idx, hidden)` runs before each prefill attention with the layer's (post-norm) input
 `[B, n, hidden]`, and its per-entry scores `[B, H_kv, n]` wait in `input_scores` for the layer's selection (KVzap's
-surrogate scores the hidden states; the input itself is not kept).
+surrogate scores the hidden states; the input itself is not kept); a grid sweep adds named input scorers
+(`input_scorers`, scores in `named_input_scores`), one per configuration that scores inputs.
 
 At decode, a layer with its own storage (Ada-KV, TailorKV: `layer.own_storage`) is attended by the engine's decode
 attention (`kvbench.attention.decode`), with the model's soft cap and, for MPT, its ALiBi slopes.
@@ -79,6 +80,8 @@ class AttentionCapture:
         self.prefill_hook: Callable[..., None] | None = None  # see module doc
         self.input_scorer: Callable[[int, Tensor], Tensor] | None = None  # see module doc
         self.input_scores: dict[int, Tensor] = {}  # what `input_scorer` gave each layer's prefill, `[B, H_kv, n]`
+        self.input_scorers: dict[str, Callable[[int, Tensor], Tensor]] = {}  # more named ones, one prefill (grid)
+        self.named_input_scores: dict[str, dict[int, Tensor]] = {}  # their scores, by name then layer
         self._prefill_inputs: dict[int, Tensor] = {}  # each layer's attention input, held for `prefill_hook`
         self.window_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
@@ -110,6 +113,8 @@ class AttentionCapture:
         self.column_sums.clear()
         self.key_scores = {}
         self.input_scores = {}
+        self.input_scorers = {}
+        self.named_input_scores = {}
         self._prefill_inputs = {}
         self.column_scores = {}
         self.named_column_sums = {}
@@ -172,6 +177,8 @@ class AttentionCapture:
                 self._prefill_inputs[module.layer_idx] = hidden
             if self.input_scorer is not None:
                 self.input_scores[module.layer_idx] = self.input_scorer(module.layer_idx, hidden)
+            for name, scorer in self.input_scorers.items():
+                self.named_input_scores.setdefault(name, {})[module.layer_idx] = scorer(module.layer_idx, hidden)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
             self.input_hook(module.layer_idx, hidden, self.adapter.position_embeddings(module, kwargs))
 

@@ -11,6 +11,9 @@ into its configuration's own run directory through the same seams as the basic l
 `records.generated_record`, `records.write_scores`, `store.RunStore`): same run dirs, records, resume (per run dir, per
 sample id), manifest and scores.json.
 
+Methods that score each layer's prefill input (`scores_inputs`: KVzap's surrogate, Fast KVzip's gate) get their
+scores from the shared prefill too: the capture runs every such configuration's own scorer on each layer's input.
+
 Records equal the basic launcher's except for timings and memory (`prefill_s` is the shared prefill's time, and
 `peak_kv_bytes` counts the shared prefill held next to the configuration's copy); `prefill_shared_by` says how many
 configurations used that prefill. A sample pending for one configuration only runs as a plain sample (compressed
@@ -244,15 +247,19 @@ def share_prefill(model, capture, pending: list[ConfigRun], budgets: list, input
             states[id(config)] = state
             capture.column_scores.setdefault(config.scorer, partial(config.method.row_score, state=state,
                                                                     decoding=False))
+    text_config = model.config.get_text_config()
+    for i, config in enumerate(pending):  # KVzap's surrogate, Fast KVzip's gate: each its own scores of the inputs
+        if config.method.scores_inputs:
+            capture.input_scorers[f"config{i}"] = partial(config.method.input_scores, config=text_config)
     cache = KVCache()
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     prefill_s = time.perf_counter() - t0
     seen = dict(capture.window_queries), dict(capture.window_bias), dict(capture.scaling)
-    named_sums = capture.named_column_sums
+    named_sums, input_scores = capture.named_column_sums, capture.named_input_scores
     capture.reset()
-    return [Prefilled(cache, logits, prefill_s, states.get(id(c)), *seen, named_sums.get(c.scorer, {}))
-            for c in pending]
+    return [Prefilled(cache, logits, prefill_s, states.get(id(c)), *seen, named_sums.get(c.scorer, {}),
+                      input_scores.get(f"config{i}", {})) for i, c in enumerate(pending)]
 
 
 # --- run directories, as `run.run` writes them ------------------------------------------------------------------

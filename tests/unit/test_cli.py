@@ -39,6 +39,24 @@ def run_here(*overrides: str, results: Path) -> Path:
     return run_dir
 
 
+def grid_here(jobs: list[list[str]], results: Path) -> list[Path]:
+    """What `python -m kvbench.run -m hydra/launcher=grid ...` runs once Hydra resolved the jobs (each one's
+    overrides), in this process: `run_grid` over their configs and run directories; returns those directories."""
+    from kvbench.runs.grid import GridJob, run_grid
+
+    grid = []
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
+        for overrides in jobs:
+            cfg = compose("config", overrides=[*overrides, f"results_dir={results}"], return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            run_dir, choices = Path(cfg.hydra.run.dir), dict(cfg.hydra.runtime.choices)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            grid.append(GridJob(cfg, run_dir, {k: choices[k] for k in ("method", "dataset", "model")}))
+        run_grid(grid)
+    return [job.run_dir for job in grid]
+
+
 def refusal(*args: str, results: Path) -> str:
     """The one line `python -m kvbench.run` ends with on bad input, checked in this process by what the command runs
     before Hydra (`sys.exit(line)`: exit code 1, the line alone on stderr; the whole path as a process is in

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_cli import records, run_here
+from tests.unit.test_cli import grid_here, records, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -194,25 +194,7 @@ def test_bad_provenance_is_one_line(tmp_path):
 
 def grid_run(*overrides: str, results: Path) -> list[Path]:
     """The grid launcher's sweep in this process: one job per method, run sample-major by `run_grid`."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from kvbench.runs.config import CONFIG_DIR
-    from kvbench.runs.grid import GridJob, run_grid
-
-    jobs = []
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
-        for method in ("full", "snapkv"):
-            cfg = compose("config", overrides=[*overrides, f"method={method}", f"results_dir={results}"],
-                          return_hydra_config=True)
-            HydraConfig.instance().set_config(cfg)
-            run_dir, choices = Path(cfg.hydra.run.dir), dict(cfg.hydra.runtime.choices)
-            with open_dict(cfg):
-                del cfg["hydra"]
-            jobs.append(GridJob(cfg, run_dir, {k: choices[k] for k in ("method", "dataset", "model")}))
-        run_grid(jobs)
-    return [job.run_dir for job in jobs]
+    return grid_here([[*overrides, f"method={method}"] for method in ("full", "snapkv")], results)
 
 
 def test_the_manifest_records_where_the_data_came_from(xsum_hub, tmp_path):

@@ -2,7 +2,8 @@
 
 In process: every registered method (two budgets, Keyformer's noise included) decoding from a copy of one shared
 prefill sees bit-identical logits at every step to its own `generate`, and configurations decoding together in one
-batch get their own tokens. On the command line: a 3-method x 2-budget
+batch get their own tokens; KVzap and Fast KVzip (scores of each layer's input) beside SnapKV through `run_grid`
+share one prefill and write the basic launcher's records. On the command line: a 3-method x 2-budget
 sweep through `hydra/launcher=grid`, killed with SIGKILL in the middle and rerun with batched decoding, leaves the
 same run directories, records and scores as Hydra's basic launcher (timings and memory aside).
 """
@@ -26,14 +27,14 @@ from kvbench.engine.generation import Sampling
 from kvbench.runs.grid import ConfigRun, GridJob, share_prefill
 from kvbench.models import AttentionCapture
 from kvbench.runs.config import sample_seed
-from tests.unit.test_cli import run_here
+from tests.unit.test_cli import grid_here, run_here
 from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 N, NEW = 150, 6
 NAMES = ["full", "snapkv", "pyramidkv", "adakv", "streamingllm", "h2o", "keyformer", "buzz", "tailorkv", "quest",
-         "pqcache"]
+         "pqcache", "kvzap", "fastkvzip"]  # (the last two score each layer's input: their own scores, one prefill)
 
 
 def test_shared_prefill_gives_every_method_its_own_logits():
@@ -63,7 +64,7 @@ def test_shared_prefill_gives_every_method_its_own_logits():
     own = [logits_of(c, b) for c, b in zip(configs, budgets)]
     with AttentionCapture(model) as capture:
         shared = share_prefill(model, capture, configs, budgets, ids, sample)
-    assert len({id(p.cache) for p in shared}) == 1  # one prefill for all 22 configurations
+    assert len({id(p.cache) for p in shared}) == 1  # one prefill for all 26 configurations
     for config, budget, prefilled, expected in zip(configs, budgets, shared, own):
         got = logits_of(config, budget, prefilled)
         assert len(got) == NEW and all(torch.equal(a, b) for a, b in zip(got, expected)), config.job.choices
@@ -174,3 +175,26 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
     assert outputs(grid) == expected
     manifest = json.loads(next(grid.rglob("keyformer/b40-*/manifest.json")).read_text())
     assert manifest["launcher"] == "grid" and manifest["finished_utc"] and manifest["n_samples"] == 2
+
+
+# --- methods that score each layer's input, through `run_grid` in this process ------------------------------------
+INPUTS = ["model=tiny_llama", "budget=64", "report=false", "dataset.context_lengths=[300]",
+          "dataset.depth_percents=[50]", "dataset.metrics=[pyramidkv_recall]", "dataset.max_new_tokens=4"]
+SCORING_INPUTS = [["method=kvzap", "method.weights=random", "method.window=16", "method.threshold=0"],
+                  ["method=fastkvzip", "method.gates=random"], ["method=snapkv"]]
+
+
+def test_methods_scoring_the_inputs_share_the_prefill_and_equal_the_basic_launcher(tmp_path):
+    """KVzap and Fast KVzip read each layer's input at prefill: the grid's one prefill per sample scores it for each
+    of them, beside SnapKV's window; the three decode together (batch_size=3), and every record equals the basic
+    launcher's."""
+    for overrides in SCORING_INPUTS:
+        run_here(*INPUTS, *overrides, results=tmp_path / "basic")
+    grid_here([[*INPUTS, *overrides, "batch_size=3"] for overrides in SCORING_INPUTS], tmp_path / "grid")
+    expected, got = outputs(tmp_path / "basic"), outputs(tmp_path / "grid")
+    assert len(expected) == 3 and all("error" not in r for recs, _ in expected.values() for r in recs)
+    assert all(r["kv_bytes"] < r["full_kv_bytes"] for recs, _ in expected.values() for r in recs)  # all evict
+    assert got == expected
+    shared = [json.loads(line)["prefill_shared_by"] for path in (tmp_path / "grid").rglob("predictions.jsonl")
+              for line in path.read_text().splitlines()]
+    assert shared == [3] * 3  # one prefill for the sample, shared by the three configurations
