@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.methods.kvzip import FIRST_PROMPT, NEXT_PROMPT, KVzip, chat_suffix
+from kvbench.methods.kvzip import FIRST_PROMPT, NEXT_PROMPT, KVzip, chat_suffix, value_output_norm
 from kvbench.registry import METHODS
 
 
@@ -57,11 +57,8 @@ class KVgrad(KVzip):
         """`[B, H_kv, end - start]`: max over the group's heads and the rows of A x ||v W_O^h|| x ||dPhi/da||, A
         KVzip's `chunk_probs` of query `[B, H_q, q, D]` over key `[B, H_kv, n + q, D]`; grad_norm `[B, q]`;
         values `[B, H_kv, end - start, D]` (the chunk's); output_weight W_O `[hidden, H_q * D]`."""
-        b, h_q, _, d = query.shape
-        h_kv, group = key.shape[1], h_q // key.shape[1]
-        w_o = output_weight.float().view(-1, h_q, d)
-        value_norm = torch.stack([(values[:, h // group].float() @ w_o[:, h].T).norm(dim=-1) for h in range(h_q)],
-                                 dim=1).view(b, h_kv, group, 1, end - start)  # [B, H_kv, G, 1, c]
+        (b, h_q), h_kv = query.shape[:2], key.shape[1]
+        value_norm = value_output_norm(values, output_weight, h_q).unsqueeze(3)  # [B, H_kv, G, 1, c]
         best = value_norm.new_full((b, h_kv, end - start), float("-inf"))
         for row, probs in self.chunk_probs(query, key, scaling, start, end, softcap):
             weighted = probs * value_norm * grad_norm[:, None, None, row:row + probs.shape[3], None].float()
