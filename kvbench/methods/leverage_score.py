@@ -13,9 +13,9 @@ Question-agnostic, no attention.
 
 Deviations from kvpress: the sketch comes from a generator seeded with `seed + layer` (kvpress draws from the global
 generator: not reproducible); pre-RoPE keys are the cached keys rotated back by the layer's rotary angles
-(`view.rotary`, at each entry's original position) where kvpress recomputes them from the hidden states (equal up to fp32
-rounding); kvpress's final z-score (one mean and std over the layer) does not change a per-head top-k and is left
-out. kvpress scores at prefill only (it asserts one query per key); kvbench also scores a layer compressed again
+(`view.rotary`, at each entry's original position) where kvpress recomputes them from the hidden states (equal up
+to fp32 rounding); kvpress's final z-score (one mean and std over the layer) does not change a per-head top-k and is
+left out. kvpress scores at prefill only (it asserts one query per key); kvbench also scores a layer compressed again
 while decoding (`decode_compression`) or a wrapper's subset (chunk, block, compose): each key is rotated back from
 its own original position (`view.positions`), not from its slot.
 """
