@@ -112,7 +112,7 @@ class Recompressor:
             return
         queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None
         view = LayerView(i, n_layers, layer.keys, layer.values, queries, scaling, None, self.softcap.get(i),
-                         self.rotary.get(i))
+                         self.rotary.get(i), positions=layer.positions)  # (kept entries: not 0..n-1)
         idx = self.method.select(view, n_keep)
         if idx is None:  # the method keeps this layer whole (SimLayerKV's non-lazy layers)
             return

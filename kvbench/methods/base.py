@@ -45,6 +45,8 @@ class LayerView:
     question_len: how many of the prompt's last entries are its question, handed to methods whose
     `window_is_question` (FINCH) under query=aware; 0 otherwise.
     input_scores: `[B, H_kv, n]`, what the method's `input_scores` gave the layer's prefill input (KVzap), or None.
+    positions: `[B, H_kv, n]` each entry's original position where they are not 0..n-1 (a layer compressed again
+    while decoding, a wrapper's subset), for scorers that rotate keys back (leverage_score); None: 0..n-1.
     """
 
     layer_idx: int
@@ -59,6 +61,7 @@ class LayerView:
     output_weight: Tensor | None = None  # W_o `[hidden, H_q * D]`, for scorers weighing values (CriticalKV)
     question_len: int = 0  # the prompt's last entries that are its question, for `window_is_question` (0: unknown)
     input_scores: Tensor | None = None  # `[B, H_kv, n]` from the layer's attention input (`Method.input_scores`)
+    positions: Tensor | None = None  # `[B, H_kv, n]` the entries' original positions; None: 0..n-1 (a prefill)
 
     @property
     def prompt_len(self) -> int:

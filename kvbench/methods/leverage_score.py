@@ -13,10 +13,11 @@ Question-agnostic, no attention.
 
 Deviations from kvpress: the sketch comes from a generator seeded with `seed + layer` (kvpress draws from the global
 generator: not reproducible); pre-RoPE keys are the cached keys rotated back by the layer's rotary angles
-(`view.rotary`, prompt positions 0..n-1) where kvpress recomputes them from the hidden states (equal up to fp32
-rounding); kvpress's final z-score (one mean and std over the layer) does not change a per-head top-k and is left
-out. Prefill only, as kvpress: under `decode_compression` the kept keys would be rotated back as if they sat at
-positions 0..n-1, which they no longer do (not refused yet: the view carries no positions).
+(`view.rotary`, at each entry's original position) where kvpress recomputes them from the hidden states (equal up
+to fp32 rounding); kvpress's final z-score (one mean and std over the layer) does not change a per-head top-k and is
+left out. kvpress scores at prefill only (it asserts one query per key); kvbench also scores a layer compressed again
+while decoding (`decode_compression`) or a wrapper's subset (chunk, block, compose): each key is rotated back from
+its own original position (`view.positions`), not from its slot.
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ from kvbench.registry import METHODS
 
 
 def prerope_keys(view: LayerView) -> Tensor:
-    """The layer's keys before the rotary encoding, `[B, H_kv, n, D]` fp32 (positions 0..n-1)."""
+    """The layer's keys before the rotary encoding, `[B, H_kv, n, D]` fp32, each rotated back from its own position
+    (`view.positions`; 0..n-1 after a prefill)."""
     if view.rotary is None:
         return view.keys.float()
+    if view.positions is not None:
+        return view.rotary.unrotate(view.keys, view.positions)
     return view.rotary.unrotate(view.keys, torch.arange(view.prompt_len, device=view.keys.device))
 
 

@@ -48,9 +48,10 @@ def sub_view(view: LayerView, idx: Tensor) -> LayerView:
         per_q = idx.repeat_interleave(bias.shape[1] // idx.shape[1], dim=1)
         bias = bias.gather(-1, per_q.unsqueeze(2).expand(-1, -1, bias.shape[2], -1))
     scores = None if view.input_scores is None else view.input_scores.gather(2, idx)  # KVzap's, per entry
+    positions = idx if view.positions is None else view.positions.gather(2, idx)  # where each entry really sits
     return LayerView(view.layer_idx, view.n_layers, view.keys.gather(2, gather), view.values.gather(2, gather),
                      view.window_queries, view.scaling, bias, view.softcap, view.rotary, view.output_weight,
-                     input_scores=scores)
+                     input_scores=scores, positions=positions)
 
 
 def blockwise(n: int, n_keep: int, block_size: int, score: Callable[[Tensor], Tensor], like: Tensor) -> Tensor:

@@ -56,13 +56,14 @@ class Rotary:
         return (m[0] if mean else m).float()
 
     def unrotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Pre-encoding vectors from encoded ones `[..., P, D]` at `positions` `[P]` (fp32): each pair rotated back
-        by its angle and divided by the scale; dims past the rotary ones unchanged."""
+        """Pre-encoding vectors from encoded ones `[..., P, D]` at `positions` `[P]`, or one position per vector
+        (`[..., P]`: a cache's entries after an eviction) (fp32): each pair rotated back by its angle and divided by
+        the scale; dims past the rotary ones unchanged."""
         x = x.float()
         if self.theta.numel() == 0:
             return x
         a, b = (i.to(x.device) for i in self.pairs(x.shape[-1]))
-        angle = positions.double()[:, None] * self.theta.double()[None]  # [P, R/2]
+        angle = positions.double()[..., None] * self.theta.double().to(positions.device)  # [..., P, R/2]
         cos, sin = (t.float().to(x.device) for t in (angle.cos(), angle.sin()))
         xa, xb = x[..., a], x[..., b]
         out = x.clone()

@@ -14,6 +14,11 @@ name, default full), `budget` or `ratio` (fraction of the context's entries remo
 knobs (e.g. `method.recent_ratio=0.3`). lm-eval's batch_size/device are accepted and ignored (batch 1, the model
 config's device).
 
+The method is built as `python -m kvbench.run` builds it: configs/method/<name>.yaml with its `${model.*}` fields read
+from the model config (TailorKV's published layer split, KVzip's chat template), then `method.prepare` once after the
+weights load (TailorKV identifies its split on the calibration prompt where the model config lists none; learned
+artefacts load); what it returns is in lm-eval's results as `config.method_prepared` (manifest.json's field in a run).
+
 Semantics (what is compressed, where the continuation starts):
 - loglikelihood(context, continuation): the context tokens (lm-eval's own `_encode_pair` split; an empty context is
   the prefix token) are prefilled with full attention and compressed by the method to the budget; the continuation
@@ -44,8 +49,25 @@ logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
-def build_method(name: str, overrides: dict):
-    """A method from configs/method/<name>.yaml (its `_target_` dataclass and fields) with `overrides` applied."""
+def model_fields(name: str, path: str | None) -> dict:
+    """configs/model/<name>.yaml as a dict (`path` replacing its path, for model=hf)."""
+    from omegaconf import OmegaConf
+
+    from kvbench.runs.config import load_yaml
+
+    file = CONFIG_DIR / "model" / f"{name}.yaml"
+    if not file.is_file():
+        raise ValueError(f"kvbench: no model config '{name}' in configs/model/")
+    fields = OmegaConf.to_container(load_yaml(file), resolve=True)
+    if path is not None:
+        fields["path"] = path
+    return fields
+
+
+def build_method(name: str, overrides: dict, model: dict | None = None):
+    """A method from configs/method/<name>.yaml (its `_target_` dataclass and fields) with `overrides` applied. Its
+    `${model.<key>}` interpolations read `model` (the fields of a configs/model file), as in the config Hydra composes
+    for `python -m kvbench.run`: TailorKV's published layer split, KVzip's chat template."""
     from omegaconf import OmegaConf
 
     from kvbench.registry import unknown_choice
@@ -55,24 +77,10 @@ def build_method(name: str, overrides: dict):
     if not path.is_file():
         choices = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
         raise ValueError("kvbench: " + unknown_choice("method", name, choices))
-    fields = OmegaConf.to_container(load_yaml(path), resolve=True)
+    composed = OmegaConf.create({"model": model or {}, "method": load_yaml(path)})
+    fields = OmegaConf.to_container(composed.method, resolve=True)
     module, cls = fields.pop("_target_").rsplit(".", 1)
     return getattr(importlib.import_module(module), cls)(**{**fields, **overrides})
-
-
-def build_spec(name: str, path: str | None):
-    from omegaconf import OmegaConf
-
-    from kvbench.models.loader import ModelSpec
-    from kvbench.runs.config import load_yaml
-
-    file = CONFIG_DIR / "model" / f"{name}.yaml"
-    if not file.is_file():
-        raise ValueError(f"kvbench: no model config '{name}' in configs/model/")
-    fields = OmegaConf.to_container(load_yaml(file), resolve=True)
-    if path is not None:
-        fields["path"] = path
-    return ModelSpec(**fields)
 
 
 @register_model("kvbench")
@@ -83,7 +91,8 @@ class KVBenchLM(TemplateLM):
                  budget: int | None = None, ratio: float | None = None, positions: str = "original", seed: int = 0,
                  add_bos_token: bool = False, max_gen_toks: int = 256, **kwargs):
         super().__init__()
-        from kvbench.models import AttentionCapture, load
+        from kvbench.engine.generation import prefill
+        from kvbench.models import AttentionCapture, ModelSpec, load
 
         method_overrides = {k.split(".", 1)[1]: v for k, v in kwargs.items() if k.startswith("method.")}
         ignored = sorted(k for k in kwargs if not k.startswith("method.") and kwargs[k] is not None)
@@ -95,15 +104,26 @@ class KVBenchLM(TemplateLM):
             raise ValueError(f"kvbench: ratio={ratio} must be in [0, 1)")
         if positions not in ("original", "shift"):
             raise ValueError(f"kvbench: positions={positions!r} is not one of original, shift")
-        self.method = build_method(method, method_overrides)
+        fields = model_fields(model, path)
+        self.method = build_method(method, method_overrides, fields)
         self.budget = None if budget is None else int(budget)
         self.ratio = None if ratio is None else float(ratio)
         if self.budget is not None:
             self.method.check_budget(self.budget)
         self.positions, self.seed, self.add_bos_token = positions, int(seed), bool(add_bos_token)
         self.max_gen_toks = int(max_gen_toks)
-        self.model, self.tokenizer = load(build_spec(model, path))
+        self.model, self.tokenizer = load(ModelSpec(**fields))
+        # as `python -m kvbench.run` does once the weights are in: before the capture, whose window may depend on
+        # it (Q-Filters' loaded filters need none); TailorKV's identification runs its own prefill and capture
+        self.prepared = self.method.prepare(self.model, self.tokenizer, prefill=prefill)
+        if self.prepared is not None:
+            logger.info("kvbench: %s prepared: %s", self.method.registry_name, self.prepared)
         self.capture = AttentionCapture(self.model, window=self.method.query_window).__enter__()
+
+    def get_model_info(self) -> dict:
+        """Added by lm-eval to its results' `config`: what `prepare` found (manifest.json's `method_prepared` in a
+        kvbench run), e.g. TailorKV's layer split."""
+        return {} if self.prepared is None else {"method_prepared": self.prepared}
 
     # --- lm-eval's tokenizer hooks ----------------------------------------------------------------------------
     @property
