@@ -56,9 +56,11 @@ TEMPLATE_0SHOT = ("Please read the following text and answer the question below.
                   + _QUESTION + _FORMAT)
 TEMPLATE_COT = ("Please read the following text and answer the questions below.\n\n<text>\n$DOC$\n</text>\n\n"
                 + _QUESTION + "Let’s think step by step:")
+# the second CoT question's own question: what comes before it (the question, the reasoning) is its context
+COT_ANSWER_ASK = "Based on the above, what is the single, most likely answer choice? "
 COT_ANSWER_TEMPLATE = ("Please read the following text and answer the questions below.\n\nThe text is too long and "
-                       "omitted here.\n\n" + _QUESTION + "Let’s think step by step: $COT$\n\nBased on the above, what "
-                       "is the single, most likely answer choice? " + _FORMAT)
+                       "omitted here.\n\n" + _QUESTION + "Let’s think step by step: $COT$\n\n" + COT_ANSWER_ASK
+                       + _FORMAT)
 # kvpress's split templates (str.format fields), byte for byte
 KVPRESS_CONTEXT = "Please read the following text and answer the question below.\n<text>\n{context}\n</text>\n\n"
 KVPRESS_QUESTION = ("What is the correct answer to this question: {question}\nChoices:\n(A) {A}\n(B) {B}\n(C) {C}\n"
@@ -102,6 +104,16 @@ def chat_turn(tokenizer, prompt: str, chat_template: bool) -> tuple[str, list[in
                                          add_generation_prompt=True)
     kwargs = {"add_special_tokens": False}
     return text, tokenizer(text, **kwargs).input_ids, kwargs
+
+
+def split_at(tokenizer, prompt: str, text: str, ids: list[int], kwargs: dict,
+             at: int) -> tuple[int | None, int | None]:
+    """(context tokens, context characters of `text`) for a question that begins at `prompt[at:]` (`text` is `prompt`
+    as the model reads it); (None, None) where `at` < 0: a middle cut took the boundary, no split."""
+    if at < 0:
+        return None, None
+    at = content_offset(text, prompt) + at
+    return context_token_count(tokenizer, text, at, ids, **kwargs), at
 
 
 def result_table(records: list[dict]) -> dict:
@@ -175,10 +187,9 @@ class LongBenchV2(Dataset):
         prompt, truncated = middle_cut(tokenizer, fill(PROMPTS[self.prompt].template, record), limit)
         text, ids, kwargs = chat_turn(tokenizer, prompt, chat_template)
         at = prompt.rfind("</text>\n\n")  # the question begins after the document's closing tag
-        if at < 0:  # a middle cut took the tag: no split
-            return text, tuple(ids), None, None, truncated
-        at = content_offset(text, prompt) + at + len("</text>\n\n")
-        return text, tuple(ids), context_token_count(tokenizer, text, at, ids, **kwargs), at, truncated
+        at = at + len("</text>\n\n") if at >= 0 else at
+        n_context, context_end = split_at(tokenizer, prompt, text, ids, kwargs, at)
+        return text, tuple(ids), n_context, context_end, truncated
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
@@ -215,9 +226,11 @@ class LongBenchV2(Dataset):
         """pred.py's second CoT question after `reply`: middle-cut and sent as a chat turn like the first."""
         prompt, truncated = middle_cut(tokenizer, self.cot_questions[sample.id].replace("$COT$", reply.strip()),
                                        max_prompt_tokens)
-        text, ids, _ = chat_turn(tokenizer, prompt, chat_template)
+        text, ids, kwargs = chat_turn(tokenizer, prompt, chat_template)
+        n_context, context_end = split_at(tokenizer, prompt, text, ids, kwargs, prompt.rfind(COT_ANSWER_ASK))
         return Sample(id=sample.id, prompt=text, answers=sample.answers, max_new_tokens=self.cot_answer_max_new_tokens,
-                      meta={"truncated": truncated}, input_ids=tuple(ids))
+                      meta={"truncated": truncated}, input_ids=tuple(ids), context_end=context_end,
+                      context_tokens=n_context)
 
     def summarize(self, records: list[dict]) -> dict:
         done = [r for r in records if "accuracy" in r.get("scores", {})]

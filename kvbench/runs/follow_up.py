@@ -5,7 +5,8 @@ A dataset may ask each sample a second question whose text depends on the first 
 step: once the first reply is done, its request's `then` (`kvbench.engine.batching.Request.then`) gives the second
 question as a new request of its own, admitted before any new sample. pred.py's second call is an independent
 request to the same server, so it is prefilled and compressed like any prompt: the run's method, with `budget` (or
-`ratio`, of that prompt) applied to it, greedy or sampled as `generation` says. The two replies make one record,
+`ratio`, of that prompt) applied to it, its question (the dataset's split: `Sample.context_tokens`) fed after
+compression under `query=agnostic`, greedy or sampled as `generation` says. The two replies make one record,
 written when the second is done (`records.followed_record`): a run stopped between them asks both again on resume,
 since nothing half-done is written. A failure in either stage gives the sample its failure record.
 """
@@ -59,7 +60,10 @@ class Asking:
             job.follow = self.dataset.follow_up(job.sample, first.text, self.tokenizer, self.spec.max_prompt_tokens,
                                                 self.spec.chat_template)
             job.follow_ids = list(job.follow.input_ids)
-            budget = sample_budget(self.cfg, len(job.follow_ids))
+            agnostic = self.query == "agnostic"  # (as run.guarded_sample splits a first prompt)
+            n_context = job.follow.context_tokens if agnostic or self.method.window_is_question else None
+            question_len = len(job.follow_ids) - n_context if n_context else 0
+            budget = sample_budget(self.cfg, len(job.follow_ids) - (question_len if agnostic else 0))
             if self.cfg.ratio is not None:
                 try:
                     self.method.check_budget(budget)
@@ -70,14 +74,14 @@ class Asking:
             job.error = e
             return None
         return Request.from_sample(job.follow, job.follow_ids, budget, sample_seed(self.cfg, job.sample),
-                                   self.device, tag=(job, 1))
+                                   self.device, tag=(job, 1), question_len=question_len)
 
     def record(self, request: Request, outcome: Generation | Exception) -> dict | None:
         """The sample's record once it is complete; None for a first reply whose second question is on its way."""
         job, stage = request.tag
         if stage == 1:
             return followed_record(self.dataset, job.sample, job.first, job.follow, job.follow_ids, request.budget,
-                                   outcome)
+                                   outcome, self.query, request.question_len)
         if self.follows and isinstance(outcome, Generation) and job.error is None:
             return None
         return generated_record(self.dataset, job.sample, job.ids, job.budget, job.error or outcome, self.query,

@@ -116,7 +116,8 @@ def generated_record(dataset, sample, ids: list[int], budget, gen, query: str = 
 SAMPLE_FIELDS = ("id", "query", "prediction", "references", "score", "scores")
 
 
-def followed_record(dataset, sample, first: dict, follow, follow_ids: list[int], budget, gen) -> dict:
+def followed_record(dataset, sample, first: dict, follow, follow_ids: list[int], budget, gen, query: str = "aware",
+                    question_len: int = 0) -> dict:
     """The record of `sample` asked twice (kvbench.runs.follow_up), from the first request's record `first` and the
     second request (`follow`, the dataset's follow-up sample; `gen`, its generation or the exception it raised):
     the second reply is the prediction and is scored; the first stays as `response_cot`; the second request's own
@@ -125,7 +126,7 @@ def followed_record(dataset, sample, first: dict, follow, follow_ids: list[int],
     def make() -> dict:
         if isinstance(gen, Exception):
             raise gen
-        second = sample_record(dataset, follow, follow_ids, budget, gen)
+        second = sample_record(dataset, follow, follow_ids, budget, gen, query, question_len)
         return {**first, **{k: second[k] for k in ("prediction", "score", "scores")},
                 "response_cot": first["prediction"],
                 "follow_up": {k: v for k, v in second.items() if k not in SAMPLE_FIELDS}}
