@@ -5,7 +5,8 @@ independent request (the run's method at its own budget), and the second reply i
 On the embedded SmolLM2 (its chat template on, so that it reasons), one fixture question's record is checked against
 a recomputation by hand: the second prompt from pred.py's chain of `.replace()`, its reply from a direct `generate`.
 On the tiny random model (cheap prefills), a run under query=agnostic is stopped between the two questions of its
-second sample, then resumed with a larger `limit` at batch_size=2."""
+second sample, then resumed with a larger `limit` at batch_size=2; the grid launcher then resumes that run and runs
+another budget as the basic launcher would."""
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,7 @@ from omegaconf import OmegaConf
 from kvbench.data.longbench_v2 import COT_ANSWER_TEMPLATE, LongBenchV2
 from kvbench.metrics.longbench_v2 import extract_answer
 from kvbench.runs.config import CONFIG_DIR
-from tests.unit.test_cli import refusal, run_here
+from tests.unit.test_cli import grid_here, refusal, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "fixtures" / "longbench_v2"
@@ -119,12 +120,13 @@ def test_the_second_reply_is_preds_second_question_and_is_scored(tmp_path, monke
     assert gen.text == r["prediction"]
 
 
-def test_the_grid_launcher_runs_it_as_the_basic_launcher_and_beams_are_refused(tmp_path):
-    from kvbench.runs.grid import runs_alone
-
-    cfg = OmegaConf.create({"generation": {"num_beams": 1}, "shard": None, "query": "aware"})
-    assert "second question" in runs_alone(cfg, LongBenchV2(prompt="cot"))
-    assert runs_alone(cfg, LongBenchV2()) is None
+def test_the_grid_launcher_runs_it_as_the_basic_launcher_and_beams_are_refused(cot_run, tmp_path):
+    run_dir, _, _ = cot_run
+    before = lines(run_dir)
+    done, fresh = grid_here([[*TINY, "limit=3"], [*TINY, "limit=3", "budget=48"]], results=run_dir.parents[3])
+    assert done == run_dir and lines(done) == before  # resumed: nothing to ask again
+    records = [json.loads(line) for line in lines(fresh)]
+    assert len(records) == 3 and all(r["follow_up"]["budget"] == 48 and r["response_cot"] is not None for r in records)
     line = refusal(*EMBEDDED, "generation.num_beams=2", results=tmp_path / "results")
     assert "num_beams=1" in line and "prompt=cot" in line
 
