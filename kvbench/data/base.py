@@ -65,6 +65,16 @@ class Dataset:
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    # True where a sample's scored answer comes from a second question whose text depends on the first reply
+    # (`follow_up`): the runner then asks it as a new request once the first reply is done (kvbench.runs.follow_up)
+    asks_follow_up: bool = False
+
+    def follow_up(self, sample: Sample, reply: str, tokenizer, max_prompt_tokens: int | None,
+                  chat_template: bool) -> Sample:
+        """The second question after `reply` (the first generation's text), with its own token ids
+        (`Sample.input_ids`) and limits; it is scored as the sample's answer. Only where `asks_follow_up`."""
+        raise NotImplementedError  # pragma: no cover - interface
+
     def summarize(self, records: list[dict]) -> dict:
         """Benchmark-specific aggregates merged into scores.json (e.g. per-task scores and the paper's average).
         Default: nothing beyond the per-metric means every run gets."""

@@ -8,11 +8,13 @@ into the manifest).
 
 Prompts (`prompt=`), byte for byte (sha256 of each upstream file pinned in tests/unit/test_longbench_v2.py):
 - `0shot` (default): `prompts/0shot.txt`; pred.py's `max_new_tokens=128`.
-- `cot`: `prompts/0shot_cot.txt` ("Let’s think step by step:", with its curly apostrophe), 1024 new tokens. pred.py
-  then asks a second question (`prompts/0shot_cot_ans.txt`: no document, the first answer pasted in) and reads the
-  letter from that reply; kvbench runs the first stage and reads the letter from the reasoning itself (a follow-up
-  whose text depends on the answer is not an engine feature yet). `COT_ANSWER_TEMPLATE` and `cot_answer_prompt`
-  hold the second stage for when it is.
+- `cot`: `prompts/0shot_cot.txt` ("Let’s think step by step:", with its curly apostrophe), 1024 new tokens; then,
+  as pred.py, a second question (`follow_up`): `prompts/0shot_cot_ans.txt` (no document, the first reply stripped
+  and pasted in for `$COT$`, filled last), cut and sent as a chat turn like the first, `cot_answer_max_new_tokens`
+  (pred.py: 128) new tokens; the letter is read from that second reply. pred.py's second call is an independent
+  request to the same server, so kvbench runs it as a new request of its own through the same method, with the
+  budget (or `ratio`) applied to that prompt (kvbench.runs.follow_up). The record keeps both replies. Difference:
+  pred.py drops a question whose reply is empty (its sign of a failed API call); kvbench asks and scores it anyway.
 - `kvpress`: kvpress's reading (`evaluation/benchmarks/longbenchv2/create_huggingface_dataset.py` @ 8bb29b9): its
   context/question templates (no blank line after the first sentence, no `.strip()` of the fields, the final quote
   missing), kvpress's layout (kvbench.data.kvpress_layout: context cut to its head, the chat turn split at the
@@ -54,9 +56,11 @@ TEMPLATE_0SHOT = ("Please read the following text and answer the question below.
                   + _QUESTION + _FORMAT)
 TEMPLATE_COT = ("Please read the following text and answer the questions below.\n\n<text>\n$DOC$\n</text>\n\n"
                 + _QUESTION + "Let’s think step by step:")
+# the second CoT question's own question: what comes before it (the question, the reasoning) is its context
+COT_ANSWER_ASK = "Based on the above, what is the single, most likely answer choice? "
 COT_ANSWER_TEMPLATE = ("Please read the following text and answer the questions below.\n\nThe text is too long and "
-                       "omitted here.\n\n" + _QUESTION + "Let’s think step by step: $COT$\n\nBased on the above, what "
-                       "is the single, most likely answer choice? " + _FORMAT)
+                       "omitted here.\n\n" + _QUESTION + "Let’s think step by step: $COT$\n\n" + COT_ANSWER_ASK
+                       + _FORMAT)
 # kvpress's split templates (str.format fields), byte for byte
 KVPRESS_CONTEXT = "Please read the following text and answer the question below.\n<text>\n{context}\n</text>\n\n"
 KVPRESS_QUESTION = ("What is the correct answer to this question: {question}\nChoices:\n(A) {A}\n(B) {B}\n(C) {C}\n"
@@ -73,17 +77,13 @@ DIFFICULTIES = ("easy", "hard")
 LENGTHS = ("short", "medium", "long")
 
 
-def fill(template: str, record: dict, cot: str | None = None) -> str:
-    """pred.py's chained `.replace()` on stripped fields, in its order ($COT$ last, the second CoT stage)."""
+def fill(template: str, record: dict) -> str:
+    """pred.py's chained `.replace()` on stripped fields, in its order (the second CoT question's `$COT$` comes
+    after these: `LongBenchV2.follow_up`)."""
     text = template.replace("$DOC$", record["context"].strip()).replace("$Q$", record["question"].strip())
     for c in CHOICES:
         text = text.replace(f"$C_{c}$", record[f"choice_{c}"].strip())
-    return text if cot is None else text.replace("$COT$", cot)
-
-
-def cot_answer_prompt(record: dict, cot: str) -> str:
-    """pred.py's second CoT question: the document left out, the first reply (stripped) pasted in."""
-    return fill(COT_ANSWER_TEMPLATE, record, cot.strip())
+    return text
 
 
 def middle_cut(tokenizer, prompt: str, limit: int | None) -> tuple[str, bool]:
@@ -93,6 +93,27 @@ def middle_cut(tokenizer, prompt: str, limit: int | None) -> tuple[str, bool]:
     if limit is None or len(ids) <= limit:
         return prompt, False
     return tokenizer.decode(ids[:limit // 2] + ids[-limit // 2:], skip_special_tokens=True), True
+
+
+def chat_turn(tokenizer, prompt: str, chat_template: bool) -> tuple[str, list[int], dict]:
+    """(text, ids, tokenizer kwargs) of a prompt as the model reads it: pred.py sends each one as a user turn
+    (vLLM's chat endpoint), so the chat template applies when the model config turns it on."""
+    if not chat_template:
+        return prompt, tokenizer(prompt).input_ids, {}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    kwargs = {"add_special_tokens": False}
+    return text, tokenizer(text, **kwargs).input_ids, kwargs
+
+
+def split_at(tokenizer, prompt: str, text: str, ids: list[int], kwargs: dict,
+             at: int) -> tuple[int | None, int | None]:
+    """(context tokens, context characters of `text`) for a question that begins at `prompt[at:]` (`text` is `prompt`
+    as the model reads it); (None, None) where `at` < 0: a middle cut took the boundary, no split."""
+    if at < 0:
+        return None, None
+    at = content_offset(text, prompt) + at
+    return context_token_count(tokenizer, text, at, ids, **kwargs), at
 
 
 def result_table(records: list[dict]) -> dict:
@@ -116,14 +137,16 @@ class LongBenchV2(Dataset):
     """LongBench v2 from a local folder; sample ids `longbench_v2-<_id>`. See the module docstring."""
 
     name: str = "longbench_v2"
-    version: str = "1"
+    version: str = "2"
     root: str = "data/longbench_v2"
     prompt: Literal["0shot", "cot", "kvpress"] = "0shot"
     difficulty: list[str] = field(default_factory=lambda: list(DIFFICULTIES))  # keep these questions only
     lengths: list[str] = field(default_factory=lambda: list(LENGTHS))
     max_new_tokens: int | None = None              # null: the prompt's own (128, 1024, kvpress 16)
+    cot_answer_max_new_tokens: int = 128           # prompt=cot: the second question's (pred.py's 128)
     primary_metric: str = "accuracy"
     provenance: dict = field(default_factory=dict, init=False, repr=False)
+    cot_questions: dict = field(default_factory=dict, init=False, repr=False)  # id -> the second question but $COT$
 
     def __post_init__(self) -> None:
         self.difficulty, self.lengths = [str(d) for d in self.difficulty], [str(x) for x in self.lengths]
@@ -135,6 +158,8 @@ class LongBenchV2(Dataset):
                     raise ValueError(f"longbench_v2: {key} has {value!r}; use some of {', '.join(allowed)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"longbench_v2: max_new_tokens={self.max_new_tokens} must be >= 1 or null")
+        if self.cot_answer_max_new_tokens < 1:
+            raise ValueError(f"longbench_v2: cot_answer_max_new_tokens={self.cot_answer_max_new_tokens} must be >= 1")
 
     def check(self) -> None:
         if find_file(self.root, "data") is None:
@@ -160,18 +185,11 @@ class LongBenchV2(Dataset):
             out = kvpress_layout(tokenizer, context, question, "", chat_template, limit)
             return out.text, out.ids, out.context_tokens, out.context_chars, out.truncated
         prompt, truncated = middle_cut(tokenizer, fill(PROMPTS[self.prompt].template, record), limit)
-        if chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-            kwargs = {"add_special_tokens": False}
-        else:
-            text, kwargs = prompt, {}
-        ids = tokenizer(text, **kwargs).input_ids
+        text, ids, kwargs = chat_turn(tokenizer, prompt, chat_template)
         at = prompt.rfind("</text>\n\n")  # the question begins after the document's closing tag
-        if at < 0:  # a middle cut took the tag: no split
-            return text, tuple(ids), None, None, truncated
-        at = content_offset(text, prompt) + at + len("</text>\n\n")
-        return text, tuple(ids), context_token_count(tokenizer, text, at, ids, **kwargs), at, truncated
+        at = at + len("</text>\n\n") if at >= 0 else at
+        n_context, context_end = split_at(tokenizer, prompt, text, ids, kwargs, at)
+        return text, tuple(ids), n_context, context_end, truncated
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         self.check()
@@ -183,6 +201,8 @@ class LongBenchV2(Dataset):
             n_cut += truncated
             meta = {"index": index, "difficulty": r["difficulty"], "length": r["length"], "truncated": truncated,
                     **{k: r[k] for k in ("domain", "sub_domain") if k in r}}
+            if self.asks_follow_up:
+                self.cot_questions[f"longbench_v2-{r['_id']}"] = fill(COT_ANSWER_TEMPLATE, r)
             samples.append(Sample(id=f"longbench_v2-{r['_id']}", prompt=text, answers=[r["answer"]],
                                   max_new_tokens=max_new, meta=meta, input_ids=ids, context_tokens=n_context,
                                   context_end=context_end))
@@ -196,6 +216,21 @@ class LongBenchV2(Dataset):
             return {"accuracy": float(kvpress_match(prediction, answer))}
         letter = extract_answer(prediction)
         return {"accuracy": float(letter == answer), "answered": float(letter is not None)}
+
+    @property
+    def asks_follow_up(self) -> bool:
+        return self.prompt == "cot"
+
+    def follow_up(self, sample: Sample, reply: str, tokenizer, max_prompt_tokens: int | None,
+                  chat_template: bool) -> Sample:
+        """pred.py's second CoT question after `reply`: middle-cut and sent as a chat turn like the first."""
+        prompt, truncated = middle_cut(tokenizer, self.cot_questions[sample.id].replace("$COT$", reply.strip()),
+                                       max_prompt_tokens)
+        text, ids, kwargs = chat_turn(tokenizer, prompt, chat_template)
+        n_context, context_end = split_at(tokenizer, prompt, text, ids, kwargs, prompt.rfind(COT_ANSWER_ASK))
+        return Sample(id=sample.id, prompt=text, answers=sample.answers, max_new_tokens=self.cot_answer_max_new_tokens,
+                      meta={"truncated": truncated}, input_ids=tuple(ids), context_end=context_end,
+                      context_tokens=n_context)
 
     def summarize(self, records: list[dict]) -> dict:
         done = [r for r in records if "accuracy" in r.get("scores", {})]

@@ -20,7 +20,8 @@ hold the others back. A request may bring its own `Decoding` (method, sampling, 
 other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a sweep together this way.
 A request may also be a step of something longer: `on_join` prepares it when it joins (a conversation's next turn,
 fed on its cache then) and `then` gives its follow-up once it has finished, admitted before any new request
-(`kvbench.engine.turns`: conversations decode together). A sample whose prefill, compression, token choice or
+(`kvbench.engine.turns`: conversations decode together; `kvbench.runs.follow_up`: a second question with a prompt of
+its own, LongBench v2's CoT). A sample whose prefill, compression, token choice or
 batched step raises comes back as its exception; the others go on.
 
 Equality with batch 1. Sampling, eviction rules and positions (`prompt_len_i + t`) are per sample, as in batch 1.
@@ -98,7 +99,9 @@ class Request:
     beams: object = None  # `beam.BeamSearch`: the token rule of a beam sequence (its cache has a row per beam)
     question_len: int = 0  # query=agnostic: the last tokens of input_ids, fed after compression (generation.prepare)
     on_join: Callable[[], Prepared] | None = None  # prepares it when it joins (a conversation's turn, fed then)
-    then: Callable[[Generation], Request | None] | None = None  # its follow-up once it has finished (the next turn)
+    # its follow-up once it has finished: the next turn, fed on this cache by its `on_join` (the cache is kept), or
+    # a new prompt of its own (LongBench v2's second CoT question: this cache is freed)
+    then: Callable[[Generation], Request | None] | None = None
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -218,8 +221,9 @@ class BatchedDecoder:
                     active.remove(slot)
                     outcome = going if isinstance(going, Exception) else self._try(self._finish, slot)
                     then = slot.request.then if isinstance(outcome, Generation) else None
-                    self._leave_rows(slot, keep=then is not None)
-                    if then is not None and (after := then(outcome)) is not None:
+                    after = then(outcome) if then is not None else None
+                    self._leave_rows(slot, keep=after is not None and after.on_join is not None)  # (fed on it)
+                    if after is not None:
                         follow.append(after)  # admitted before any new request: its cache is held meanwhile
                     yield slot.request, outcome
                 if stepping:

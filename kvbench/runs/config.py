@@ -129,6 +129,9 @@ def setup(cfg: DictConfig):
     if cfg.batch_size > 1 and cfg.generation.get("num_beams", 1) > 1:
         raise ValueError("batch_size > 1 decodes greedily or by sampling; beam search (generation.num_beams > 1) "
                          "runs at batch_size=1")
+    if getattr(dataset, "asks_follow_up", False) and cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError(f"dataset {dataset.name}: its second question (prompt=cot) is asked by the batched step, "
+                         "which decodes greedily or by sampling; use generation.num_beams=1")
     from kvbench.engine.generation import Sampling
 
     Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))  # e.g. num_beams with do_sample: fail here

@@ -21,7 +21,8 @@ inside the prefill forward where the method allows). TailorKV shares the prefill
 from a copy of the prefilled cache). Configurations whose prefill differs run their own, in the same sample loop:
 BUZZ with `logn` (a temperature on the model's attention) and KVCache-Factory's H2O (its scores use their own
 mask). Jobs the grid does not run sample-major go through `run.run` unchanged, after the groups: perplexity
-datasets (teacher forcing), beam search and sharded jobs. No Hydra here: the launcher hands plain configs.
+datasets (teacher forcing), beam search, sharded jobs and datasets that ask a second question (LongBench v2's
+CoT). No Hydra here: the launcher hands plain configs.
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def runs_alone(cfg: DictConfig, dataset) -> str | None:
         return "beam search"
     if cfg.get("shard"):
         return "a shard"
+    if getattr(dataset, "asks_follow_up", False):
+        return "a second question after each reply (kvbench.runs.follow_up)"
     if cfg.get("query", "aware") != "aware":
         return "question-agnostic compression (the question is fed after each configuration's compression)"
     return None

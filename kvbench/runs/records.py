@@ -112,6 +112,28 @@ def generated_record(dataset, sample, ids: list[int], budget, gen, query: str = 
     return attempt(sample, make, {"prompt_tokens": len(ids), "budget": budget})
 
 
+# a second request's record fields that belong to the sample, not to that request (kvbench.runs.follow_up)
+SAMPLE_FIELDS = ("id", "query", "prediction", "references", "score", "scores")
+
+
+def followed_record(dataset, sample, first: dict, follow, follow_ids: list[int], budget, gen, query: str = "aware",
+                    question_len: int = 0) -> dict:
+    """The record of `sample` asked twice (kvbench.runs.follow_up), from the first request's record `first` and the
+    second request (`follow`, the dataset's follow-up sample; `gen`, its generation or the exception it raised):
+    the second reply is the prediction and is scored; the first stays as `response_cot`; the second request's own
+    prompt, budget and accounting go under `follow_up`. The first request's fields (its prompt, the compressed
+    document's cache) stay on top."""
+    def make() -> dict:
+        if isinstance(gen, Exception):
+            raise gen
+        second = sample_record(dataset, follow, follow_ids, budget, gen, query, question_len)
+        return {**first, **{k: second[k] for k in ("prediction", "score", "scores")},
+                "response_cot": first["prediction"],
+                "follow_up": {k: v for k, v in second.items() if k not in SAMPLE_FIELDS}}
+
+    return attempt(sample, make, {"prompt_tokens": first["prompt_tokens"], "budget": first["budget"]})
+
+
 def write_scores(run_dir: Path, records: list[dict], samples, dataset, dataset_name: str, method_name: str,
                  cfg: DictConfig, spec) -> dict:
     """scores.json over the records of this run's samples (written atomically); returns it."""

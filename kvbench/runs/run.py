@@ -184,18 +184,20 @@ def conversation_records(model, tokenizer, method, capture, dataset, conversatio
 
 
 def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg: DictConfig, sampling,
-                    desc: str = ""):
+                    desc: str = "", spec=None):
     """Decode `jobs` ((sample, ids, budget, question_len) each) with continuous batching and yield one record per
-    sample, in completion order: a sample that failed gets its failure record and the others go on. Should the
-    batching loop itself raise, the samples it had not finished get failure records."""
+    sample, in completion order: a sample that failed gets its failure record and the others go on. A dataset that
+    asks a second question (`asks_follow_up`) gets it asked after each first reply (kvbench.runs.follow_up; `spec`,
+    the model's, says how to encode it). Should the batching loop itself raise, the samples it had not finished get
+    failure records."""
     from tqdm import tqdm
 
-    from kvbench.engine.batching import BatchedDecoder, Request
+    from kvbench.engine.batching import BatchedDecoder
     from kvbench.runs.failures import fail_remaining
+    from kvbench.runs.follow_up import Asking
 
-    device = next(model.parameters()).device
-    requests = [Request.from_sample(s, ids, budget, sample_seed(cfg, s), device, question_len=q)
-                for s, ids, budget, q in jobs]
+    asking = Asking(dataset, tokenizer, spec, cfg, method, next(model.parameters()).device)
+    requests = [asking.request(*job) for job in jobs]
     written: set[str] = set()
     try:
         step = cfg.get("step", "eager")
@@ -207,11 +209,13 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
             kind, extra = StaticDecoder, {"compile": step == "captured"}
         decoder = kind(model, tokenizer, method, capture, cfg.batch_size, sampling, cfg.positions,
                        compress_after=cfg.get("compress_after", "layer"), recompress=decode_compression(cfg), **extra)
-        for request, gen in tqdm(decoder.run(requests), total=len(jobs), desc=desc):
-            sample, ids = request.tag
-            written.add(sample.id)
-            yield generated_record(dataset, sample, ids, request.budget, gen, cfg.get("query", "aware"),
-                                   request.question_len)
+        with tqdm(total=len(jobs), desc=desc) as progress:
+            for request, outcome in decoder.run(requests):
+                record = asking.record(request, outcome)
+                if record is not None:  # (None: a first reply, its sample's second question on its way)
+                    written.add(record["id"])
+                    progress.update()
+                    yield record
     except Exception as e:  # the batch itself failed: the samples it had not finished fail with it
         capture.reset()
         yield from fail_remaining(jobs, written, e)
@@ -293,9 +297,10 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
                 store.append(record)
                 store.write_json(manifest_name, {**info, **meter.fields()})
             todo = [s for s in todo if "conversation" not in s.meta]
+            batched = cfg.batch_size > 1 or cfg.get("step", "eager") != "eager" or getattr(
+                dataset, "asks_follow_up", False)  # (the engine's loop decodes, and asks second questions)
             for sample in tqdm(todo, initial=len(samples) - len(todo), total=len(samples), desc=method_name,
-                               disable=cfg.batch_size > 1):
-                batched = cfg.batch_size > 1 or cfg.get("step", "eager") != "eager"  # (the engine's loop decodes)
+                               disable=batched):
                 record = guarded_sample(model, tokenizer, method, capture, dataset, sample, cfg, spec, sampling,
                                         defer=jobs.append if batched else None)
                 if record is not None:
@@ -303,7 +308,7 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
                     store.write_json(manifest_name, {**info, **meter.fields()})  # a killed job's time still counts
             if jobs:  # continuous batching (kvbench.engine.batching); records arrive in completion order
                 for record in batched_records(model, tokenizer, method, capture, dataset, jobs, cfg, sampling,
-                                              desc=method_name):
+                                              desc=method_name, spec=spec):
                     store.append(record)
                     store.write_json(manifest_name, {**info, **meter.fields()})
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every finished record is already on disk

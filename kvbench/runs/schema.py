@@ -245,6 +245,7 @@ RANGES: dict[str, Range] = {
     "length_tokenizer_revision": TEXT,
     "cache_dir": TEXT,
     "max_new_tokens": at_least(1, "new tokens per sample"),
+    "cot_answer_max_new_tokens": at_least(1, "new tokens of the second CoT question"),
     "limit_per_task": at_least(1),
     "num_samples": at_least(1),
     "truncate_tokens": at_least(1),

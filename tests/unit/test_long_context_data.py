@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.data.longbench_v2 import (COT_ANSWER_TEMPLATE, TEMPLATE_0SHOT, TEMPLATE_COT, LongBenchV2,
-                                       cot_answer_prompt, result_table)
+from kvbench.data.longbench_v2 import COT_ANSWER_TEMPLATE, TEMPLATE_0SHOT, TEMPLATE_COT, LongBenchV2, result_table
 from kvbench.metrics.longbench_v2 import extract_answer, kvpress_match
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,13 +68,6 @@ def test_longbench_v2_builds_the_fixture(smollm2_tokenizer):
         smollm2_tokenizer, 100_000)[0].prompt)
     expected = smollm2_tokenizer.decode(full_ids[:20] + full_ids[-21:], skip_special_tokens=True)
     assert cut.meta["truncated"] and cut.prompt == expected
-
-
-def test_longbench_v2_cot_answer_prompt_is_preds_second_question():
-    record = json.loads((FIXTURES / "longbench_v2" / "data.jsonl").read_text().splitlines()[1])
-    text = cot_answer_prompt(record, "  The reports agree on 1923.\n")
-    assert "The text is too long and omitted here." in text and "Report one" not in text
-    assert "Let’s think step by step: The reports agree on 1923.\n\nBased on the above" in text
 
 
 def test_longbench_v2_kvpress_reading(smollm2_tokenizer):
