@@ -13,9 +13,10 @@ Defaults as the reference: window 8, kernel 7, λ 0.07 (`run_math.py --mix_lambd
 while decoding too: every `divide_length` (128) tokens of the sequence (prompt included, `divide_method=
 step_length`) the layer is brought back to the budget, so a layer holds at most budget + 128 entries: unless
 `decode_compression.target` says otherwise, `method=rkv budget=B` runs `decode_compression.every=128, target=B`
-counted over the sequence (`own_decode_compression`). Quirk kept: the reference's queries of the first decode
-compression include the prompt's last ones; here they are the generated tokens' own (the same once `window`
-tokens were generated, i.e. whenever the prompt is not within `window` tokens of a multiple of 128).
+counted over the sequence (`own_decode_compression`): the step after the one whose sequence length was a multiple
+of 128 (`CausalLM_forward` sets the flag the next forward reads), attending the layer before it is compressed. Its
+window's queries are the sequence's last `window`, as the reference's query cache: the prompt's last ones while
+fewer were generated (a prompt within `window` tokens below a multiple of 128; tests/unit/test_rkv_decode.py).
 """
 from __future__ import annotations
 
