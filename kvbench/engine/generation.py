@@ -19,7 +19,8 @@ from torch import Tensor
 from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
 from kvbench.engine.gradient_replay import reconstruct_with_gradients
-from kvbench.engine.recompress import DecodeCompression, Recompressor, hold_decode_queries, take_decode_queries
+from kvbench.engine.recompress import (DecodeCompression, Recompressor, hold_decode_queries, select,
+                                       take_decode_queries)
 from kvbench.cache import KVCache
 from kvbench.cache.channels import ChannelPrunedLayer
 from kvbench.cache.ledger import TransferLedger
@@ -192,7 +193,7 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None
-            idx = method.select(view, n_keep)
+            idx = select(method, view, n_keep, cache)
             if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
                 apply_selection(method, cache, layer_idx, idx, n_keep, heads)
         if method.prunes_channels:  # ThinK: the kept keys' channels, chosen from what the selection kept

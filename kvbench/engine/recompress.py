@@ -66,6 +66,16 @@ def check(method: Method, setting: DecodeCompression, positions: str = "original
     method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
 
 
+def select(method: Method, view: LayerView, n_keep: int, cache: KVCache) -> Tensor | list[Tensor] | None:
+    """The method's selection in layer `view.layer_idx` of `cache`; a method that `holds_ranked` (R-KV) is handed
+    the ranking the layer's last selection left, and leaves its own."""
+    if not method.holds_ranked:
+        return method.select(view, n_keep)
+    i = view.layer_idx
+    idx, cache.ranked[i] = method.select_ranked(view, n_keep, cache.layers[i].positions, cache.ranked.get(i))
+    return idx
+
+
 def hold_decode_queries(capture, window: int, queries: dict[int, Tensor] | None = None) -> None:
     """Before a prefill: let `capture` hold each layer's last `window` queries of the prompt and fed chunks for the
     decode hook (0: none); `queries`: a shared prefill's, already there."""
@@ -128,7 +138,7 @@ class Recompressor:
         queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None
         view = LayerView(i, n_layers, layer.keys, layer.values, queries, scaling, None, self.softcap.get(i),
                          self.rotary.get(i))
-        idx = self.method.select(view, n_keep)
+        idx = select(self.method, view, n_keep, self.cache)
         if idx is None:  # the method keeps this layer whole (SimLayerKV's non-lazy layers)
             return
         held = layer.nbytes()

@@ -39,18 +39,18 @@ def model():
     return model
 
 
-@pytest.mark.parametrize("case", GOLDENS["cases"], ids=lambda c: f"prompt{c['prompt_len']}")
-def test_first_decode_compression_equals_the_reference(model, case):
-    n, step = case["prompt_len"], case["step"]
-    method = METHODS["rkv"](window=GOLDENS["window"], divide_length=GOLDENS["divide_length"])
-    kept = {}
+@pytest.mark.parametrize("case", GOLDENS["cases"], ids=lambda c: f"prompt{c['prompt_len']}-every{c['divide_length']}")
+def test_compressions_while_decoding_equal_the_reference(model, case):
+    n, steps = case["prompt_len"], case["steps"]
+    method = METHODS["rkv"](window=GOLDENS["window"], divide_length=case["divide_length"])
+    kept = []
     with AttentionCapture(model, window=method.query_window) as capture:
-        def after(t, logits):  # right after decode step `step` (its forward fed the sequence's token n + step)
-            if capture.cache.layers[0].seen_tokens == n + step:
-                kept.update({i: layer.positions[0].tolist() for i, layer in enumerate(capture.cache.layers)})
+        def after(t, logits):  # after the prefill, then after each decode step (its forward fed token n + t - 1)
+            if capture.cache.layers[0].seen_tokens - n in steps:
+                kept.append([sorted(map(sorted, layer.positions[0].tolist())) for layer in capture.cache.layers])
 
-        gen = generate(model, None, method, capture, SCRIPT.prompt(n), GOLDENS["budget"], step + 1,
+        gen = generate(model, None, method, capture, SCRIPT.prompt(n), GOLDENS["budget"], len(case["tokens"]) + 1,
                        on_logits=after, eos_ids=set())
-    assert SCRIPT.first_step(n) == step
-    assert gen.token_ids[:step] == case["tokens"]
-    assert [sorted(map(sorted, kept[i])) for i in range(len(kept))] == [sorted(map(sorted, k)) for k in case["kept"]]
+    assert gen.token_ids[:len(case["tokens"])] == case["tokens"]
+    expected = [[sorted(map(sorted, layer[c])) for layer in case["kept"]] for c in range(len(steps))]
+    assert kept == expected
