@@ -16,10 +16,8 @@ kvbench. Made from commit d15c976 of the reference.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -68,7 +66,8 @@ def load_reference(repo: Path) -> types.ModuleType:
         sys.modules[name] = package
     utils = load_module("rkv.utils", repo / "rkv/utils.py")
     compression = sys.modules["rkv.compression"]
-    compression.cal_similarity, compression.compute_attention_scores = utils.cal_similarity, utils.compute_attention_scores
+    compression.cal_similarity = utils.cal_similarity
+    compression.compute_attention_scores = utils.compute_attention_scores
     for stem, cls in [("r1_kv", "R1KV"), ("snapkv", "SnapKV"), ("streamingllm", "StreamingLLM"), ("h2o", "H2O"),
                       ("analysiskv", "AnalysisKV")]:
         setattr(compression, cls, getattr(load_module(f"rkv.compression.{stem}", repo / f"rkv/compression/{stem}.py"),
@@ -138,14 +137,10 @@ def run_case(monkeypatch: types.ModuleType, prompt_len: int, divide_length: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rkv-repo", type=Path, required=True)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "tests/fixtures/rkv/decode_goldens.json")
-    args = parser.parse_args()
+    from make_rkv_goldens import command_line  # (here: the test imports this file alone, for its model)
+
+    args, commit = command_line(__doc__.splitlines()[0], "decode_goldens.json")
     monkeypatch = load_reference(args.rkv_repo)
-    commit = subprocess.run(["git", "-C", str(args.rkv_repo), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
     cases = [run_case(monkeypatch, n, DIVIDE_LENGTH, first_step(n)) for n in PROMPT_LENGTHS] + [
         run_case(monkeypatch, n, every, steps) for n, every, steps in REPEATED]
     for case in cases:  # the reference compresses on the schedule kvbench follows
