@@ -48,15 +48,21 @@ def load_reference(repo: Path):
     return namespace["R1KV"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(description: str, fixture: str) -> tuple[argparse.Namespace, str | None]:
+    """`--rkv-repo` and `--out` (default tests/fixtures/rkv/`fixture`), and the reference checkout's commit."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rkv-repo", type=Path, required=True)
     parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "tests/fixtures/rkv/goldens.json")
+                        default=Path(__file__).resolve().parents[1] / "tests/fixtures/rkv" / fixture)
     args = parser.parse_args()
-    R1KV = load_reference(args.rkv_repo)
     commit = subprocess.run(["git", "-C", str(args.rkv_repo), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None
+    return args, commit
+
+
+def main() -> None:
+    args, commit = command_line(__doc__.splitlines()[0], "goldens.json")
+    R1KV = load_reference(args.rkv_repo)
     cases = []
     for seed, n, h_q, h_kv, d, budget, window, mix_lambda, clustered in CASES:
         keys, queries = inputs(seed, n, h_q, h_kv, d, clustered)

@@ -184,6 +184,8 @@ class KVCache(Cache):
         self.decode_steps = 0  # decode steps seen (`note_step`): their bytes' peak and sum, for the record
         self.decode_peak_nbytes = 0
         self.decode_sum_nbytes = 0
+        self.ranked: dict[int, Tensor] = {}  # layer -> positions its last selection ranked best first, for a method
+        # that `holds_ranked` (R-KV's reference stores its kept entries in that order)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -211,7 +213,7 @@ class KVCache(Cache):
         if any(type(layer) is not KVLayer for layer in self.layers):
             raise ValueError("cache: only an uncompressed (prefilled) cache can be cloned")
         twin = copy.copy(self)
-        twin.layers = [layer.clone() for layer in self.layers]
+        twin.layers, twin.ranked = [layer.clone() for layer in self.layers], dict(self.ranked)
         return twin
 
     def nbytes(self) -> int:

@@ -19,7 +19,8 @@ from torch import Tensor
 from kvbench.attention.decode import without_cudnn_attention
 from kvbench.engine import layerwise
 from kvbench.engine.gradient_replay import reconstruct_with_gradients
-from kvbench.engine.recompress import DecodeCompression, Recompressor
+from kvbench.engine.recompress import (DecodeCompression, Recompressor, hold_decode_queries, select,
+                                       take_decode_queries)
 from kvbench.cache import KVCache
 from kvbench.cache.channels import ChannelPrunedLayer
 from kvbench.cache.ledger import TransferLedger
@@ -192,7 +193,7 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None
-            idx = method.select(view, n_keep)
+            idx = select(method, view, n_keep, cache)
             if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
                 apply_selection(method, cache, layer_idx, idx, n_keep, heads)
         if method.prunes_channels:  # ThinK: the kept keys' channels, chosen from what the selection kept
@@ -350,6 +351,10 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         raise ValueError(f"query=agnostic: a {question_len}-token question after a {input_ids.shape[1]}-token "
                          f"prompt cannot be fed on top of {method.registry_name}'s compressed cache here")
     prompt_len = input_ids.shape[1]
+    own = None if recompress.on else method.own_decode_compression(budget)
+    if own is not None:  # a method that compresses while decoding by itself (R-KV), unless the run says otherwise
+        recompress = DecodeCompression(*own)
+    decode_window = method.query_window if recompress.on and recompress.counted == "sequence" else 0
     question, input_ids = (input_ids[:, input_ids.shape[1] - question_len:],
                            input_ids[:, :input_ids.shape[1] - question_len]) if question_len else (None, input_ids)
     capture.logit_scale = getattr(method, "logit_scale", None)  # BUZZ log n: a temperature on every layer
@@ -357,6 +362,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)  # CUDA timings: wait for the kernels
     if prefilled is not None:  # a shared prefill: this configuration compresses its own copy
         prefilled.restore(capture)
+        hold_decode_queries(capture, decode_window, capture.window_queries)
         capture.question_len = question_window
         cache, logits, state = prefilled.cache.clone(), prefilled.logits, prefilled.state
         held_elsewhere = full_bytes = prefilled.cache.nbytes()
@@ -369,6 +375,7 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
     else:
         cache, state, held_elsewhere = KVCache(), None, 0
         capture.reset()
+        hold_decode_queries(capture, decode_window)
         capture.window = max(method.query_window, question_window)
         capture.question_len = question_window
         if method.scores_inputs:
@@ -400,12 +407,9 @@ def prepare(model, method: Method, capture: AttentionCapture, input_ids: Tensor,
         full_bytes += cache.nbytes() - held  # the question's entries: a full cache holds them too
         sync()
         timings["question_s"] = time.perf_counter() - t2
-    own = None if recompress.on else method.own_decode_compression(budget)
-    if own is not None:  # a method that compresses while decoding by itself (R-KV), unless the run says otherwise
-        recompress = DecodeCompression(*own)
     if recompress.on:
         capture.decode_hook = Recompressor(method, cache, recompress, dict(capture.softcap), capture.rotary,
-                                           frozenset(capture.window_layers))
+                                           frozenset(capture.window_layers), take_decode_queries(capture))
     return Prepared(cache, logits, prompt_len, full_bytes, cache.nbytes(), cache.entries_per_head(),
                     [layer.nbytes() for layer in cache.layers], ledger, timings, state, held_elsewhere)
 

@@ -32,7 +32,9 @@ class DecodeCompression:
     every: int = 512  # generated tokens between two compressions (kvpress: compression_interval)
     target: int | None = None  # entries per head a layer is brought back to (kvpress: target_size, 2048)
     counted: Literal["generated", "sequence"] = "generated"  # every N generated tokens (kvpress), or whenever the
-    # sequence, prompt included, reached a multiple of N on the previous step (R-KV's `length % divide_length`)
+    # sequence, prompt included, reached a multiple of N on the previous step (R-KV's `length % divide_length`); then
+    # the window's queries are the sequence's last ones too, the prompt's included (R-KV's query cache), where
+    # kvpress's buffer holds the generated tokens' alone
 
     @property
     def on(self) -> bool:
@@ -62,6 +64,29 @@ def check(method: Method, setting: DecodeCompression, positions: str = "original
         raise ValueError(f"decode_compression.target={setting.target} runs with positions=original, "
                          "generation.num_beams=1 and one turn")
     method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
+
+
+def select(method: Method, view: LayerView, n_keep: int, cache: KVCache) -> Tensor | list[Tensor] | None:
+    """The method's selection in layer `view.layer_idx` of `cache`; a method that `holds_ranked` (R-KV) is handed
+    the ranking the layer's last selection left, and leaves its own."""
+    if not method.holds_ranked:
+        return method.select(view, n_keep)
+    i = view.layer_idx
+    idx, cache.ranked[i] = method.select_ranked(view, n_keep, cache.layers[i].positions, cache.ranked.get(i))
+    return idx
+
+
+def hold_decode_queries(capture, window: int, queries: dict[int, Tensor] | None = None) -> None:
+    """Before a prefill: let `capture` hold each layer's last `window` queries of the prompt and fed chunks for the
+    decode hook (0: none); `queries`: a shared prefill's, already there."""
+    capture.decode_window = window
+    capture.decode_queries = {i: q[:, :, -window:] for i, q in (queries or {}).items()} if window else {}
+
+
+def take_decode_queries(capture) -> dict[int, list[Tensor]]:
+    """What `hold_decode_queries` let the capture hold, one query per token, as `Recompressor.queries`."""
+    held, capture.decode_window, capture.decode_queries = capture.decode_queries, 0, {}
+    return {i: list(q.split(1, dim=2)) for i, q in held.items()}
 
 
 @dataclass
@@ -113,7 +138,7 @@ class Recompressor:
         queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None
         view = LayerView(i, n_layers, layer.keys, layer.values, queries, scaling, None, self.softcap.get(i),
                          self.rotary.get(i), positions=layer.positions)  # (kept entries: not 0..n-1)
-        idx = self.method.select(view, n_keep)
+        idx = select(self.method, view, n_keep, self.cache)
         if idx is None:  # the method keeps this layer whole (SimLayerKV's non-lazy layers)
             return
         held = layer.nbytes()

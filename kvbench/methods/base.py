@@ -78,6 +78,8 @@ class Method:
     own_storage: ClassVar[bool] = False  # True: compressed layers are not dense (per-head variable, quantized,
     # offloaded): they cannot hold keys a model's sliding window would hide, nor be reordered by beam search
     replay_gradient: ClassVar[bool] = False  # a reconstructor whose replay runs with autograd (KVgrad)
+    holds_ranked: ClassVar[bool] = False  # True: its reference keeps the kept entries best first and scores a later
+    # selection in that order (R-KV): the engine calls `select_ranked` with the ranking the layer's last one left
 
     @property
     def compresses(self) -> bool:
@@ -158,6 +160,14 @@ class Method:
         """For a method that `scores_inputs`: per-entry scores `[B, H_kv, n]` from the layer's attention input
         `[B, n, hidden]` at prefill (the capture calls it; `select` reads them as `view.input_scores`); `config`:
         the model's text config."""
+        raise NotImplementedError
+
+    def select_ranked(self, view: LayerView, n_keep: int, positions: Tensor,
+                      ranked: Tensor | None) -> tuple[Tensor, Tensor]:  # pragma: no cover - interface
+        """For a method that `holds_ranked`: `select`'s indices, scored with the entries in its reference's order
+        (`ranked`: the positions `[B, H, k]` the layer's last selection ranked, best first, that the reference holds
+        first; None: position order), and the positions of the entries it now ranks, best first (`positions`: the
+        layer's `[B, H, n]`, ascending, kvbench's storage order)."""
         raise NotImplementedError
 
     def select(self, view: LayerView, n_keep: int) -> Tensor | list[Tensor] | None:  # pragma: no cover - interface

@@ -13,14 +13,20 @@ Defaults as the reference: window 8, kernel 7, λ 0.07 (`run_math.py --mix_lambd
 while decoding too: every `divide_length` (128) tokens of the sequence (prompt included, `divide_method=
 step_length`) the layer is brought back to the budget, so a layer holds at most budget + 128 entries: unless
 `decode_compression.target` says otherwise, `method=rkv budget=B` runs `decode_compression.every=128, target=B`
-counted over the sequence (`own_decode_compression`). Quirk kept: the reference's queries of the first decode
-compression include the prompt's last ones; here they are the generated tokens' own (the same once `window`
-tokens were generated, i.e. whenever the prompt is not within `window` tokens of a multiple of 128).
+counted over the sequence (`own_decode_compression`): the step after the one whose sequence length was a multiple
+of 128 (`CausalLM_forward` sets the flag the next forward reads), attending the layer before it is compressed. Its
+window's queries are the sequence's last `window`, as the reference's query cache: the prompt's last ones while
+fewer were generated (a prompt within `window` tokens below a multiple of 128). The reference stores the kept
+entries best first (`topk`'s order), then the window, then the tokens decoded since, and the next compression
+max-pools and spares copies in that order: kvbench stores by position, so `select_ranked` scores the entries in
+the reference's order from the ranking the last selection left (`KVCache.ranked`). tests/unit/test_rkv_decode.py
+checks both against the reference run on a tiny Llama. Not matched: a layer holding exactly `budget` entries at a
+compression is re-ranked there by the reference (nothing evicted) and left in position order here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +45,7 @@ class RKV(Method):
     threshold: float = 0.5  # cosine similarity above which two keys count as copies
     retain_direction: Literal["last", "first"] = "last"  # which similar key keeps its full similarity weight
     divide_length: int = 128  # compress every this many tokens of the sequence while decoding
+    holds_ranked: ClassVar[bool] = True  # the reference stores its kept entries best first (`select_ranked`)
 
     @property
     def query_window(self) -> int:
@@ -94,3 +101,29 @@ class RKV(Method):
 
     def select(self, view: LayerView, n_keep: int) -> Tensor:
         return topk_plus_window(self.scores(view), n_keep, view.prompt_len, self.window)
+
+    def select_ranked(self, view: LayerView, n_keep: int, positions: Tensor,
+                      ranked: Tensor | None) -> tuple[Tensor, Tensor]:
+        """`select` with the entries in the reference's cache order, where the pooling and the spared copy look:
+        the last selection's top entries best first, then the others by position (kvbench stores all by position).
+        Also returns the new top entries' positions, best first."""
+        b, h, n = positions.shape
+        order = held_order(positions, ranked)
+        if ranked is not None:
+            view = replace(view, keys=view.keys.gather(2, order[..., None].expand_as(view.keys)))
+        top = order[..., : n - self.window].gather(-1, self.scores(view).topk(n_keep - self.window, dim=-1).indices)
+        recent = torch.arange(n - self.window, n, device=top.device).expand(b, h, self.window)
+        return torch.cat([top, recent], dim=-1).sort(dim=-1).values, positions.gather(-1, top)
+
+
+def held_order(positions: Tensor, ranked: Tensor | None) -> Tensor:
+    """`[B, H, n]` storage indices in the reference's order: the entries at `ranked`'s positions in its order, then
+    the others by position."""
+    b, h, n = positions.shape
+    slots = torch.arange(n, device=positions.device).expand(b, h, n)
+    if ranked is None:
+        return slots
+    k = ranked.shape[-1]
+    rank = (slots + k).scatter(-1, torch.searchsorted(positions.contiguous(), ranked.contiguous()),
+                               torch.arange(k, device=positions.device).expand(b, h, k))
+    return rank.argsort(dim=-1)

@@ -84,6 +84,10 @@ class AttentionCapture:
         self.named_input_scores: dict[str, dict[int, Tensor]] = {}  # their scores, by name then layer
         self._prefill_inputs: dict[int, Tensor] = {}  # each layer's attention input, held for `prefill_hook`
         self.window_queries: dict[int, Tensor] = {}
+        self.decode_window = 0  # > 0: the sequence's last queries a decode-time compressor starts from (R-KV's query
+        # cache), held per layer in `decode_queries` from the prefill and fed chunks; set and taken by `prepare`,
+        # which is why `reset` (called by `compress`, before a fed question) keeps them
+        self.decode_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
         self.column_sums: dict[int, Tensor] = {}
@@ -233,6 +237,7 @@ class AttentionCapture:
             layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
                 out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs)
+                self._hold_decode_queries(layer_idx, query)
                 if hasattr(self.decode_hook, "chunk"):  # a decode-time evictor scores the chunk's rows, evicts
                     self.decode_hook.chunk(layer_idx, query, key, scaling)
                 return out, None
@@ -247,6 +252,7 @@ class AttentionCapture:
                 self.scaling[layer_idx] = scaling
                 if softcap is not None:
                     self.softcap[layer_idx] = softcap
+                self._hold_decode_queries(layer_idx, query)
                 if self.window:
                     self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
                     if score_bias is not None:
@@ -298,6 +304,13 @@ class AttentionCapture:
                                       "are not supported with sliding-window or ALiBi attention")
         kv = layer.decode_kv(query) if getattr(layer, "own_storage", False) else DecodeKV(key, value)
         return chunk_attention(query, kv, scaling, softcap)
+
+    def _hold_decode_queries(self, layer_idx: int, query: Tensor) -> None:
+        """The sequence's last `decode_window` queries so far, across the prefill and fed chunks."""
+        if self.decode_window:
+            held = self.decode_queries.get(layer_idx)
+            queries = query if held is None else torch.cat([held, query], dim=2)
+            self.decode_queries[layer_idx] = queries[:, :, -self.decode_window:].detach().clone()
 
     def trim_window_layers(self, cache) -> None:
         """After prefill a sliding-window layer keeps only the entries the next token can still see, the last
