@@ -67,6 +67,13 @@ class LayerView:
     def prompt_len(self) -> int:
         return self.keys.shape[-2]
 
+    @property
+    def next_position(self) -> int:
+        """Where the next token will sit: n after a prefill; one past the newest entry's original position in a layer
+        compressed again while decoding (it holds fewer entries than the tokens it has seen), for scorers that place
+        queries by position (Expected Attention's window and future queries)."""
+        return self.prompt_len if self.positions is None else int(self.positions.max()) + 1
+
 
 @dataclass
 class Method:

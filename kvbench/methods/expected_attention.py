@@ -22,6 +22,12 @@ What kvbench does differently, because of what its capture records:
   costs H_q x w x D per layer at prefill. A window at least the prompt's length takes every query after the sinks,
   as kvpress: the kept entries then equal `ExpectedAttentionPress()`'s (tests/unit/test_kvpress_oracle.py).
 - The future positions are n, n+1, ..., n+511 from the prompt length n (prefill from position 0), as kvpress.
+  Compressed again while decoding (`decode_compression`), a layer holds fewer entries than the tokens it has seen:
+  the window's queries sit at the newest positions and the future ones follow them (`view.next_position`, from the
+  entries' original positions), not at the layer's length. From the window's queries a common offset cancels (RoPE
+  is relative), but precomputed `stats` are pre-RoPE and were rotated to the wrong future positions
+  (tests/unit/test_expected_attention_decode.py). (kvpress's `DecodingPress` hands the press its buffer of the last
+  256 hidden states, so there the future positions are 256..767 whatever the sequence's length.)
 - The softmax scale is the model's (`view.scaling`) where kvpress hard-codes 1/sqrt(d); they agree on the usual
   models (not on Gemma's query_pre_attn_scalar). ALiBi (MPT) and soft caps (Gemma 2) are ignored, as in kvpress;
   learned (GPT-2) and ALiBi positions leave queries unrotated (R = I). Partial rotary (GPT-NeoX, Phi) rotates only
@@ -104,13 +110,14 @@ class ExpectedAttention(Method):
             raise ValueError("expected_attention: the capture recorded no rotary encoding for layer "
                              f"{view.layer_idx}; this model family's attention gives no (cos, sin) to read")
         n, d = view.prompt_len, view.keys.shape[-1]
-        r = view.rotary.matrix(torch.arange(n, n + self.n_future_positions), d, mean=True)
+        end = view.next_position  # n after a prefill; the tokens seen so far in a layer compressed while decoding
+        r = view.rotary.matrix(torch.arange(end, end + self.n_future_positions), d, mean=True)
         if self.loaded is not None:  # precomputed pre-RoPE statistics, the same for every batch row
             mu, cov = (t[view.layer_idx].to(view.keys.device)[None] for t in self.loaded)
             r = r.to(mu.device)
             return mu @ r.T, r @ cov @ r.T
         w = min(self.window, view.window_queries.shape[2], n - self.n_sink)
-        positions = torch.arange(n - w, n)
+        positions = torch.arange(end - w, end)  # the window's queries are the newest tokens'
         queries = view.rotary.unrotate(view.window_queries[:, :, -w:], positions)  # [B, H_q, w, D]
         mu = queries.mean(dim=2)
         centered = queries - mu[:, :, None]
