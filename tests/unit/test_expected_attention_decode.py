@@ -16,11 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import generate
 from kvbench.engine.recompress import DecodeCompression
-from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit.tiny import prompt, tiny_model
+from tests.unit.tiny import decoding_selections, prompt, tiny_model
 
 N_PROMPT, NEW, EVERY, TARGET, BUDGET, WINDOW, N_SINK, N_FUTURE = 60, 40, 8, 32, 24, 12, 4, 512
 
@@ -77,25 +75,19 @@ def test_under_decode_compression_the_future_queries_follow_the_tokens_seen(sour
     hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
         lambda m, a, kw, i=i: inputs[i].append(kw["hidden_states"]) if kw["hidden_states"].shape[1] == 1 else None,
         with_kwargs=True) for i in layers]
-    calls, real_select = [], type(method).select
-    with AttentionCapture(model, window=method.query_window) as capture:
-        def recording_select(self, view, n_keep):
-            idx = real_select(self, view, n_keep)
-            if capture.cache is not None:  # decoding (the prefill's selection has its own tests)
-                i, seen = view.layer_idx, capture.cache.layers[view.layer_idx].seen_tokens
-                stats = window_statistics(model, i, torch.cat(inputs[i][-WINDOW:], dim=1)) if source == "window" \
-                    else (t[i][None] for t in self.loaded)
-                calls.append((*stats, view.keys.clone(), view.values.clone(), seen, n_keep, idx, self.scores(view)))
-            return idx
 
-        type(method).select = recording_select
-        try:
-            generate(model, None, method, capture, prompt(N_PROMPT), BUDGET, NEW, eos_ids=set(),
-                     recompress=DecodeCompression(EVERY, TARGET))
-        finally:
-            type(method).select = real_select
-            for hook in hooks:
-                hook.remove()
+    def record(capture, method, view, n_keep, idx):
+        i, seen = view.layer_idx, capture.cache.layers[view.layer_idx].seen_tokens
+        stats = window_statistics(model, i, torch.cat(inputs[i][-WINDOW:], dim=1)) if source == "window" \
+            else (t[i][None] for t in method.loaded)
+        return *stats, view.keys.clone(), view.values.clone(), seen, n_keep, idx, method.scores(view)
+
+    try:
+        calls = decoding_selections(model, method, prompt(N_PROMPT), BUDGET, NEW, DecodeCompression(EVERY, TARGET),
+                                    record)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert len(calls) == 3 * len(layers)  # decode steps 16, 24 and 32 (a layer of 40 > 32)
     for mu, cov, keys, values, seen, n_keep, idx, ours in calls:
         assert seen > keys.shape[2] + BUDGET  # the layer holds far fewer entries than the tokens seen

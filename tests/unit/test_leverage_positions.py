@@ -11,7 +11,6 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
-from kvbench.engine.batching import generate
 from kvbench.engine.generation import prefill
 from kvbench.engine.recompress import DecodeCompression
 from kvbench.methods.base import LayerView
@@ -19,7 +18,7 @@ from kvbench.methods.leverage_score import prerope_keys
 from kvbench.methods.wrappers import sub_view
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit.tiny import prompt, tiny_model
+from tests.unit.tiny import decoding_selections, prompt, tiny_model
 
 N_PROMPT, NEW, EVERY, TARGET, SKETCH = 60, 40, 8, 32, 8
 
@@ -44,21 +43,10 @@ def test_under_decode_compression_each_key_is_rotated_back_from_its_own_position
     """At every compression while decoding, the kept entries are the top leverage of the layer's keys rotated back
     from the positions the cache recorded for them (the kept scores' multiset is compared: ties aside)."""
     model, method = tiny_model("llama"), METHODS["leverage_score"](sketch_dimension=SKETCH)
-    calls, real_select = [], type(method).select
-    with AttentionCapture(model, window=method.query_window) as capture:
-        def recording_select(self, view, n_keep):
-            idx = real_select(self, view, n_keep)
-            if capture.cache is not None:  # decoding (the prefill's selection sees positions 0..n-1)
-                positions = capture.cache.layers[view.layer_idx].positions.clone()
-                calls.append((view.keys.clone(), positions, self.sketch(view), n_keep, idx))
-            return idx
-
-        type(method).select = recording_select
-        try:
-            generate(model, None, method, capture, prompt(N_PROMPT), TARGET, NEW, eos_ids=set(),
-                     recompress=DecodeCompression(EVERY, TARGET))
-        finally:
-            type(method).select = real_select
+    calls = decoding_selections(  # (the prefill's selection sees positions 0..n-1)
+        model, method, prompt(N_PROMPT), TARGET, NEW, DecodeCompression(EVERY, TARGET),
+        lambda capture, method, view, n_keep, idx: (view.keys.clone(), capture.cache.layers[view.layer_idx].positions
+                                                    .clone(), method.sketch(view), n_keep, idx))
     assert len(calls) >= 4 * model.config.num_hidden_layers
     for keys, positions, sketch, n_keep, idx in calls:
         assert not torch.equal(positions[0, 0], torch.arange(keys.shape[2]))  # not the slots

@@ -49,3 +49,26 @@ def kept_by_kvbench(model, ids, method, budget: int):
         prefill(model, ids, cache)
         compress(method, cache, capture, budget)
     return [layer.positions[0] for layer in cache.layers]
+
+
+def decoding_selections(model, method, ids, budget: int, new: int, setting, record) -> list:
+    """What `record(capture, method, view, n_keep, idx)` returned at each of `method`'s selections while decoding
+    under `setting` (a `DecodeCompression`; the prefill's selection is left out), its class's `select` wrapped for
+    one generation."""
+    from kvbench.engine.batching import generate
+    from kvbench.models import AttentionCapture
+
+    calls, real_select = [], type(method).select
+    with AttentionCapture(model, window=method.query_window) as capture:
+        def recording_select(self, view, n_keep):
+            idx = real_select(self, view, n_keep)
+            if capture.cache is not None:  # decoding
+                calls.append(record(capture, self, view, n_keep, idx))
+            return idx
+
+        type(method).select = recording_select
+        try:
+            generate(model, None, method, capture, ids, budget, new, eos_ids=set(), recompress=setting)
+        finally:
+            type(method).select = real_select
+    return calls
