@@ -10,8 +10,9 @@ keeps a buffer of the last 256 hidden states and recomputes them; the queries ar
 The window itself (the newest tokens) is kept, as at prefill. After a prefill compression to at most T, a layer so
 never holds more than T + every entries per head: in batched decoding that is the fixed capacity of its row
 (kvbench.cache.rows, compacted in place), where the method's shares are uniform. Per-head variable methods
-(Ada-KV, KVzip), decode-time evictors (they evict every step already), storage methods, beam search and
-conversations are refused by `check`.
+(Ada-KV, KVzip), decode-time evictors (they evict every step already), storage methods, threshold methods (DMS,
+KVzap: per-head variable too), methods whose scores need what only a prefill's view holds (`Method.prefill_needs`:
+every prompt query, W_o), beam search and conversations are refused by `check`, which names the methods that can.
 """
 from __future__ import annotations
 
@@ -43,27 +44,43 @@ class DecodeCompression:
 
 def check(method: Method, setting: DecodeCompression, positions: str = "original", num_beams: int = 1,
           turns: int = 1) -> None:
-    """One line naming what cannot compress while decoding, before weights load."""
+    """One line naming what cannot compress while decoding, and the methods that can, before weights load."""
     if not setting.on:
         return
-    name = getattr(method, "registry_name", type(method).__name__)
-    why = None
-    if not method.compresses:
-        why = "keeps every entry"
-    elif method.kind is Kind.EVICTOR:
-        why = "evicts at every decode step already (its budget holds while decoding)"
-    elif method.kind is not Kind.SELECTOR or method.own_storage:
-        why = "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
-    elif method.prunes_channels:
-        why = "prunes key channels (key_channels), whose layers decode-time compression does not rebuild"
+    why = why_not(method)
     if why:
-        raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; use a scoring selector "
-                         "(snapkv, pyramidkv, streamingllm, knorm, expected_attention) or "
-                         "decode_compression.target=null")
+        name = getattr(method, "registry_name", type(method).__name__)
+        raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; methods that compress while "
+                         f"decoding: {', '.join(decoding_methods())}; or decode_compression.target=null")
     if positions != "original" or num_beams > 1 or turns > 1:
         raise ValueError(f"decode_compression.target={setting.target} runs with positions=original, "
                          "generation.num_beams=1 and one turn")
     method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
+
+
+def why_not(method: Method) -> str | None:
+    """Why `method` cannot compress while decoding, in a few words; None: it can."""
+    if not method.compresses:
+        return "keeps every entry"
+    if method.kind is Kind.EVICTOR:
+        return "evicts at every decode step already (its budget holds while decoding)"
+    if method.kind is not Kind.SELECTOR or method.own_storage:
+        return "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
+    if method.threshold_budget:
+        return ("keeps what its score threshold passes, in per-head variable layers, which decode-time compression "
+                "does not rebuild yet")
+    if method.prunes_channels:
+        return "prunes key channels (key_channels), whose layers decode-time compression does not rebuild"
+    if method.prefill_needs:
+        return f"scores at prefill only: it needs {method.prefill_needs}, which a decoding layer's view does not hold"
+    return None
+
+
+def decoding_methods() -> list[str]:
+    """The registered methods that compress while decoding with their defaults (the refusal names them)."""
+    from kvbench.registry import METHODS
+
+    return [name for name in METHODS.names() if why_not(METHODS[name]()) is None]
 
 
 def select(method: Method, view: LayerView, n_keep: int, cache: KVCache) -> Tensor | list[Tensor] | None:

@@ -16,6 +16,7 @@ non_causal_attn). The model must have a rotary encoding. Prefill only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ def capacity_scores(anchor: Tensor, keys: Tensor, values: Tensor, tau: float, ep
 @METHODS.register("cap")
 @dataclass
 class Cap(Method):
+    prefill_needs: ClassVar[str | None] = "every prompt query"  # (its anchor averages them)
     tau: float = 5.0  # temperature of the query-key alignment weights
     n_future_positions: int = 512  # future positions averaged into the anchor's RoPE rotation
     n_sink: int = 4  # first entries always kept (max + 1), left out of the anchor and the capacity matrix

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,7 @@ def tile_padding(n: int, chunk: int, group: int) -> Tensor:
 @METHODS.register("compactor")
 @dataclass
 class Compactor(Method):
+    prefill_needs: ClassVar[str | None] = "every prompt query"  # (its non-causal attention)
     sink_size_start: int = 8  # first entries always kept, left out of the scoring
     sink_size_end: int = 4  # last entries always kept, left out of the scoring
     chunk_size: int = 256  # non-causal attention chunk (kvpress default)

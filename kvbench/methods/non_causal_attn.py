@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ def chunked_column_sums(queries: Tensor, keys: Tensor, chunk: int, mask_padding:
 @METHODS.register("non_causal_attn")
 @dataclass
 class NonCausalAttn(Method):
+    prefill_needs: ClassVar[str | None] = "every prompt query"  # (its non-causal attention)
     chunk_size: int = 256  # queries and keys per chunk of the non-causal attention (kvpress default)
     mask_padding: bool = False  # mask the last chunk's padding for real (kvpress: -1e-9 / 0 logits)
 

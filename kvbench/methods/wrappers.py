@@ -116,6 +116,10 @@ class Wrapper(Method):
     def selects_per_query_head(self) -> bool:
         return self.press.selects_per_query_head
 
+    @property
+    def prefill_needs(self) -> str | None:
+        return self.press.prefill_needs
+
     def prepare(self, model, tokenizer, *, prefill=None):
         return self.press.prepare(model, tokenizer, prefill=prefill)
 
@@ -255,6 +259,10 @@ class Compose(Wrapper):
     @property
     def kept_window(self) -> int:
         return self.then.kept_window
+
+    @property
+    def prefill_needs(self) -> str | None:
+        return self.press.prefill_needs or self.then.prefill_needs
 
     def check_budget(self, budget: int | None) -> None:
         self.then.check_budget(budget)

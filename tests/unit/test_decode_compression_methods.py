@@ -1,0 +1,72 @@
+"""Which methods compress while decoding (`decode_compression.target=T`, kvbench/engine/recompress.py): every
+registered method is either refused by the command line's check in one line, before any weights load, naming the
+methods that can, or really runs under it (its layers brought back to the target). Prefill-only scorers (CAP,
+Compactor, non-causal attention: every prompt query; CriticalKV: the output projection W_o) used to pass the check
+and stop with an error while decoding, after the weights loaded; they declare `Method.prefill_needs` now. Threshold
+methods (DMS, KVzap) passed it too and then never compressed (their per-head variable layers are not rebuilt while
+decoding): refused now as well."""
+from __future__ import annotations
+
+import pytest
+
+import kvbench.methods  # noqa: F401
+from kvbench.engine.batching import generate
+from kvbench.engine.recompress import DecodeCompression, check, decoding_methods, why_not
+from kvbench.methods.wrappers import Compose
+from kvbench.models import AttentionCapture
+from kvbench.registry import METHODS
+from kvbench.runs.validate import BadInput, validate
+from tests.unit.test_contract import configured
+from tests.unit.tiny import prompt, tiny_model
+
+N_PROMPT, NEW, EVERY, TARGET = 40, 17, 8, 24
+PREFILL_ONLY = ["cap", "compactor", "critical_kv", "non_causal_attn"]
+REFUSED_LATE = {**{name: f"{name} scores at prefill only" for name in PREFILL_ONLY},  # (passed main's check)
+                **{name: f"{name} keeps what its score threshold passes" for name in ("dms", "kvzap")}}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_LATE))
+def test_the_command_line_check_refuses_what_cannot_compress_while_decoding(name, tmp_path):
+    with pytest.raises(BadInput) as refused:
+        validate(["model=tiny_llama", f"method={name}", "decode_compression.target=128",
+                  f"results_dir={tmp_path / 'results'}"])
+    text = str(refused.value)
+    assert REFUSED_LATE[name] in text and "\n" not in text, text
+    assert f"methods that compress while decoding: {', '.join(decoding_methods())};" in text
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_wrapper_is_refused_where_a_method_it_holds_is():
+    snapkv = METHODS["snapkv"]()
+    for composed in (Compose(METHODS["cap"](), then=METHODS["knorm"]()),
+                     Compose(snapkv, then=METHODS["critical_kv"](window=snapkv.window))):
+        assert why_not(composed).startswith("scores at prefill only")
+    assert why_not(Compose(snapkv, then=METHODS["knorm"]())) is None
+    assert {"snapkv", "expected_attention", "knorm"} <= set(decoding_methods()) and not \
+        set(PREFILL_ONLY) & set(decoding_methods())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=1)
+
+
+@pytest.mark.registry
+@pytest.mark.parametrize("name", METHODS.names())
+def test_every_method_is_refused_or_compresses_while_decoding(name, model):
+    """A method the check lets through generates every token, and its layer, grown past the target while
+    decoding, is brought back to it."""
+    method, setting = configured(name), DecodeCompression(EVERY, TARGET)
+    if why_not(method) is not None:
+        with pytest.raises(ValueError, match=f"{name} .*; methods that compress while decoding: "):
+            check(method, setting)
+        return
+    check(method, setting)
+    lengths = []
+    with AttentionCapture(model, window=method.query_window) as capture:
+        gen = generate(model, None, method, capture, prompt(N_PROMPT), 16, NEW, eos_ids=set(), recompress=setting,
+                       on_logits=lambda t, logits: lengths.append(capture.cache.layers[0].keys.shape[-2]))
+    assert len(gen.token_ids) == NEW
+    share = method.layer_budgets(N_PROMPT + NEW, 1, TARGET)[0]  # the target (SimLayerKV's sinks come on top)
+    assert TARGET < max(lengths) <= share + EVERY  # it grew past the target and was brought back to it
+    assert any(after < before for before, after in zip(lengths, lengths[1:]))
