@@ -262,6 +262,9 @@ class Compose(Wrapper):
 
     @property
     def prefill_needs(self) -> str | None:
+        if self.first_ratio > 0 and not (self.press.prefill_needs or self.then.prefill_needs):
+            # (a layer just past its decode-time target holds fewer: the first step would keep less than the budget)
+            return f"a layer of at least budget / (1 - first_ratio={self.first_ratio}) entries"
         return self.press.prefill_needs or self.then.prefill_needs
 
     def check_budget(self, budget: int | None) -> None:

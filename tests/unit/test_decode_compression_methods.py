@@ -4,7 +4,8 @@ methods that can, or really runs under it (its layers brought back to the target
 Compactor, non-causal attention: every prompt query; CriticalKV: the output projection W_o) used to pass the check
 and stop with an error while decoding, after the weights loaded; they declare `Method.prefill_needs` now. Threshold
 methods (DMS, KVzap) passed it too and then never compressed (their per-head variable layers are not rebuilt while
-decoding): refused now as well."""
+decoding), and a composition keeping a share of the layer before `then` keeps the budget (a layer just past its
+target is too short: it stopped while decoding), are refused now as well."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import generate
 from kvbench.engine.recompress import DecodeCompression, check, decoding_methods, why_not
-from kvbench.methods.wrappers import Compose
+from kvbench.methods.wrappers import Compose, PerLayer
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.validate import BadInput, validate
@@ -21,27 +22,30 @@ from tests.unit.tiny import prompt, tiny_model
 
 N_PROMPT, NEW, EVERY, TARGET = 40, 17, 8, 24
 PREFILL_ONLY = ["cap", "compactor", "critical_kv", "non_causal_attn"]
-REFUSED_LATE = {**{name: f"{name} scores at prefill only" for name in PREFILL_ONLY},  # (passed main's check)
-                **{name: f"{name} keeps what its score threshold passes" for name in ("dms", "kvzap")}}
+REFUSED_LATE = {  # what main's check let through: (overrides, the refusal's words)
+    **{name: ([f"method={name}"], f"{name} scores at prefill only: it needs ") for name in PREFILL_ONLY},
+    **{name: ([f"method={name}"], f"{name} keeps what its score threshold passes") for name in ("dms", "kvzap")},
+    "compose": (["method=snapkv", "+method.then=knorm", "+method.first_ratio=0.5"],  # (64 of a layer of 129 > 128)
+                "snapkv+knorm scores at prefill only: it needs a layer of at least budget / (1 - first_ratio=0.5)")}
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED_LATE))
-def test_the_command_line_check_refuses_what_cannot_compress_while_decoding(name, tmp_path):
+@pytest.mark.parametrize("case", sorted(REFUSED_LATE))
+def test_the_command_line_check_refuses_what_cannot_compress_while_decoding(case, tmp_path):
+    overrides, words = REFUSED_LATE[case]
     with pytest.raises(BadInput) as refused:
-        validate(["model=tiny_llama", f"method={name}", "decode_compression.target=128",
-                  f"results_dir={tmp_path / 'results'}"])
+        validate(["model=tiny_llama", *overrides, "decode_compression.target=128", f"results_dir={tmp_path / 'r'}"])
     text = str(refused.value)
-    assert REFUSED_LATE[name] in text and "\n" not in text, text
+    assert words in text and "\n" not in text, text
     assert f"methods that compress while decoding: {', '.join(decoding_methods())};" in text
-    assert not (tmp_path / "results").exists()
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_wrapper_is_refused_where_a_method_it_holds_is():
     snapkv = METHODS["snapkv"]()
-    for composed in (Compose(METHODS["cap"](), then=METHODS["knorm"]()),
-                     Compose(snapkv, then=METHODS["critical_kv"](window=snapkv.window))):
-        assert why_not(composed).startswith("scores at prefill only")
-    assert why_not(Compose(snapkv, then=METHODS["knorm"]())) is None
+    for wrapped in (PerLayer(METHODS["cap"](), whole_layers=[0]),
+                    Compose(snapkv, then=METHODS["critical_kv"](window=snapkv.window), first_ratio=0.0)):
+        assert why_not(wrapped).startswith("scores at prefill only: it needs ")
+    assert why_not(Compose(snapkv, then=METHODS["knorm"](), first_ratio=0.0)) is None
     assert {"snapkv", "expected_attention", "knorm"} <= set(decoding_methods()) and not \
         set(PREFILL_ONLY) & set(decoding_methods())
 
