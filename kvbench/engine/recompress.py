@@ -80,7 +80,15 @@ def decoding_methods() -> list[str]:
     """The registered methods that compress while decoding with their defaults (the refusal names them)."""
     from kvbench.registry import METHODS
 
-    return [name for name in METHODS.names() if why_not(METHODS[name]()) is None]
+    names = []
+    for name in METHODS.names():
+        try:
+            method = METHODS[name]()
+        except (TypeError, ValueError):  # a method with a required field (a user's own) is left out of the list
+            continue
+        if why_not(method) is None:
+            names.append(name)
+    return names
 
 
 def select(method: Method, view: LayerView, n_keep: int, cache: KVCache) -> Tensor | list[Tensor] | None:
