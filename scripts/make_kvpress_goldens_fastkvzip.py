@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import ROOT, embedded_model_dir, golden_parser, load_model, run_child, unmasked_masks
+
 OUT = ROOT / "tests/fixtures/kvpress_fastkvzip/goldens.json"
-MODEL = Path.home() / ".cache/kvbench/models/SmolLM2-135M-Instruct.Q4_1-v0.1.2"
 CASES = [(0.25, False), (0.5, False), (0.5, True)]  # (compression_ratio, layerwise)
 SEED = 0
 
@@ -35,11 +35,10 @@ def child(args) -> None:
     import torch
     from kvpress.presses.fastkvzip_press import FastKVzipGate
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    torch.set_num_threads(2)
-    prompts = json.loads((ROOT / "tests/fixtures/kvpress/prompts.json").read_text())["ids"]
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    prompts = json.loads(Path(args.ids_file).read_text())
+    model = load_model(args.model_dir)
     config, tensors = model.config, load_file(args.gates)
     n_kv = config.num_key_value_heads
     gates = []
@@ -70,46 +69,37 @@ def child(args) -> None:
             press.compress_post = compress_post
             with torch.no_grad(), press(model):
                 model(torch.tensor([ids]), past_key_values=DynamicCache())
-            kept = []
-            for module in attention:
-                heads = [set(range(n)) for _ in range(n_kv)]
-                for h, i in zip(module.masked_key_indices[1].tolist(), module.masked_key_indices[2].tolist()):
-                    heads[h].discard(i)
-                kept.append([hex(sum(1 << i for i in head)) for head in heads])
-                module.masked_key_indices = None
+            kept = unmasked_masks(attention, n, n_kv)
             cases.append({"prompt": p, "ratio": ratio, "layerwise": layerwise, "near": near, "kept": kept})
     print(json.dumps(cases))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kvpress-python", default="/tmp/kvp/bin/python")
-    parser.add_argument("--child", action="store_true")
-    parser.add_argument("--model-dir", default=str(MODEL))
-    parser.add_argument("--gates")
-    args = parser.parse_args()
+    ap = golden_parser(__doc__)
+    ap.add_argument("--gates", help=argparse.SUPPRESS)
+    args = ap.parse_args()
     if args.child:
         return child(args)
+    model_dir = embedded_model_dir()  # (puts this checkout's kvbench on the path)
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
     from kvbench.methods.fastkvzip import random_gates
 
-    config = AutoConfig.from_pretrained(args.model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    prompts = json.loads((ROOT / "tests/fixtures/kvpress/prompts.json").read_text())["ids"]
     with tempfile.TemporaryDirectory() as tmp:
         gates = Path(tmp) / "gates.safetensors"
         save_file({f"layers.{i}.{name}": t.contiguous() for i, layer in enumerate(random_gates(config, SEED))
                    for name, t in layer.items()}, str(gates))
-        done = subprocess.run([args.kvpress_python, __file__, "--child", "--model-dir", args.model_dir,
-                               "--gates", str(gates)], check=True, capture_output=True, text=True)
-    cases = json.loads(done.stdout.strip().splitlines()[-1])
+        cases = run_child(__file__, args.kvpress_python, prompts, "--gates", str(gates), model_dir=model_dir)
     version = subprocess.run([args.kvpress_python, "-c", "import importlib.metadata as m, transformers, torch; "
                               "print(m.version('kvpress'), transformers.__version__, torch.__version__)"],
                              check=True, capture_output=True, text=True).stdout.split()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "made_by": f"scripts/make_kvpress_goldens_fastkvzip.py: kvpress {version[0]}, transformers {version[1]}, "
-                   f"torch {version[2]}, fp32, sdpa, {Path(args.model_dir).name}",
+                   f"torch {version[2]}, fp32, sdpa, {model_dir.name}",
         "prompts": "tests/fixtures/kvpress/prompts.json",
         "press": f"FastKVzipPress(compression_ratio, layerwise) with gates = kvbench random_gates(config, seed={SEED})",
         "cases": cases}, separators=(",", ":")) + "\n")

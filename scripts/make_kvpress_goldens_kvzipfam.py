@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import (CONVERTED_MODEL as MODEL, ROOT, load_model, prefill_keys,
+                                   tokenizer_without_template, unmasked_masks)
+
 OUT = ROOT / "tests/fixtures/kvpress_kvzipfam/goldens.json"
-MODEL = Path.home() / ".cache/kvbench/models/SmolLM2-135M-Instruct.Q4_1-v0.1.2"
 SURROGATE = ROOT / "kvbench/methods/kvzap_surrogates/SmolLM2-135M-Instruct-linear"
 RATIOS = (0.25, 0.5)
 WINDOW = 32  # DMS sliding window: 160 and 224 entries of the two prompts can go
@@ -35,35 +35,15 @@ def main() -> None:
     import kvpress
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads((ROOT / "tests/fixtures/kvpress/prompts.json").read_text())["ids"]
-    no_template = Path(tempfile.mkdtemp())  # KVzipPress reads the chat template from model.config.name_or_path
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(MODEL / f, no_template / f)
-    config = json.loads((no_template / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32, attn_implementation="sdpa").eval()
+    # KVzipPress reads the chat template from model.config.name_or_path
+    no_template = tokenizer_without_template(MODEL, Path(tempfile.mkdtemp()))
+    model = load_model(MODEL)
     attention = [layer.self_attn for layer in model.model.layers]
     surrogate = kvpress.presses.kvzap_press.KVzapModel.from_pretrained(str(SURROGATE)).float().eval()
 
-    def kept_masks(n: int) -> list[list[str]]:
-        masks = []
-        for module in attention:
-            heads = [set(range(n)) for _ in range(model.config.num_key_value_heads)]
-            if module.masked_key_indices is not None:
-                for h, i in zip(module.masked_key_indices[1].tolist(), module.masked_key_indices[2].tolist()):
-                    heads[h].discard(i)
-            masks.append([hex(sum(1 << i for i in head)) for head in heads])
-            module.masked_key_indices = None
-        return masks
-
-    def run(press, ids) -> None:
-        with torch.no_grad(), press(model):
-            model(torch.tensor([ids]), past_key_values=DynamicCache())
-
+    heads = model.config.num_key_value_heads
     cases = []
     for p, ids in enumerate(prompts):
         n = len(ids)
@@ -83,9 +63,10 @@ def main() -> None:
 
             press.compress_post = compress_post
             model.config.name_or_path = str(no_template)
-            run(press, ids)
+            prefill_keys(model, ids, press, logits_to_keep=0)
             model.config.name_or_path = str(MODEL)
-            cases.append({"name": "kvzip_plus", "prompt": p, "ratio": ratio, "near": near, "kept": kept_masks(n)})
+            cases.append({"name": "kvzip_plus", "prompt": p, "ratio": ratio, "near": near,
+                          "kept": unmasked_masks(attention, n, heads)})
         for name, scorer in (("dms", kvpress.KnormPress()), ("kvzap", kvpress.KVzapPress(model_type="linear"))):
             if name == "kvzap":  # kvbench's surrogate under the name kvpress would look up (never downloaded)
                 scorer.kvzap_model_name = f"nvidia/KVzap-linear-{MODEL.name}"
@@ -100,8 +81,8 @@ def main() -> None:
                 return s
 
             scorer.score = score
-            run(press, ids)
-            kept = kept_masks(n)
+            prefill_keys(model, ids, press, logits_to_keep=0)
+            kept = unmasked_masks(attention, n, heads)
             cases.append({"name": name, "prompt": p, "threshold": THRESHOLDS[name], "window": WINDOW,
                           "near": near, "kept": kept})
             evicted = 1 - sum(bin(int(h, 16)).count("1") for layer in kept for h in layer) / (n * 3 * len(kept))

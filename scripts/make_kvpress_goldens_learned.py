@@ -13,14 +13,13 @@ uncompressed ones; DuoAttention and LU-KV mask, and their kept set is every entr
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import (ROOT, golden_parser, load_model, matched_masks, prefill_keys, run_child,
+                                   unmasked_masks)
+
 OUT = ROOT / "tests/fixtures/kvpress_learned/goldens.json"
 CURVE = OUT.parent / "lukv_curve.npy"
 PROMPTS = ROOT / "tests/fixtures/kvpress_new/goldens.json"
@@ -52,17 +51,12 @@ def make_curve(n_layers: int, n_heads: int):
 
 def child(args) -> None:
     """In kvpress's interpreter: kept bitmasks per case and prompt, one JSON document on stdout."""
-    from contextlib import nullcontext
-
     import numpy as np
-    import torch
     import kvpress
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads(Path(args.ids_file).read_text())
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = load_model(args.model_dir)
     attention = [layer.self_attn for layer in model.model.layers]
     filters = load_file(f"{LEARNED}_qfilters.safetensors")["q_filters"].float()
     stats = load_file(f"{LEARNED}_ea_stats.safetensors")
@@ -80,63 +74,28 @@ def child(args) -> None:
             press.compression_ratio = 1 - (budget + 0.5) / n
         return press
 
-    def run(ids, press=None):
-        cache = DynamicCache()
-        with torch.no_grad(), (press(model) if press is not None else nullcontext()):
-            model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-        return [layer.keys[0] for layer in cache.layers]
-
     out = {}
     for p, prompt in enumerate(prompts):
         ids, n = prompt["ids"], len(prompt["ids"])
-        full = run(ids)
+        full = prefill_keys(model, ids)
         for name, (_, _, text, masks_entries) in CASES.items():
-            kept = run(ids, build(name, text, n, prompt["budget"]))
-            masks = []
-            for module, k_full, k_kept in zip(attention, full, kept):
-                heads = []
-                for h in range(k_full.shape[0]):
-                    if masks_entries:
-                        masked = getattr(module, "masked_key_indices", None)
-                        dropped = set() if masked is None else set(masked[2][masked[1] == h].tolist())
-                        idx = set(range(n)) - dropped
-                    else:
-                        match = (k_kept[h][:, None, :] == k_full[h][None]).all(-1)  # [kept, n]
-                        assert (match.sum(-1) == 1).all(), (name, "a kept key equals no single uncompressed key")
-                        idx = set(match.float().argmax(-1).tolist())
-                    heads.append(hex(sum(1 << i for i in idx)))
-                masks.append(heads)
+            kept = prefill_keys(model, ids, build(name, text, n, prompt["budget"]))
+            masks = unmasked_masks(attention, n, full[0].shape[0]) if masks_entries else matched_masks(kept, full, name)
             out.setdefault(name, []).append(masks)
             print(name, p, file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = golden_parser(__doc__).parse_args()
     if args.child:
         return child(args)
-    sys.path.insert(0, str(ROOT))
     import numpy as np
-
-    from kvbench.models.embedded import embedded_model_dir
 
     prompts = json.loads(PROMPTS.read_text())["prompts"]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     np.save(CURVE, make_curve(30, 3), allow_pickle=False)
-    ids_file = OUT.parent / ".ids.json"
-    ids_file.write_text(json.dumps(prompts))
-    cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(ids_file), "--model-dir",
-           str(embedded_model_dir())]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    ids_file.unlink()
-    if done.returncode:
-        sys.exit(f"make_kvpress_goldens_learned: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
-    kept = json.loads(done.stdout.splitlines()[-1])
+    kept = run_child(__file__, args.kvpress_python, prompts)
     OUT.write_text(json.dumps({
         "made_by": "scripts/make_kvpress_goldens_learned.py (kvpress 0.5.5, transformers 5.2.0, fp32, sdpa, the "
                    "embedded SmolLM2-135M-Instruct)",

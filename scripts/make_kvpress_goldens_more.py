@@ -19,15 +19,13 @@ This file imports only the standard library at its top, so kvpress's interpreter
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import (ROOT, golden_parser, hex_mask, load_model, matched_positions, prefill_keys,
+                                   run_child, seed_each_layer)
+
 PROMPTS = ROOT / "tests/fixtures/kvpress_new/goldens.json"
 OUT = ROOT / "tests/fixtures/kvpress_more/goldens.json"
 SEED, QUESTION, BLENDING = 0, 12, 0.6
@@ -45,32 +43,14 @@ CASES = {
 
 def child(args) -> None:
     """In kvpress's interpreter: kept bitmasks per case and prompt, one JSON document on stdout."""
-    from contextlib import nullcontext
-
-    import torch
     import kvpress
-    from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads(Path(args.ids_file).read_text())
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    def seed_hook(i):
-        def hook(module, args, kwargs):  # (returns None: the call goes on unchanged)
-            torch.manual_seed(SEED + i)
-        return hook
-
-    hooks = [layer.self_attn.register_forward_pre_hook(seed_hook(i), with_kwargs=True)
-             for i, layer in enumerate(model.model.layers)]
-
-    def run(ids, press=None):
-        cache = DynamicCache()
-        with torch.no_grad(), (press(model) if press is not None else nullcontext()):
-            model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-        return [layer.keys[0] for layer in cache.layers]
-
+    model = load_model(args.model_dir)
+    hooks = seed_each_layer(model, SEED)  # CompactorPress's LeverageScorePress sketch
     out, channels = {}, {}
     for ids, budget in prompts:
-        full = run(ids)
+        full = prefill_keys(model, ids)
         for name, (_, _, build) in CASES.items():
             press = eval(build, vars(kvpress))
             (press.presses[0] if name == "think" else press).compression_ratio = 1 - (budget + 0.5) / len(ids)
@@ -79,14 +59,12 @@ def child(args) -> None:
                 press.delimiter_token_id = next(t for t in range(1, 1000) if t not in ids)
                 fed = ids[:-QUESTION] + [press.delimiter_token_id] + ids[-QUESTION:]
             masks, kept_channels = [], []
-            for k_full, k_kept in zip(full, run(fed, press)):
+            for k_full, k_kept in zip(full, prefill_keys(model, fed, press)):
                 heads, chans = [], []
                 for h in range(k_full.shape[0]):
                     on = (k_kept[h] != 0).any(0)  # [D]: every channel but those ThinK zeroed
-                    match = (k_kept[h][:, None, on] == k_full[h][None][..., on]).all(-1)  # [kept, n]
-                    assert (match.sum(-1) == 1).all(), (name, "a kept key equals no single uncompressed key")
-                    heads.append(hex(sum(1 << i for i in set(match.float().argmax(-1).tolist()))))
-                    chans.append(hex(sum(1 << i for i in on.nonzero()[:, 0].tolist())))
+                    heads.append(hex_mask(matched_positions(k_kept[h], k_full[h], name, channels=on)))
+                    chans.append(hex_mask(on.nonzero()[:, 0].tolist()))
                 masks.append(heads)
                 kept_channels.append(chans)
             out.setdefault(name, []).append(masks)
@@ -98,26 +76,11 @@ def child(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = golden_parser(__doc__).parse_args()
     if args.child:
         return child(args)
-    sys.path.insert(0, str(ROOT))
-    from kvbench.models.embedded import embedded_model_dir
-
     prompts = json.loads(PROMPTS.read_text())["prompts"]
-    ids_file = Path(tempfile.mkdtemp()) / "ids.json"
-    ids_file.write_text(json.dumps([[p["ids"], p["budget"]] for p in prompts]))
-    cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(ids_file), "--model-dir",
-           str(embedded_model_dir())]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode:
-        sys.exit(f"make_kvpress_goldens_more: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_child(__file__, args.kvpress_python, [[p["ids"], p["budget"]] for p in prompts])
     kept = result["kept"]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({

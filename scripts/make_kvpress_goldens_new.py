@@ -11,20 +11,19 @@ A budget B per KV head is asked of kvpress as compression_ratio = 1 - (B + 0.5) 
 is B (ChunkKVPress: int(chunks (1 - ratio)) = B / chunk_length, B a multiple of it). CriticalAdaKVPress masks
 entries instead of removing them: its kept set is every entry not in the module's `masked_key_indices`.
 LeverageScorePress draws its sketch from torch's global generator: the child seeds it with seed + layer right
-before each layer's attention, which is kvbench's per-layer generator. Kept sets are stored as hex bitmasks (bit i = entry i) per layer and head.
+before each layer's attention, which is kvbench's per-layer generator. Kept sets are stored as hex bitmasks (bit i =
+entry i) per layer and head.
 This file imports only the standard library at its top, so kvpress's interpreter can run it.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import (ROOT, golden_parser, load_model, matched_masks, needle_prompts, prefill_keys,
+                                   run_child, seed_each_layer, unmasked_masks)
+
 OUT = ROOT / "tests/fixtures/kvpress_new/goldens.json"
 PROMPTS = [(280, 100), (400, 120)]  # (prompt tokens, budget per KV head): multiples of 20 (ChunkKV's chunks)
 SEED = 0
@@ -53,54 +52,23 @@ def ratio_for(press: str, n: int, budget: int) -> float:
 
 def child(args) -> None:
     """In kvpress's interpreter: kept bitmasks per case and prompt, one JSON document on stdout."""
-    from contextlib import nullcontext
-
-    import torch
     import kvpress
-    from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads(Path(args.ids_file).read_text())
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = load_model(args.model_dir)
     attention = [layer.self_attn for layer in model.model.layers]
-    def seed_hook(i):
-        def hook(module, args, kwargs):
-            torch.manual_seed(SEED + i)
-        return hook
-
-    # LeverageScorePress's sketch: the global generator seeded with seed + layer before each layer's attention
-    hooks = [m.register_forward_pre_hook(seed_hook(i), with_kwargs=True) for i, m in enumerate(attention)]
-
-    def run(ids, press=None):
-        cache = DynamicCache()
-        with torch.no_grad(), (press(model) if press is not None else nullcontext()):
-            model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-        return [layer.keys[0] for layer in cache.layers]
-
+    hooks = seed_each_layer(model, SEED)  # LeverageScorePress's sketch
     out = {}
     for p, ids in enumerate(prompts):
-        full = run(ids)
+        full = prefill_keys(model, ids)
         for name, (_, _, build) in CASES.items():
             press = eval(build, vars(kvpress))
             press.compression_ratio = ratio_for(build, len(ids), PROMPTS[p][1])
-            kept = run(ids, press)
-            masks = []
+            kept = prefill_keys(model, ids, press)
             if name in MASKING:  # kept = every entry the press did not mask, per layer and head
-                for module, k_full in zip(attention, full):
-                    _, heads_idx, seq_idx = module.masked_key_indices
-                    dropped = [set(seq_idx[heads_idx == h].tolist()) for h in range(k_full.shape[0])]
-                    masks.append([hex(sum(1 << i for i in set(range(len(ids))) - d)) for d in dropped])
-                out.setdefault(name, []).append(masks)
+                out.setdefault(name, []).append(unmasked_masks(attention, len(ids), full[0].shape[0]))
                 continue
-            for k_full, k_kept in zip(full, kept):
-                heads = []
-                for h in range(k_full.shape[0]):
-                    match = (k_kept[h][:, None, :] == k_full[h][None]).all(-1)  # [kept, n]
-                    assert (match.sum(-1) == 1).all(), (name, "a kept key equals no single uncompressed key")
-                    idx = match.float().argmax(-1).tolist()
-                    heads.append(hex(sum(1 << i for i in set(idx))))
-                masks.append(heads)
-            out.setdefault(name, []).append(masks)
+            out.setdefault(name, []).append(matched_masks(kept, full, name))
             print(name, p, file=sys.stderr, flush=True)
     for h in hooks:
         h.remove()
@@ -108,32 +76,11 @@ def child(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = golden_parser(__doc__).parse_args()
     if args.child:
         return child(args)
-    sys.path.insert(0, str(ROOT))
-    from kvbench.data.niah import NeedleHaystack
-    from kvbench.models import ModelSpec, load
-    from kvbench.models.embedded import embedded_model_dir
-
-    _, tok = load(ModelSpec(name="goldens", path="embedded"))
-    prompts = []
-    for n, _ in PROMPTS:
-        sample = NeedleHaystack(context_lengths=[n + 200], depth_percents=[50]).build(tok, 100_000)[0]
-        prompts.append(tok(sample.prompt).input_ids[:n])
-    ids_file = Path(tempfile.mkdtemp()) / "ids.json"
-    ids_file.write_text(json.dumps(prompts))
-    cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(ids_file), "--model-dir",
-           str(embedded_model_dir())]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode:
-        sys.exit(f"make_kvpress_goldens_new: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
-    kept = json.loads(done.stdout.splitlines()[-1])
+    prompts = needle_prompts([n for n, _ in PROMPTS])
+    kept = run_child(__file__, args.kvpress_python, prompts)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "made_by": "scripts/make_kvpress_goldens_new.py (kvpress 0.5.5, transformers 5.2.0, torch 2.13.0 CPU, fp32, "

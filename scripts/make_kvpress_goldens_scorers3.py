@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import (ROOT, embedded_model_dir, golden_parser, load_model, matched_masks, needle_prompts,
+                                   run_child, tokenizer_without_template, unmasked_masks)
+
 OUT = ROOT / "tests/fixtures/kvpress_scorers3/goldens.json"
 PROMPTS = [(160, 48), (240, 96)]  # (prompt tokens, budget per KV head)
 
@@ -44,12 +44,10 @@ def child(args) -> None:
     """In kvpress's interpreter: kept bitmasks per case and prompt, one JSON document on stdout."""
     import torch
     import kvpress
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads(Path(args.ids_file).read_text())
-    models = {attn: AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
-                                                         attn_implementation=attn) for attn in ("eager", "sdpa")}
+    models = {attn: load_model(args.model_dir, attn) for attn in ("eager", "sdpa")}
     for model in models.values():
         model.config.name_or_path = args.tokenizer_dir  # KVgradPress reads its tokenizer from here
     out = {}
@@ -70,62 +68,29 @@ def child(args) -> None:
             with press(model):
                 with torch.no_grad():
                     model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
-            kept = []
-            for i, layer in enumerate(model.model.layers):
-                if masks:
-                    _, head_idx, seq_idx = layer.self_attn.masked_key_indices
-                    dropped = [set(seq_idx[head_idx == h].tolist()) for h in range(heads)]
-                    kept.append([hex(sum(1 << j for j in set(range(n)) - d)) for d in dropped])
-                    del layer.self_attn.masked_key_indices
-                    continue
-                k_kept, k_full = cache.layers[i].keys[0], full.layers[i].keys[0]
-                row = []
-                for h in range(heads):
-                    match = (k_kept[h][:, None, :] == k_full[h][None]).all(-1)  # [kept, n]
-                    assert (match.sum(-1) == 1).all(), (name, "a kept key equals no single uncompressed key")
-                    row.append(hex(sum(1 << j for j in match.float().argmax(-1).tolist())))
-                kept.append(row)
+            if masks:
+                kept = unmasked_masks([layer.self_attn for layer in model.model.layers], n, heads)
+            else:
+                kept = matched_masks([layer.keys[0] for layer in cache.layers],
+                                     [layer.keys[0] for layer in full.layers], name)
             out.setdefault(name, []).append(kept)
             print(name, p, file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
+    ap = golden_parser(__doc__)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to (re)make; others are kept")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
-    sys.path.insert(0, str(ROOT))
-    from kvbench.data.niah import NeedleHaystack
-    from kvbench.models import ModelSpec, load
-    from kvbench.models.embedded import embedded_model_dir
-
-    _, tok = load(ModelSpec(name="goldens", path="embedded"))
-    prompts = []
-    for n, _ in PROMPTS:
-        sample = NeedleHaystack(context_lengths=[n + 200], depth_percents=[50]).build(tok, 100_000)[0]
-        prompts.append(tok(sample.prompt).input_ids[:n])
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "ids.json").write_text(json.dumps(prompts))
-    no_template = tmp / "tokenizer"  # the tokenizer without its chat template (KVgradPress: no prefix)
-    no_template.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (no_template / f).write_bytes((embedded_model_dir() / f).read_bytes())
-    config = json.loads((no_template / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
-    cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(tmp / "ids.json"), "--model-dir",
-           str(embedded_model_dir()), "--tokenizer-dir", str(no_template), "--cases", args.cases]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode:
-        sys.exit(f"make_kvpress_goldens_scorers3: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
-    kept = json.loads(done.stdout.splitlines()[-1])
+    prompts = needle_prompts([n for n, _ in PROMPTS])
+    model_dir = embedded_model_dir()
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer without its chat template (KVgradPress: no prefix)
+        no_template = tokenizer_without_template(model_dir, Path(tmp) / "tokenizer")
+        kept = run_child(__file__, args.kvpress_python, prompts, "--tokenizer-dir", str(no_template),
+                         "--cases", args.cases, model_dir=model_dir)
     earlier = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
     kept = {**{name: case["kept"] for name, case in earlier.items() if name not in kept}, **kept}
     OUT.parent.mkdir(parents=True, exist_ok=True)

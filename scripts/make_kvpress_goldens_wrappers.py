@@ -12,15 +12,12 @@ run it.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvpress_golden_common import ROOT, golden_parser, load_model, matched_masks, prefill_keys, run_child
+
 OUT = ROOT / "tests/fixtures/kvpress_wrappers/goldens.json"
 LAYERS = 30  # the embedded model's
 SNAPKV = "SnapKVPress(window_size=64, kernel_size=5)"
@@ -68,61 +65,26 @@ def budgets(spec: dict, n: int) -> list[int]:
 
 def child(args) -> None:
     """In kvpress's interpreter: kept bitmasks per case and prompt, one JSON document on stdout."""
-    from contextlib import nullcontext
-
-    import torch
     import kvpress
-    from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(2)
     prompts = json.loads(Path(args.ids_file).read_text())
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
-
-    def run(ids, press=None):
-        cache = DynamicCache()
-        with torch.no_grad(), (press(model) if press is not None else nullcontext()):
-            model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-        return [layer.keys[0] for layer in cache.layers]
-
+    model = load_model(args.model_dir)
     out = {}
     for ids in prompts:
-        full = run(ids)
+        full = prefill_keys(model, ids)
         for name, (build, _) in CASES.items():
-            kept = run(ids, eval(build, vars(kvpress)))
-            masks = []
-            for k_full, k_kept in zip(full, kept):
-                heads = []
-                for h in range(k_full.shape[0]):
-                    match = (k_kept[h][:, None, :] == k_full[h][None]).all(-1)  # [kept, n]
-                    assert (match.sum(-1) == 1).all(), (name, "a kept key equals no single uncompressed key")
-                    heads.append(hex(sum(1 << i for i in set(match.float().argmax(-1).tolist()))))
-                masks.append(heads)
-            out.setdefault(name, []).append(masks)
+            kept = prefill_keys(model, ids, eval(build, vars(kvpress)))
+            out.setdefault(name, []).append(matched_masks(kept, full, name))
             print(name, len(ids), file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvpress-python", default="/tmp/kvp/bin/python", help="a Python with kvpress 0.5.5")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = golden_parser(__doc__).parse_args()
     if args.child:
         return child(args)
-    sys.path.insert(0, str(ROOT))
-    from kvbench.models.embedded import embedded_model_dir
-
     prompts = [p["ids"] for p in json.loads((ROOT / "tests/fixtures/kvpress_new/goldens.json").read_text())["prompts"]]
-    ids_file = Path(tempfile.mkdtemp()) / "ids.json"
-    ids_file.write_text(json.dumps(prompts))
-    cmd = [args.kvpress_python, __file__, "--child", "--ids-file", str(ids_file), "--model-dir",
-           str(embedded_model_dir())]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode:
-        sys.exit(f"make_kvpress_goldens_wrappers: kvpress ({args.kvpress_python}) failed:\n{done.stderr[-3000:]}")
-    kept = json.loads(done.stdout.splitlines()[-1])
+    kept = run_child(__file__, args.kvpress_python, prompts)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "made_by": "scripts/make_kvpress_goldens_wrappers.py (kvpress 0.5.5, transformers 5.2.0, torch CPU, fp32, "
