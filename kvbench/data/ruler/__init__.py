@@ -61,14 +61,15 @@ def default_data_dir() -> Path:
 
 def generate_task(task: str, count, max_seq_length: int, num_samples: int, random_seed: int = 42,
                   model_template: str = "base", remove_newline_tab: bool = False, essays_json: str | None = None,
-                  qa_path: Path | None = None) -> list[dict]:
+                  qa_path: Path | None = None, warn: bool = True) -> list[dict]:
     """Upstream's `prepare.py` for one task and length: records `{index, input, outputs, length}`.
 
-    `count(text) -> int` is the token counter (`length.token_counter(tokenizer)`)."""
+    `count(text) -> int` is the token counter (`length.token_counter(tokenizer)`); `warn=False` silences the
+    needle-only warning of the essay tasks (length probes)."""
     family, args = TASK_CONFIGS[task]
     kwargs = dict(args)
     if family == "niah":
-        kwargs["essays_json"] = essays_json
+        kwargs.update(essays_json=essays_json, warn=warn)
     if family == "qa":
         if qa_path is None:
             raise FileNotFoundError(f"ruler: {task} needs the {QA_NAMES[args['dataset']]} file; {DOWNLOAD_HINT}.")
@@ -204,9 +205,9 @@ class Ruler(Dataset):
                     "from the cache" if hit else f"generated in {time.perf_counter() - t0:.1f} s")
         return records
 
-    def generate(self, task: str, length: int, tokenizer, qa_path: Path | None) -> list[dict]:
+    def generate(self, task: str, length: int, tokenizer, qa_path: Path | None, warn: bool = True) -> list[dict]:
         return generate_task(task, token_counter(tokenizer), length, self.num_samples, self.random_seed,
-                             self.model_template, self.remove_newline_tab, self.essays_json, qa_path)
+                             self.model_template, self.remove_newline_tab, self.essays_json, qa_path, warn)
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Samples for every (length, task), lengths outer as in upstream's run.sh; skipped tasks are logged once
@@ -303,7 +304,7 @@ class Ruler(Dataset):
 
         def builds(length: int) -> bool:
             try:
-                self.generate(task, length, counter, qa_path)
+                self.generate(task, length, counter, qa_path, warn=False)
             except NoFit:
                 return False
             return True
