@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
+from kvbench.data.jsonl import read_provenance
 from kvbench.data.ruler import cache, common_words, freq_words, niah, qa, sources, variable_tracking
 from kvbench.data.ruler.length import NoFit, smallest_fitting, token_counter, tokenizer_fingerprint
 from kvbench.data.split import context_token_count, question_offset, split_template
@@ -163,9 +164,11 @@ class Ruler(Dataset):
 
     # --- building ---------------------------------------------------------------------------------------------
 
+    def qa_dir(self) -> Path:
+        return Path(self.qa_root).expanduser() if self.qa_root else default_data_dir()
+
     def qa_path(self, task: str) -> Path | None:
-        root = Path(self.qa_root).expanduser() if self.qa_root else default_data_dir()
-        return sources.qa_file(root, TASK_CONFIGS[task][1]["dataset"])
+        return sources.qa_file(self.qa_dir(), TASK_CONFIGS[task][1]["dataset"])
 
     def cache_key(self, task: str, length: int, fingerprint: str, qa_path: Path | None) -> dict:
         """Everything besides (task, length, seed, version) that changes the generated text."""
@@ -241,6 +244,11 @@ class Ruler(Dataset):
                         context_token_count(tokenizer, r["input"], context_end, ids)))
         if not samples:
             raise ValueError(f"ruler: no samples: every task was skipped ({'; '.join(self.skipped.values())}).")
+        if any(TASK_CONFIGS[t][0] == "qa" and t not in self.skipped for t in self.tasks):
+            # scripts/download_ruler_qa.py's record (each file's sha256, the pin, the URL); none for a hand-made folder
+            self.provenance.pop("qa_sources", None)
+            if qa_sources := read_provenance(self.qa_dir(), "ruler"):
+                self.provenance["qa_sources"] = qa_sources
         return samples
 
     def question_parts(self, task: str) -> list[str]:
