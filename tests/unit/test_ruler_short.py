@@ -37,6 +37,20 @@ def test_cwe_with_no_word_that_fits_is_refused_not_built_empty(smollm2_tokenizer
         Ruler(tasks=["cwe", "niah_single_1"], length=512, num_samples=2, cache_dir="").check_fits(smollm2_tokenizer)
 
 
+def test_the_command_line_refuses_cwe_at_512_in_one_line_before_weights_load(tmp_path, monkeypatch):
+    """The defect as a user met it: `python -m kvbench.run dataset=ruler dataset.length=512 ...` loaded the model,
+    ran cwe's empty samples and failed at scoring (ZeroDivisionError); now validation stops it with one line."""
+    from kvbench.runs.validate import BadInput, validate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BadInput) as error:
+        validate(["model=tiny_llama", "method=snapkv", "budget=64", "dataset=ruler", "dataset.length=512",
+                  "dataset.tasks=[cwe]", "dataset.num_samples=1", f"dataset.cache_dir={tmp_path / 'cache'}",
+                  f"results_dir={tmp_path / 'results'}"])
+    assert "ruler: dataset.length=512 is too small for cwe (builds from " in str(error.value)
+    assert "\n" not in str(error.value) and not (tmp_path / "results").exists()
+
+
 def test_refusal_names_the_smallest_length_that_builds_for_each_task(smollm2_tokenizer):
     tasks = ["niah_single_1", "niah_single_2", "cwe"]
     with pytest.raises(ValueError) as error:
