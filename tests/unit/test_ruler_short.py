@@ -10,7 +10,7 @@ import re
 import pytest
 
 from kvbench.data.ruler import Ruler, cache, generate_task
-from kvbench.data.ruler.length import smallest_fitting, token_counter
+from kvbench.data.ruler.length import NoFit, smallest_fitting, token_counter
 
 
 def smallest_named(message: str, task: str) -> int:
@@ -35,6 +35,18 @@ def test_cwe_with_no_word_that_fits_is_refused_not_built_empty(smollm2_tokenizer
         generate_task("cwe", token_counter(smollm2_tokenizer), 512, 1)
     with pytest.raises(ValueError, match=r"ruler: dataset.length=512 is too small for cwe \(builds from \d+\)"):
         Ruler(tasks=["cwe", "niah_single_1"], length=512, num_samples=2, cache_dir="").check_fits(smollm2_tokenizer)
+
+
+def test_fwe_below_its_smallest_vocabulary_or_template_is_refused(smollm2_tokenizer):
+    """fwe's vocabulary is length // 50 words, the first one noise: below 100 upstream crashes (IndexError, no word)
+    or asks for nothing; where the bare template is over the length (vicuna-chat at 100) it shrinks forever."""
+    count = token_counter(smollm2_tokenizer)
+    for length in (40, 99):
+        with pytest.raises(NoFit, match="gives a vocabulary of"):
+            generate_task("fwe", count, length, 1)
+    with pytest.raises(NoFit, match="the template alone is over max_seq_length=100"):
+        generate_task("fwe", count, 100, 1, model_template="vicuna-chat")
+    assert generate_task("fwe", count, 100, 1)[0]["outputs"]  # the base template fits: one word to find
 
 
 def test_the_command_line_refuses_cwe_at_512_in_one_line_before_weights_load(tmp_path, monkeypatch):

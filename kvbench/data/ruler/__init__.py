@@ -87,8 +87,8 @@ def generate_task(task: str, count, max_seq_length: int, num_samples: int, rando
 
 def require_answers(task: str, length: int, records: list[dict]) -> None:
     """Refuse records with nothing to find. Upstream builds them where not one step of the haystack fits (cwe with no
-    words below about 1K tokens, fwe with a one-word vocabulary below 100) and then its string_match_all divides by
-    zero; kvbench refuses the length instead (`check_fits`, before weights load)."""
+    words: below 857 tokens with SmolLM2's tokenizer), then its string_match_all divides by zero; kvbench refuses
+    the length instead (`check_fits`, before weights load)."""
     empty = [r["index"] for r in records if not r["outputs"]]
     if empty:
         raise NoFit(f"ruler: {task} at length {length}: sample {empty[0]} has no answer (not one step of its "
