@@ -300,14 +300,18 @@ class Ruler(Dataset):
                                  f"counted with this tokenizer, seed {self.random_seed}); raise dataset.length or "
                                  f"leave those tasks out of dataset.tasks")
 
+    def bare_tokens(self, task: str, counter) -> int:
+        """Tokens of the task's prompt template with its placeholders removed: every prompt holds at least these."""
+        return token_counter(counter)(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
+
     def probe_limit(self, task: str, counter) -> int:
-        """The task's bare template (placeholders removed) + tokens to generate + PROBE_MARGIN: every length from
-        here on builds, so `check_fits` generates only below it."""
-        bare = token_counter(counter)(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
-        return bare + tokens_to_generate(task) + PROBE_MARGIN
+        """The bare template + tokens to generate + PROBE_MARGIN: every length from here on builds, so `check_fits`
+        generates only below it."""
+        return self.bare_tokens(task, counter) + tokens_to_generate(task) + PROBE_MARGIN
 
     def smallest_length(self, task: str, too_small: int, counter) -> int | None:
-        """The smallest length above `too_small` at which this task's `num_samples` samples build (nothing cached)."""
+        """The smallest length above `too_small` at which this task's `num_samples` samples build (nothing cached).
+        The search starts no lower than half the bare template, which no prompt fits under."""
         qa_path = self.qa_path(task) if TASK_CONFIGS[task][0] == "qa" else None
 
         def builds(length: int) -> bool:
@@ -317,7 +321,8 @@ class Ruler(Dataset):
                 return False
             return True
 
-        return smallest_fitting(builds, too_small, self.probe_limit(task, counter))
+        start = max(too_small, self.bare_tokens(task, counter) // 2)
+        return smallest_fitting(builds, start, self.probe_limit(task, counter))
 
     # --- scoring ----------------------------------------------------------------------------------------------
 
