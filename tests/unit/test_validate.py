@@ -61,7 +61,7 @@ def rows(t: str) -> list:
         (["dataset=longbench", f"dataset.root={t}/longbench", "dataset.tasks=[hotpotqa]"], "longbench",
          f"longbench: {t}/longbench/hotpotqa.jsonl:2: not valid JSON"),
         (["dataset=ruler", "dataset.length=600", "dataset.tasks=[niah_single_1,vt]", f"dataset.cache_dir={t}/cache"],
-         "ruler", "ruler: dataset.length=600 is too small for vt (its template alone is"),
+         "ruler", "ruler: dataset.length=600 is too small for vt (builds from "),
         (["budget=128", "ratio=0.5"], "both", "budget=128 and ratio=0.5 both given"),
         (["limit=0"], "limit0", "limit=0 must be a positive number of samples, or null for all"),
         (["limit=-1"], "limit-1", "limit=-1 must be a positive number of samples"),

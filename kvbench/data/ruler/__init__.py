@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.data.base import Dataset, Sample
+from kvbench.data.jsonl import read_provenance
 from kvbench.data.ruler import cache, common_words, freq_words, niah, qa, sources, variable_tracking
-from kvbench.data.ruler.length import token_counter, tokenizer_fingerprint
+from kvbench.data.ruler.length import NoFit, smallest_fitting, token_counter, tokenizer_fingerprint
 from kvbench.data.split import context_token_count, question_offset, split_template
 from kvbench.data.ruler.templates import (ALL_TASKS, CODE_VERSIONS, MODEL_TEMPLATES, TASK_CONFIGS, prompt_template,
                                           task_metric, tokens_to_generate)
@@ -61,14 +62,15 @@ def default_data_dir() -> Path:
 
 def generate_task(task: str, count, max_seq_length: int, num_samples: int, random_seed: int = 42,
                   model_template: str = "base", remove_newline_tab: bool = False, essays_json: str | None = None,
-                  qa_path: Path | None = None) -> list[dict]:
+                  qa_path: Path | None = None, warn: bool = True) -> list[dict]:
     """Upstream's `prepare.py` for one task and length: records `{index, input, outputs, length}`.
 
-    `count(text) -> int` is the token counter (`length.token_counter(tokenizer)`)."""
+    `count(text) -> int` is the token counter (`length.token_counter(tokenizer)`); `warn=False` silences the
+    needle-only warning of the essay tasks (length probes)."""
     family, args = TASK_CONFIGS[task]
     kwargs = dict(args)
     if family == "niah":
-        kwargs["essays_json"] = essays_json
+        kwargs.update(essays_json=essays_json, warn=warn)
     if family == "qa":
         if qa_path is None:
             raise FileNotFoundError(f"ruler: {task} needs the {QA_NAMES[args['dataset']]} file; {DOWNLOAD_HINT}.")
@@ -76,10 +78,21 @@ def generate_task(task: str, count, max_seq_length: int, num_samples: int, rando
     records = GENERATORS[family](count=count, template=prompt_template(task, model_template),
                                  max_seq_length=max_seq_length, tokens_to_generate=tokens_to_generate(task),
                                  num_samples=num_samples, random_seed=random_seed, **kwargs)
+    require_answers(task, max_seq_length, records)
     if remove_newline_tab:
         for r in records:
             r["input"] = " ".join(r["input"].replace("\n", " ").replace("\t", " ").strip().split())
     return records
+
+
+def require_answers(task: str, length: int, records: list[dict]) -> None:
+    """Refuse records with nothing to find. Upstream builds them where not one step of the haystack fits (cwe with no
+    words: below 857 tokens with SmolLM2's tokenizer), then its string_match_all divides by zero; kvbench refuses
+    the length instead (`check_fits`, before weights load)."""
+    empty = [r["index"] for r in records if not r["outputs"]]
+    if empty:
+        raise NoFit(f"ruler: {task} at length {length}: sample {empty[0]} has no answer (not one step of its "
+                    "haystack fits), so no metric can score it; raise dataset.length.")
 
 
 @functools.lru_cache(maxsize=8)
@@ -151,9 +164,11 @@ class Ruler(Dataset):
 
     # --- building ---------------------------------------------------------------------------------------------
 
+    def qa_dir(self) -> Path:
+        return Path(self.qa_root).expanduser() if self.qa_root else default_data_dir()
+
     def qa_path(self, task: str) -> Path | None:
-        root = Path(self.qa_root).expanduser() if self.qa_root else default_data_dir()
-        return sources.qa_file(root, TASK_CONFIGS[task][1]["dataset"])
+        return sources.qa_file(self.qa_dir(), TASK_CONFIGS[task][1]["dataset"])
 
     def cache_key(self, task: str, length: int, fingerprint: str, qa_path: Path | None) -> dict:
         """Everything besides (task, length, seed, version) that changes the generated text."""
@@ -186,12 +201,16 @@ class Ruler(Dataset):
         root = cache_root() / "ruler" if self.cache_dir is None else (Path(self.cache_dir) if self.cache_dir else None)
         path = cache.cache_file(root, self.version, task, length, self.random_seed, key) if root else None
         t0 = time.perf_counter()
-        records, hit = cache.cached(path, self.num_samples, lambda: generate_task(
-            task, token_counter(tokenizer), length, self.num_samples, self.random_seed, self.model_template,
-            self.remove_newline_tab, self.essays_json, qa_path), key)
+        records, hit = cache.cached(path, self.num_samples, lambda: self.generate(task, length, tokenizer, qa_path),
+                                    key)
+        require_answers(task, length, records)  # a cache file written before kvbench refused such records
         logger.info("ruler: %s @ %d: %d samples %s", task, length, len(records),
                     "from the cache" if hit else f"generated in {time.perf_counter() - t0:.1f} s")
         return records
+
+    def generate(self, task: str, length: int, tokenizer, qa_path: Path | None, warn: bool = True) -> list[dict]:
+        return generate_task(task, token_counter(tokenizer), length, self.num_samples, self.random_seed,
+                             self.model_template, self.remove_newline_tab, self.essays_json, qa_path, warn)
 
     def build(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = False) -> list[Sample]:
         """Samples for every (length, task), lengths outer as in upstream's run.sh; skipped tasks are logged once
@@ -225,6 +244,11 @@ class Ruler(Dataset):
                         context_token_count(tokenizer, r["input"], context_end, ids)))
         if not samples:
             raise ValueError(f"ruler: no samples: every task was skipped ({'; '.join(self.skipped.values())}).")
+        if any(TASK_CONFIGS[t][0] == "qa" and t not in self.skipped for t in self.tasks):
+            # scripts/download_ruler_qa.py's record (each file's sha256, the pin, the URL); none for a hand-made folder
+            self.provenance.pop("qa_sources", None)
+            if qa_sources := read_provenance(self.qa_dir(), "ruler"):
+                self.provenance["qa_sources"] = qa_sources
         return samples
 
     def question_parts(self, task: str) -> list[str]:
@@ -256,20 +280,49 @@ class Ruler(Dataset):
 
     def check_fits(self, tokenizer) -> None:
         """Before weights load: generate (and cache) every (task, length) whose length is within PROBE_MARGIN of
-        the task's bare template, where no sample may fit; raise a one-line ValueError if one does not."""
+        the task's bare template, where no sample may fit; raise a one-line ValueError naming, for each task that
+        does not fit, the smallest length at which its samples build with this tokenizer and seed."""
         counter = self.counter_tokenizer(tokenizer)
-        count = token_counter(counter)
         for length in self.lengths:
+            smallest = {}
             for task in self.tasks:
-                bare = count(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
-                if length >= bare + tokens_to_generate(task) + PROBE_MARGIN:
+                if length >= self.probe_limit(task, counter):
                     continue
                 try:
                     self.records(task, length, counter)
-                except RuntimeError as e:
-                    raise ValueError(f"ruler: dataset.length={length} is too small for {task} (its template alone is "
-                                     f"{bare} tokens plus {tokens_to_generate(task)} to generate; no sample fits even "
-                                     f"with the smallest haystack); raise dataset.length") from e
+                except NoFit:
+                    smallest[task] = self.smallest_length(task, length, counter)
+            if smallest:
+                needs = ", ".join(f"{t} (builds from {n})" if n else f"{t} (not up to {self.probe_limit(t, counter)})"
+                                  for t, n in smallest.items())
+                raise ValueError(f"ruler: dataset.length={length} is too small for {needs}: not one step of the "
+                                 f"haystack fits beside the template, the answer and the tokens to generate (lengths "
+                                 f"counted with this tokenizer, seed {self.random_seed}); raise dataset.length or "
+                                 f"leave those tasks out of dataset.tasks")
+
+    def bare_tokens(self, task: str, counter) -> int:
+        """Tokens of the task's prompt template with its placeholders removed: every prompt holds at least these."""
+        return token_counter(counter)(re.sub(r"\{\w+\}", "", prompt_template(task, self.model_template)))
+
+    def probe_limit(self, task: str, counter) -> int:
+        """The bare template + tokens to generate + PROBE_MARGIN: every length from here on builds, so `check_fits`
+        generates only below it."""
+        return self.bare_tokens(task, counter) + tokens_to_generate(task) + PROBE_MARGIN
+
+    def smallest_length(self, task: str, too_small: int, counter) -> int | None:
+        """The smallest length above `too_small` at which this task's `num_samples` samples build (nothing cached).
+        The search starts no lower than half the bare template, which no prompt fits under."""
+        qa_path = self.qa_path(task) if TASK_CONFIGS[task][0] == "qa" else None
+
+        def builds(length: int) -> bool:
+            try:
+                self.generate(task, length, counter, qa_path, warn=False)
+            except NoFit:
+                return False
+            return True
+
+        start = max(too_small, self.bare_tokens(task, counter) // 2)
+        return smallest_fitting(builds, start, self.probe_limit(task, counter))
 
     # --- scoring ----------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import string
 
 import numpy as np
 
-from kvbench.data.ruler.length import Counter
+from kvbench.data.ruler.length import Counter, NoFit
 
 
 def generate(count: Counter, template: str, max_seq_length: int, tokens_to_generate: int, num_samples: int,
@@ -23,6 +23,9 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
 
     rng = random.Random(random_seed)
     vocab_size = max_seq_length // 50 if vocab_size == -1 else vocab_size
+    if vocab_size < 2:  # upstream: an IndexError (no word) or a sample with no answer (only the noise word "...")
+        raise NoFit(f"ruler: fwe: max_seq_length={max_seq_length} gives a vocabulary of {vocab_size} word(s) "
+                    "(length // 50), nothing to ask for; raise dataset.length.")
     max_len, incremental = max_seq_length, max_seq_length // 32
 
     def make_sample(num_words: int = -1) -> tuple[str, list[str], int]:
@@ -43,6 +46,9 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
         if num_words > 0:
             text, answer = text_of(num_words)
             while count(text) > max_len:
+                if num_words <= 0:  # the bare template is over the length: upstream shrinks forever
+                    raise NoFit(f"ruler: fwe: the template alone is over max_seq_length={max_seq_length}; raise "
+                                "dataset.length.")
                 num_words -= incremental
                 text, answer = text_of(num_words)
         else:

@@ -19,6 +19,10 @@ Counter = Callable[[str], int]
 MAX_STUCK = 100   # upstream retries forever at the smallest haystack; kvbench gives up after this many tries
 
 
+class NoFit(RuntimeError):
+    """No sample of a task can be built at this length (upstream loops forever or builds one with no answer)."""
+
+
 def token_counter(tokenizer) -> Counter:
     """`len(tokenizer.tokenize(text))`: RULER's `HFTokenizer.text_to_tokens`. Any object with `tokenize` works
     (tests use a whitespace stand-in, `str.split`)."""
@@ -77,5 +81,20 @@ def fit(attempt: Callable[[int], T], start: int, incremental: int, what: str) ->
                 continue
             stuck += 1
             if stuck >= MAX_STUCK:
-                raise RuntimeError(f"ruler: {what}: no sample fits even at the smallest haystack ({n} units) after "
+                raise NoFit(f"ruler: {what}: no sample fits even at the smallest haystack ({n} units) after "
                                    f"{MAX_STUCK} tries (last error: {e}); raise dataset.length.") from e
+
+
+def smallest_fitting(builds: Callable[[int], bool], too_small: int, cap: int) -> int | None:
+    """The smallest length above `too_small` at which `builds(length)` holds: doubling up to `cap`, then bisection
+    (None if nothing up to `cap` builds). Whether a length builds is close to monotone in it (the search and the
+    draws start from the same seed), so the answer is a length that builds whose predecessor does not."""
+    lo, hi = too_small, min(max(2 * too_small, 1), cap)
+    while not builds(hi):
+        if hi >= cap:
+            return None
+        lo, hi = hi, min(2 * hi, cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if builds(mid) else (mid, hi)
+    return hi

