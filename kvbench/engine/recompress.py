@@ -146,10 +146,13 @@ class Recompressor:
     def bound(self, n: int, new_tokens: int) -> int | None:
         """The most entries a layer holding `n` now can hold while `new_tokens` are decoded: its fixed capacity in
         batched decoding's rows (kvbench.cache.rows, compacted in place). None where the method's per-layer shares
-        change with the length (PyramidKV's pyramid): such layers stay out of the rows and grow and shrink."""
-        if len(set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))) != 1:
+        change with the length (PyramidKV's pyramid) or that may keep a layer whole (SimLayerKV's non-lazy layers,
+        which grow with every token): such layers stay out of the rows and grow and shrink. The layers' share is
+        the method's own (SimLayerKV's lazy layers: n_sink + target - n_last), not always the target."""
+        shares = set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))
+        if len(shares) != 1 or self.method.may_keep_whole:
             return None
-        return min(n + new_tokens, max(n, self.setting.target) + self.setting.every)
+        return min(n + new_tokens, max(n, *shares) + self.setting.every)
 
     @torch.no_grad()
     def compress(self, i: int, scaling: float) -> None:

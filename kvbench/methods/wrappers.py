@@ -120,6 +120,10 @@ class Wrapper(Method):
     def prefill_needs(self) -> str | None:
         return self.press.prefill_needs
 
+    @property
+    def may_keep_whole(self) -> bool:
+        return self.press.may_keep_whole
+
     def prepare(self, model, tokenizer, *, prefill=None):
         return self.press.prepare(model, tokenizer, prefill=prefill)
 
@@ -259,6 +263,10 @@ class Compose(Wrapper):
     @property
     def kept_window(self) -> int:
         return self.then.kept_window
+
+    @property
+    def may_keep_whole(self) -> bool:
+        return self.press.may_keep_whole or self.then.may_keep_whole
 
     @property
     def prefill_needs(self) -> str | None:
