@@ -154,6 +154,14 @@ class PerLayer(Wrapper):
         if self.layer_ratios is not None and any(not 0 <= r < 1 for r in self.layer_ratios):
             raise ValueError(f"{self.registry_name}: layer_ratios={self.layer_ratios} must each be in [0, 1)")
 
+    @property
+    def prefill_needs(self) -> str | None:
+        if self.layer_ratios is not None and not self.press.prefill_needs:
+            # (kvpress has no such press either: DecodingPress takes a ScorerPress, PerLayerCompressionPress is not)
+            return ("a prompt to take layer_ratios of (int(n (1 - r)) of the tokens seen: a decoding layer's share "
+                    "would grow with them, never back to the target)")
+        return self.press.prefill_needs
+
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         if self.layer_ratios is not None and len(self.layer_ratios) != n_layers:
             raise ValueError(f"{self.registry_name}: layer_ratios has {len(self.layer_ratios)} values for a model "
