@@ -141,7 +141,7 @@ class Wrapper(Method):
 class PerLayer(Wrapper):
     """kvpress `PerLayerCompressionPress`: other budgets in some layers. `whole_layers` keep every entry (on top of
     the budget, which the other layers keep); `layer_ratios` give every layer kvpress's `int(n (1 - r))` instead of
-    the run's budget or ratio."""
+    the run's budget or ratio (at prefill only: `decode_compression` refuses them, via `prefill_needs`)."""
 
     whole_layers: list[int] = field(default_factory=list)
     layer_ratios: list[float] | None = None

@@ -216,8 +216,8 @@ def test_a_long_generation_holds_its_memory_bound_whatever_its_length():
 def test_simlayerkv_in_a_batch_holds_its_own_bound(lazy):
     """Hand-worked, target 48, every 16, budget 32: a lazy layer keeps 4 sinks + 32 - 1 prompt entries (35), is not
     cut at step 16 (35 + 16 = 51 = its share 4 + 48 - 1), and is cut from 67 back to 51 at steps 32 and 48, so it
-    peaks at 4 + 48 - 1 + 16 - 1 = 66 entries after a step (not the other methods' target + every - 1); a layer never lazy
-    (threshold 1) keeps everything, prompt + 59 decoded tokens. In a batch of two (main sized the rows for the
+    peaks at 4 + 48 - 1 + 16 - 1 = 66 entries after a step (not the other methods' target + every - 1); a layer
+    never lazy (threshold 1) keeps everything, prompt + 59 decoded tokens. In a batch of two (main sized the rows for the
     target + every and the rows ran full) each sample equals itself alone."""
     model, method = tiny_model("llama"), METHODS["simlayerkv"](lazy_threshold=0.0 if lazy else 1.0)
     setting = DecodeCompression(EVERY, 48)
