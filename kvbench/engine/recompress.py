@@ -8,11 +8,13 @@ layer the method's own `layer_budgets(n, layers, T)`, so PyramidKV keeps its pyr
 over the layer as it is, with the last `query_window` generated tokens' queries as the observation window (kvpress
 keeps a buffer of the last 256 hidden states and recomputes them; the queries are what a window scorer reads).
 The window itself (the newest tokens) is kept, as at prefill. After a prefill compression to at most T, a layer so
-never holds more than T + every entries per head: in batched decoding that is the fixed capacity of its row
-(kvbench.cache.rows, compacted in place), where the method's shares are uniform. Per-head variable methods
+never holds more than its share (T; SimLayerKV's lazy layers n_sink + T - n_last) + every entries per head: in
+batched decoding that is the fixed capacity of its row (kvbench.cache.rows, compacted in place), where the method's
+shares are uniform and no layer may be kept whole (SimLayerKV's non-lazy layers grow). Per-head variable methods
 (Ada-KV, KVzip), decode-time evictors (they evict every step already), storage methods, threshold methods (DMS,
 KVzap: per-head variable too), methods whose scores need what only a prefill's view holds (`Method.prefill_needs`:
-every prompt query, W_o), beam search and conversations are refused by `check`, which names the methods that can.
+every prompt query, W_o; kvpress's per-layer ratios, of the tokens seen), beam search and conversations are
+refused by `check`, which names the methods that can.
 """
 from __future__ import annotations
 
@@ -146,10 +148,13 @@ class Recompressor:
     def bound(self, n: int, new_tokens: int) -> int | None:
         """The most entries a layer holding `n` now can hold while `new_tokens` are decoded: its fixed capacity in
         batched decoding's rows (kvbench.cache.rows, compacted in place). None where the method's per-layer shares
-        change with the length (PyramidKV's pyramid): such layers stay out of the rows and grow and shrink."""
-        if len(set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))) != 1:
+        change with the length (PyramidKV's pyramid) or that may keep a layer whole (SimLayerKV's non-lazy layers,
+        which grow with every token): such layers stay out of the rows and grow and shrink. The layers' share is
+        the method's own (SimLayerKV's lazy layers: n_sink + target - n_last), not always the target."""
+        shares = set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))
+        if len(shares) != 1 or self.method.may_keep_whole:
             return None
-        return min(n + new_tokens, max(n, self.setting.target) + self.setting.every)
+        return min(n + new_tokens, max(n, *shares) + self.setting.every)
 
     @torch.no_grad()
     def compress(self, i: int, scaling: float) -> None:

@@ -87,6 +87,8 @@ class Method:
     replay_gradient: ClassVar[bool] = False  # a reconstructor whose replay runs with autograd (KVgrad)
     holds_ranked: ClassVar[bool] = False  # True: its reference keeps the kept entries best first and scores a later
     # selection in that order (R-KV): the engine calls `select_ranked` with the ranking the layer's last one left
+    may_keep_whole: ClassVar[bool] = False  # True: `select` may return None (SimLayerKV's non-lazy layers), so
+    # a layer compressed while decoding can grow with every token: no fixed bound, no fixed-capacity rows
     prefill_needs: ClassVar[str | None] = None  # what `select` needs that only a prefill's view holds (every prompt
     # query, W_o): `decode_compression` refuses the method before weights load; None: it scores a decoding layer too
 

@@ -18,11 +18,17 @@ and recent entries; every other layer keeps its whole cache. No per-head or per-
   cache, its own key among the recent ones; at prefill kvbench takes the last prompt query, its own key counted in
   the recent `budget`. `reading=kvpress`: SimLayerKVPress's sums, which leave the judging queries' own keys out (the
   recent `budget` entries before them). Both decide from `n_last` queries (the authors: 1).
+- Compressed again while decoding (`decode_compression.target=T`; kvpress's DecodingPress takes ScorerPresses only,
+  not SimLayerKVPress): `T` means what `budget` means, the lazy layers' recent size. Each compression judges the
+  layer anew from the last `n_last` generated queries; a lazy layer is brought back to `n_sink + T - n_last`
+  entries, so it holds at most `n_sink + T - n_last + every` (not the other methods' `T + every`), and a non-lazy
+  layer keeps everything and grows with every token (`may_keep_whole`: in a batch its layers stay out of the
+  fixed-capacity rows).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -48,6 +54,7 @@ class SimLayerKV(Method):
     n_sink: int = 4  # first entries a lazy layer keeps
     n_last: int = 1  # last prompt queries that judge each layer (kvpress `n_last`; the authors: the first new token)
     reading: Literal["authors", "kvpress"] = "authors"  # kvpress: the judging queries' own keys left out
+    may_keep_whole: ClassVar[bool] = True  # a non-lazy layer keeps everything, while decoding too
 
     def __post_init__(self):
         if self.lazy_threshold is not None and not 0 <= self.lazy_threshold <= 1:

@@ -120,6 +120,10 @@ class Wrapper(Method):
     def prefill_needs(self) -> str | None:
         return self.press.prefill_needs
 
+    @property
+    def may_keep_whole(self) -> bool:
+        return self.press.may_keep_whole
+
     def prepare(self, model, tokenizer, *, prefill=None):
         return self.press.prepare(model, tokenizer, prefill=prefill)
 
@@ -137,7 +141,7 @@ class Wrapper(Method):
 class PerLayer(Wrapper):
     """kvpress `PerLayerCompressionPress`: other budgets in some layers. `whole_layers` keep every entry (on top of
     the budget, which the other layers keep); `layer_ratios` give every layer kvpress's `int(n (1 - r))` instead of
-    the run's budget or ratio."""
+    the run's budget or ratio (at prefill only: `decode_compression` refuses them, via `prefill_needs`)."""
 
     whole_layers: list[int] = field(default_factory=list)
     layer_ratios: list[float] | None = None
@@ -149,6 +153,14 @@ class PerLayer(Wrapper):
             raise ValueError(f"{self.registry_name}: whole_layers={self.whole_layers} must be layer indices >= 0")
         if self.layer_ratios is not None and any(not 0 <= r < 1 for r in self.layer_ratios):
             raise ValueError(f"{self.registry_name}: layer_ratios={self.layer_ratios} must each be in [0, 1)")
+
+    @property
+    def prefill_needs(self) -> str | None:
+        if self.layer_ratios is not None and not self.press.prefill_needs:
+            # (kvpress has no such press either: DecodingPress takes a ScorerPress, PerLayerCompressionPress is not)
+            return ("a prompt to take layer_ratios of (int(n (1 - r)) of the tokens seen: a decoding layer's share "
+                    "would grow with them, never back to the target)")
+        return self.press.prefill_needs
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         if self.layer_ratios is not None and len(self.layer_ratios) != n_layers:
@@ -259,6 +271,10 @@ class Compose(Wrapper):
     @property
     def kept_window(self) -> int:
         return self.then.kept_window
+
+    @property
+    def may_keep_whole(self) -> bool:
+        return self.press.may_keep_whole or self.then.may_keep_whole
 
     @property
     def prefill_needs(self) -> str | None:

@@ -210,3 +210,25 @@ def test_a_long_generation_holds_its_memory_bound_whatever_its_length():
     assert len(gen.token_ids) == 600 and max(longest) == 48 + 32 - 1
     assert gen.kv_bytes_decode_peak == per_entry * (48 + 32 - 1)
     assert full.kv_bytes_decode_peak == per_entry * (N_PROMPT + 600 - 1)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_simlayerkv_in_a_batch_holds_its_own_bound(lazy):
+    """Hand-worked, target 48, every 16, budget 32: a lazy layer keeps 4 sinks + 32 - 1 prompt entries (35), is not
+    cut at step 16 (35 + 16 = 51 = its share 4 + 48 - 1), and is cut from 67 back to 51 at steps 32 and 48, so it
+    peaks at 4 + 48 - 1 + 16 - 1 = 66 entries after a step (not the other methods' target + every - 1); a layer
+    never lazy (threshold 1) keeps everything, prompt + 59 decoded tokens. In a batch of two (main sized the rows for the
+    target + every and the rows ran full) each sample equals itself alone."""
+    model, method = tiny_model("llama"), METHODS["simlayerkv"](lazy_threshold=0.0 if lazy else 1.0)
+    setting = DecodeCompression(EVERY, 48)
+    requests = [Request(prompt(n, seed=n), 32, 60, ()) for n in (N_PROMPT, N_PROMPT + 20)]
+    with AttentionCapture(model, window=method.query_window) as capture:
+        together = dict(generate_batched(model, None, method, capture, requests, 2, eos_ids=set(), recompress=setting))
+        alone = [g for r in requests for _, g in generate_batched(model, None, method, capture, [r], 1, eos_ids=set(),
+                                                                    recompress=setting)]
+    for request, single in zip(requests, alone):
+        gen, n = together[request], request.input_ids.shape[1]
+        assert not isinstance(gen, Exception), gen
+        assert gen.token_ids == single.token_ids and gen.kv_bytes_decode_peak == single.kv_bytes_decode_peak
+        per_entry = gen.full_kv_bytes / n  # one entry in every head and layer
+        assert gen.kv_bytes_decode_peak == per_entry * (4 + 48 - 1 + EVERY - 1 if lazy else n + 60 - 1)
