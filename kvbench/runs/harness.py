@@ -144,8 +144,12 @@ class KVBenchLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """Added by lm-eval to its results' `config`: what `prepare` found (manifest.json's `method_prepared` in a
-        kvbench run), e.g. TailorKV's layer split."""
-        return {} if self.prepared is None else {"method_prepared": self.prepared}
+        kvbench run), e.g. TailorKV's layer split, and the method's table name where it has one of its own
+        (`method_label`: a variant's `tailorkv-1`, a wrapped `snapkv+per_layer`), as a kvbench run's manifest names
+        it; kvbench.report.lm_eval_runs copies both into the run directories it writes."""
+        label = getattr(self.method, "label", None)
+        return {**({} if self.prepared is None else {"method_prepared": self.prepared}),
+                **({} if label is None else {"method_label": label})}
 
     # --- lm-eval's tokenizer hooks ----------------------------------------------------------------------------
     @property

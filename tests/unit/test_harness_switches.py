@@ -42,6 +42,7 @@ def test_a_wrapped_method_through_lm_eval_generates_what_the_command_generates()
     (text,) = lm.generate_until([request], disable_tqdm=True)
     method, _, want = cli_generation("model=tiny_llama", "method=knorm", "budget=24", "+method.whole_layers=[0]")
     assert lm.method == method and text == want and text.strip()
+    assert lm.get_model_info() == {"method_label": "knorm+per_layer"}  # imported runs' name (test_lm_eval_import)
 
 
 @pytest.mark.parametrize("args, says", [({"whole_layers": [-1]}, "method.whole_layers=[-1]"),
