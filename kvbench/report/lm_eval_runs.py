@@ -4,10 +4,11 @@ the report rebuilds few-shot tables (Keyformer Table 2) from them like any other
     python -m kvbench.report.lm_eval_runs OUT --out results    # then: python -m kvbench.report results --paper ...
 
 One run directory per lm-eval evaluation and shot count, `<out>/lm_eval/<model>/<method>/<budget>-<n>shot-<hash>`:
-manifest.json (method, budget, ratio, the model's name from configs/model/, dataset `lm_eval`, primary metric
-`acc`), config.yaml (the method's `method.<field>` arguments, positions, num_fewshot) and one record per
-document (`id` = task-doc_id, `scores` = lm-eval's per-document metrics, `meta.task`, `meta.num_fewshot`), so the
-mean of a task's records is lm-eval's own score for it.
+manifest.json (method: its table name as a kvbench run's, `tailorkv-1` or `snapkv+per_layer`; budget, ratio, the
+model's name from configs/model/, dataset `lm_eval`, primary metric `acc`, and `method_prepared`: what the method's
+`prepare` returned, as a kvbench run records it), config.yaml (the method's `method.<field>` arguments, positions,
+num_fewshot) and one record per document (`id` = task-doc_id, `scores` = lm-eval's per-document metrics,
+`meta.task`, `meta.num_fewshot`), so the mean of a task's records is lm-eval's own score for it.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def model_name(args: dict) -> str:
 def import_results(results_file: Path, out: Path) -> list[Path]:
     """The run directories written for one lm-eval results_<time>.json (its samples_<task>_<time>.jsonl beside)."""
     results = json.loads(results_file.read_text(encoding="utf-8"))
-    args = dict(results["config"]["model_args"])
+    info = results["config"]  # lm-eval's run config, with what the kvbench model added (KVBenchLM.get_model_info)
+    args = dict(info["model_args"])
     stamp = results_file.stem.removeprefix("results_")
-    method = str(args.get("method", "full"))
+    method = str(info.get("method_label") or args.get("method", "full"))  # a run's table name (snapkv+per_layer)
     by_shots: dict[int, list[dict]] = {}
     for task in results["results"]:
         samples = results_file.with_name(f"samples_{task}_{stamp}.jsonl")
@@ -60,7 +62,8 @@ def import_results(results_file: Path, out: Path) -> list[Path]:
         manifest = {"method": method, "budget": None if budget is None else int(budget),
                     "ratio": None if ratio is None else float(ratio), "model": model_name(args),
                     "dataset": "lm_eval", "dataset_version": results.get("lm_eval_version"),
-                    "primary_metric": "acc", "n_samples": len(records), "source": str(results_file)}
+                    "primary_metric": "acc", "n_samples": len(records), "source": str(results_file),
+                    **({"method_prepared": info["method_prepared"]} if "method_prepared" in info else {})}
         config = {"method": {k.removeprefix("method."): v for k, v in args.items() if k.startswith("method.")},
                   "positions": args.get("positions", "original"), "num_fewshot": shots}
         (run / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -32,7 +32,9 @@ FIELDS: dict[str, tuple[tuple, bool]] = {
     "prefill_shared_by": (INT, False), "step": (TEXT, False),
     "transfers": (DICT, False), "num_beams": (INT, False), "nll_sum": (NUMBER, False), "n_tokens": (INT, False),
     "evicts_in_stream": ((bool,), False), "error_type": (TEXT, False), "error": (TEXT, False), "where": (TEXT, True),
+    "response_cot": (TEXT, False), "follow_up": (DICT, False),  # a dataset's second question (kvbench.runs.follow_up)
 }
+FOLLOW_UP = "follow_up"  # the second request's own fields: typed by FIELDS too
 PREDICTION_REQUIRES = ("score", "scores")  # what every reader of a prediction record takes (means, tables)
 FAILURE_REQUIRES = ("error_type", "error")
 
@@ -46,6 +48,17 @@ def _is(value, types: tuple) -> bool:
     return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
 
 
+def _fields_problem(fields: dict, prefix: str = "") -> str | None:
+    """The first of `fields` whose value has a type FIELDS does not allow, in a few words."""
+    for key, value in fields.items():
+        if key not in FIELDS or (value is None and FIELDS[key][1]):
+            continue
+        types = FIELDS[key][0]
+        if not _is(value, types):
+            return f"'{prefix}{key}' is {json.dumps(value)[:40]}, not {_type_name(types)}"
+    return None
+
+
 def record_problem(record) -> str | None:
     """Why `record` (one parsed line) is not a valid record, in a few words; None if it is one."""
     if not isinstance(record, dict):
@@ -55,12 +68,11 @@ def record_problem(record) -> str | None:
     for key in FAILURE_REQUIRES if record.get("failed") is True else PREDICTION_REQUIRES:
         if key not in record:
             return f"no '{key}'"
-    for key, value in record.items():
-        if key not in FIELDS or (value is None and FIELDS[key][1]):
-            continue
-        types = FIELDS[key][0]
-        if not _is(value, types):
-            return f"'{key}' is {json.dumps(value)[:40]}, not {_type_name(types)}"
+    problem = _fields_problem(record)
+    if problem is None and isinstance(record.get(FOLLOW_UP), dict):
+        problem = _fields_problem(record[FOLLOW_UP], f"{FOLLOW_UP}.")
+    if problem is not None:
+        return problem
     for metric, value in record.get("scores", {}).items():
         if not _is(value, NUMBER):
             return f"scores['{metric}'] is {json.dumps(value)[:40]}, not a number"
@@ -115,3 +127,36 @@ def latest_per_id(records: Iterable[dict]) -> list[dict]:
         if not (is_failure(r) and r["id"] in latest and not is_failure(latest[r["id"]])):
             latest[r["id"]] = r
     return list(latest.values())
+
+
+# a sample asked twice (kvbench.runs.follow_up) cost both requests: its record's top-level fields describe the first,
+# `follow_up` the second; the totals and means a report or scores.json takes over samples add the second's work
+ADDED = ("prefill_s", "compress_s", "question_s", "decode_s", "e2e_s", "new_tokens", "kv_bytes", "full_kv_bytes")
+LARGEST = ("peak_mem_bytes", "peak_kv_bytes", "kv_bytes_peak")
+
+
+def with_follow_up_work(record: dict) -> dict:
+    """`record` with its second request's work folded in (a record without `follow_up` as it is): times, new tokens
+    and the compressed and full KV bytes added, the peaks the larger of the two, `decode_tok_s` and `kv_bytes_mean`
+    over both requests' decode steps (each request's steps = its decode_tok_s x decode_s)."""
+    second = record.get(FOLLOW_UP)
+    if not isinstance(second, dict):
+        return record
+    out = dict(record)
+
+    def both(key: str) -> bool:
+        return _is(record.get(key), NUMBER) and _is(second.get(key), NUMBER)
+
+    for key in ADDED:
+        if both(key):
+            out[key] = record[key] + second[key]
+    for key in LARGEST:
+        if both(key):
+            out[key] = max(record[key], second[key])
+    if both("decode_tok_s") and both("decode_s"):
+        steps = [r["decode_tok_s"] * r["decode_s"] for r in (record, second)]
+        out["decode_tok_s"] = sum(steps) / out["decode_s"] if out["decode_s"] > 0 else 0.0
+        if both("kv_bytes_mean") and sum(steps) > 0:
+            means = (record["kv_bytes_mean"], second["kv_bytes_mean"])
+            out["kv_bytes_mean"] = (means[0] * steps[0] + means[1] * steps[1]) / sum(steps)
+    return out

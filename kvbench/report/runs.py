@@ -13,7 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from kvbench.report.records import is_failure, latest_per_id, scan
+from kvbench.report.records import is_failure, latest_per_id, scan, with_follow_up_work
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
         records = [r for r in records if not is_failure(r)]
     if not records:
         logger.warning("report: %s has no complete prediction records yet", run_dir)
+    records = [with_follow_up_work(r) for r in records]  # a sample asked twice: both requests' work (records.py)
     df = pd.json_normalize(records, sep=".") if records else pd.DataFrame()
     for col in MANIFEST_COLUMNS:
         df[col] = manifest.get(col)

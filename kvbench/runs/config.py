@@ -101,22 +101,12 @@ def check_group_overrides(argv: list[str]) -> None:
 
 # --- setup: everything that can fail on bad input, before weights load ----------------------------------------
 def setup(cfg: DictConfig):
-    from hydra.utils import instantiate
-
     from kvbench import methods  # noqa: F401  (registers the built-in methods)
     from kvbench.models.checks import check_source
     from kvbench.models.loader import ModelSpec, check_architecture
     from kvbench.runs.schema import check
 
     check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
-
-    def build(node, what):
-        try:
-            return instantiate(node)
-        except Exception as e:  # Hydra wraps the dataclass' ValueError in a multi-line message
-            cause = e.__cause__ or e
-            raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
-
     method = build_method(cfg.method, build)
     dataset = build(cfg.dataset, "dataset")
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
@@ -164,7 +154,19 @@ def setup(cfg: DictConfig):
     return method, dataset, spec
 
 
-def build_method(node: DictConfig, build):
+def build(node: DictConfig, what: str):
+    """`node`'s `_target_` built with its fields; a failure (Hydra wraps the dataclass' ValueError in a multi-line
+    message) as one line naming `what`."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
+
+
+def build_method(node: DictConfig, build=build):
     """The method of a `method` node, wrapped by the kvpress-wrapper switches it carries (`+method.whole_layers=[0]`,
     `chunk_length`, `block_size`, `then` + `first_ratio`: kvbench/methods/wrappers.py), unless they are its own
     fields (keydiff's `block_size`). `then` names a second method, built from its YAML."""

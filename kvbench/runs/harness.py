@@ -11,13 +11,17 @@ before `lm_eval.simple_evaluate(model="kvbench", ...)`.
 Model arguments: `model` (a configs/model name, default smollm2), `path` (with model=hf), `method` (a configs/method
 name, default full), `budget` or `ratio` (fraction of the context's entries removed, the Keyformer/H2O few-shot
 "50 % KV" setting), `positions` (original | shift), `seed`, `add_bos_token`, and `method.<field>=value` for method
-knobs (e.g. `method.recent_ratio=0.3`). lm-eval's batch_size/device are accepted and ignored (batch 1, the model
-config's device).
+knobs (e.g. `method.recent_ratio=0.3`) and for the kvpress-wrapper switches the command's `+method.<key>` sets
+(`method.whole_layers=[0]`, `method.layer_ratios=[...]`, `method.chunk_length`, `method.block_size`, `method.then=knorm`
+with `method.first_ratio=0.5`: kvbench/methods/wrappers.py). lm-eval's batch_size/device are accepted and ignored
+(batch 1, the model config's device).
 
 The method is built as `python -m kvbench.run` builds it: configs/method/<name>.yaml with its `${model.*}` fields read
-from the model config (TailorKV's published layer split, KVzip's chat template), then `method.prepare` once after the
-weights load (TailorKV identifies its split on the calibration prompt where the model config lists none; learned
-artefacts load); what it returns is in lm-eval's results as `config.method_prepared` (manifest.json's field in a run).
+from the model config (TailorKV's published layer split, KVzip's chat template), its values checked by the rules of
+kvbench/runs/schema.py and its switches applied by `kvbench.runs.config.build_method` (a bad value fails in one line
+before the weights load), then `method.prepare` once after the weights load (TailorKV identifies its split on the
+calibration prompt where the model config lists none; learned artefacts load); what it returns is in lm-eval's
+results as `config.method_prepared` (manifest.json's field in a run).
 
 Semantics (what is compressed, where the continuation starts):
 - loglikelihood(context, continuation): the context tokens (lm-eval's own `_encode_pair` split; an empty context is
@@ -35,7 +39,6 @@ are comparable in spirit, not bit for bit.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from pathlib import Path
@@ -64,23 +67,42 @@ def model_fields(name: str, path: str | None) -> dict:
     return fields
 
 
+def flow_list(value):
+    """A `method.<field>=[0]` model argument as the list it spells: lm-eval's argument string (`create_from_arg_string`,
+    `simple_evaluate(model_args="...")`) leaves it text; its command line, which splits only at commas outside
+    brackets, already gives `method.whole_layers=[0,1]` as a list."""
+    if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        import yaml
+
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return value
+
+
 def build_method(name: str, overrides: dict, model: dict | None = None):
-    """A method from configs/method/<name>.yaml (its `_target_` dataclass and fields) with `overrides` applied. Its
-    `${model.<key>}` interpolations read `model` (the fields of a configs/model file), as in the config Hydra composes
-    for `python -m kvbench.run`: TailorKV's published layer split, KVzip's chat template."""
+    """A method from configs/method/<name>.yaml with `overrides` (its `method.<field>` model arguments) applied, built
+    as `python -m kvbench.run` builds it: its `${model.<key>}` interpolations read `model` (the fields of a
+    configs/model file: TailorKV's published layer split, KVzip's chat template), the values checked against
+    kvbench/runs/schema.py's rules, and the kvpress-wrapper switches (`method.whole_layers`, `layer_ratios`,
+    `chunk_length`, `block_size`, `then` + `first_ratio`) applied by `kvbench.runs.config.build_method`."""
     from omegaconf import OmegaConf
 
     from kvbench.registry import unknown_choice
-    from kvbench.runs.config import load_yaml
+    from kvbench.runs import config
+    from kvbench.runs.schema import check
 
     path = CONFIG_DIR / "method" / f"{name}.yaml"
     if not path.is_file():
-        choices = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
-        raise ValueError("kvbench: " + unknown_choice("method", name, choices))
-    composed = OmegaConf.create({"model": model or {}, "method": load_yaml(path)})
-    fields = OmegaConf.to_container(composed.method, resolve=True)
-    module, cls = fields.pop("_target_").rsplit(".", 1)
-    return getattr(importlib.import_module(module), cls)(**{**fields, **overrides})
+        raise ValueError("kvbench: " + unknown_choice("method", name, config.group_choices("method")))
+    composed = OmegaConf.create({"model": model or {}, "method": config.load_yaml(path)})
+    node = OmegaConf.merge(OmegaConf.to_container(composed.method, resolve=True), overrides)
+    try:
+        check(OmegaConf.create({"method": node}))
+        return config.build_method(node)
+    except ValueError as e:
+        raise ValueError(f"kvbench: {e}") from None
 
 
 @register_model("kvbench")
@@ -94,7 +116,7 @@ class KVBenchLM(TemplateLM):
         from kvbench.engine.generation import prefill
         from kvbench.models import AttentionCapture, ModelSpec, load
 
-        method_overrides = {k.split(".", 1)[1]: v for k, v in kwargs.items() if k.startswith("method.")}
+        method_overrides = {k.split(".", 1)[1]: flow_list(v) for k, v in kwargs.items() if k.startswith("method.")}
         ignored = sorted(k for k in kwargs if not k.startswith("method.") and kwargs[k] is not None)
         if ignored:
             logger.info("kvbench: ignoring lm-eval arguments %s (batch 1, device from the model config)", ignored)
@@ -122,8 +144,12 @@ class KVBenchLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """Added by lm-eval to its results' `config`: what `prepare` found (manifest.json's `method_prepared` in a
-        kvbench run), e.g. TailorKV's layer split."""
-        return {} if self.prepared is None else {"method_prepared": self.prepared}
+        kvbench run), e.g. TailorKV's layer split, and the method's table name where it has one of its own
+        (`method_label`: a variant's `tailorkv-1`, a wrapped `snapkv+per_layer`), as a kvbench run's manifest names
+        it; kvbench.report.lm_eval_runs copies both into the run directories it writes."""
+        label = getattr(self.method, "label", None)
+        return {**({} if self.prepared is None else {"method_prepared": self.prepared}),
+                **({} if label is None else {"method_label": label})}
 
     # --- lm-eval's tokenizer hooks ----------------------------------------------------------------------------
     @property

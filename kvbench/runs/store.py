@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
-from kvbench.report.records import is_failure, latest_per_id, record_problem, scan
+from kvbench.report.records import is_failure, latest_per_id, record_problem, scan, with_follow_up_work
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,7 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
         return {**aggregate(records, corpus_metrics), "n_failed": len(failed), "failed_ids": failed}
     if not records:
         return {"n": 0, "n_failed": 0, "failures_counted_as": FAILURES_COUNTED_AS, "metrics": {}}
+    records = [with_follow_up_work(r) for r in records]  # a sample asked twice: both requests' work
 
     def mean(key: str) -> float:
         return sum(r[key] for r in records) / len(records)

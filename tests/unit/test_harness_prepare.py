@@ -63,7 +63,8 @@ def test_tailorkv_through_lm_eval_is_prepared_and_generates_what_the_command_gen
     lm, text = harness_generation("model=tiny_llama,method=tailorkv,budget=80")
     method, prepared, want = cli_generation("model=tiny_llama", "method=tailorkv", "budget=80")
     assert prepared["identification"] is not None  # configs/model/tiny_llama.yaml lists no split: found at load
-    assert lm.prepared == prepared and lm.get_model_info() == {"method_prepared": prepared}
+    assert lm.prepared == prepared
+    assert lm.get_model_info() == {"method_prepared": prepared, "method_label": method.label}  # tailorkv-1
     assert lm.method.quant_layers == method.quant_layers and text == want and text.strip()
 
 
