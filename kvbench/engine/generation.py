@@ -195,7 +195,12 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
                 else None
             idx = select(method, view, n_keep, cache)
             if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
+                merged = method.merged_values(view, idx)  # (`+method.merge=true`: evicted values folded in)
+                if merged is not None:
+                    cache.note_peak(extra=merged.numel() * merged.element_size())  # beside the whole layer
                 apply_selection(method, cache, layer_idx, idx, n_keep, heads)
+                if merged is not None:  # stored in place of the kept values the gather made
+                    cache.layers[layer_idx].values = merged
         if method.prunes_channels:  # ThinK: the kept keys' channels, chosen from what the selection kept
             kept = cache.layers[layer_idx]
             cache.layers[layer_idx] = ChannelPrunedLayer(kept, method.channels_to_keep(view, kept.keys))

@@ -190,6 +190,12 @@ class Method:
         `kvbench.methods.contract.check_selection`."""
         raise NotImplementedError
 
+    def merged_values(self, view: LayerView, kept: Tensor) -> Tensor | None:
+        """The kept entries' values `[B, H, k, D]` (in `kept`'s order) with the evicted ones folded in, which the
+        cache stores instead of the plain kept values (`+method.merge=true`: kvbench.methods.wrappers `Merge`);
+        None: the kept values as they are. Called between `select` and the gather."""
+        return None
+
 
 # --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
 def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None,

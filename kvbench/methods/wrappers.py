@@ -6,11 +6,12 @@ on any selector: keys added to its method node, e.g.
     python -m kvbench.run method=knorm +method.chunk_length=1024               # each chunk of the prompt on its own
     python -m kvbench.run method=knorm +method.block_size=128                  # block-wise, as keydiff's default
     python -m kvbench.run method=snapkv +method.then=knorm +method.first_ratio=0.5 ratio=0.75   # one, then another
+    python -m kvbench.run method=knorm +method.merge=true ratio=0.5           # evicted values merged into kept ones
 
 `kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
 `block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
 the engine: it delegates the selector API (`select`, `layer_budgets`, the windows) and adds its one idea. Its
-records name it `<method>+<wrapper>` (`snapkv+per_layer`, `knorm+chunk`, `snapkv+knorm`); its run directory is the
+records name it `<method>+<wrapper>` (`snapkv+per_layer`, `knorm+chunk`, `snapkv+knorm`, `knorm+merge`); its run directory is the
 method's, the switches in config.yaml and the directory's hash. Not registered:
 there is no `method=chunk`. Chunk and block need a scorer whose `scores(view)` reads no queries (the capture records
 only the prompt's last queries, not every chunk's).
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kvbench.methods.base import Kind, LayerView, Method
+from kvbench.methods.merging import merged_kept_values
 
 
 @dataclass
@@ -36,6 +38,9 @@ class Switches:
     block_size: int | None = None  # prompt entries per block of the block-wise pass (kvpress BlockPress)
     then: str | None = None  # a second method (registry name, its YAML's settings) on what the first kept
     first_ratio: float | None = None  # with `then`: the fraction of the prompt the first method removes
+    merge: bool | None = None  # evicted values folded into the kept ones (kvpress MergingPress)
+    merge_threshold: float | None = None  # with `merge`: the least key cosine at which an entry merges
+    merge_fraction: float | None = None  # with `merge`: the share of the passing entries (best cosines) that merge
 
 
 def sub_view(view: LayerView, idx: Tensor) -> LayerView:
@@ -135,6 +140,9 @@ class Wrapper(Method):
 
     def select(self, view: LayerView, n_keep: int):
         return self.press.select(view, n_keep)
+
+    def merged_values(self, view: LayerView, kept: Tensor) -> Tensor | None:
+        return self.press.merged_values(view, kept)
 
 
 @dataclass
@@ -306,8 +314,58 @@ class Compose(Wrapper):
         return kept.gather(-1, self.then.select(sub_view(view, kept), n_keep))
 
 
+@dataclass
+class Merge(Wrapper):
+    """kvpress `MergingPress`: the wrapped method selects; before the gather, each evicted entry's value is folded
+    into the kept entry of its head whose key is most cosine-similar (kvbench/methods/merging.py). Keys, positions
+    and the kept sets are the wrapped method's; only the kept values change, and only they are stored."""
+
+    threshold: float = 0.0  # kvpress's similarity_threshold
+    fraction: float = 1.0  # kvpress's merge_fraction
+    suffix = "merge"
+
+    def __post_init__(self):
+        super().__post_init__()
+        why = refusal(self.press)
+        if why:
+            raise ValueError(f"{self.registry_name}: merge needs a method that keeps as many entries "
+                             f"in every KV head, once, at prefill; {why}")
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"{self.registry_name}: merge_threshold={self.threshold} must be in [0, 1]")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"{self.registry_name}: merge_fraction={self.fraction} must be in (0, 1]")
+
+    @property
+    def prefill_needs(self) -> str | None:
+        # (kvpress has no such press either: DecodingPress takes a ScorerPress, MergingPress is not one)
+        return self.press.prefill_needs or "a prompt to merge (the merge runs at prefill only, as kvpress's)"
+
+    def merged_values(self, view: LayerView, kept: Tensor) -> Tensor | None:
+        if not isinstance(kept, Tensor):
+            raise ValueError(f"{self.registry_name}: {self.press.registry_name} kept heads of different lengths, "
+                             "which merge cannot fold into")
+        return merged_kept_values(view.keys, view.values, kept, self.threshold, self.fraction)
+
+
+def refusal(method: Method) -> str | None:
+    """Why merge cannot wrap `method` (or a method it wraps), in a few words; None: it can."""
+    while method is not None:
+        name = method.registry_name
+        if method.own_storage or method.threshold_budget:
+            return f"{name} keeps per-head variable layers"
+        if method.selects_per_query_head:
+            return f"{name} selects per query head (one copy of each KV head per query head)"
+        if method.own_decode_compression(1 << 20) is not None:
+            return f"{name} compresses again while decoding, where nothing merges"
+        if isinstance(method, Compose) and refusal(method.then):
+            return refusal(method.then)
+        method = method.__dict__.get("press")
+    return None
+
+
 def wrap(method: Method, switches: Switches, then: Method | None = None) -> Method:
-    """The method with its switches applied, innermost first: chunk or block, then `then`, then per-layer budgets."""
+    """The method with its switches applied, innermost first: chunk or block, then `then`, then per-layer budgets,
+    then merge (its merge acts on what all of them kept)."""
     if switches.chunk_length is not None and switches.block_size is not None:
         raise ValueError("chunk_length and block_size are two ways of cutting the prompt; set one")
     if switches.chunk_length is not None:
@@ -321,4 +379,9 @@ def wrap(method: Method, switches: Switches, then: Method | None = None) -> Meth
         method = Compose(method, then, switches.first_ratio)
     if switches.whole_layers is not None or switches.layer_ratios is not None:
         method = PerLayer(method, list(switches.whole_layers or []), switches.layer_ratios)
+    if not switches.merge and (switches.merge_threshold is not None or switches.merge_fraction is not None):
+        raise ValueError("merge_threshold and merge_fraction tune +method.merge=true; add it")
+    if switches.merge:
+        method = Merge(method, 0.0 if switches.merge_threshold is None else switches.merge_threshold,
+                       1.0 if switches.merge_fraction is None else switches.merge_fraction)
     return method

@@ -187,6 +187,9 @@ RANGES: dict[str, Range] = {
     "Switches.block_size": at_least(1, "prompt entries per block"),
     "then": Range(owner="the method registry (configs/method/<name>.yaml)"),
     "first_ratio": within(0, 1, "fraction of the prompt the first method removes", open_high=True),
+    "merge_threshold": within(0, 1, "least key cosine at which an evicted entry merges (with merge=true)"),
+    "merge_fraction": within(0, 1, "share of the passing evicted entries that merge (with merge=true)",
+                             open_low=True),
     # --- SimLayerKV
     "lazy_threshold": within(0, 1, "attention mass on sinks + recent above which a layer is lazy"),
     "n_last": at_least(1, "last prompt queries that judge a layer"),
