@@ -1,18 +1,18 @@
-"""kvpress's wrappers (0.5.5 `PerLayerCompressionPress`, `ChunkPress`, `BlockPress`, `ComposedPress`) as switches
-on any selector: keys added to its method node, e.g.
+"""kvpress's wrappers (0.5.5 `PerLayerCompressionPress`, `ChunkPress`, `BlockPress`, `ComposedPress`, `MergingPress`)
+as switches on any selector: keys added to its method node, e.g.
 
     python -m kvbench.run method=snapkv +method.whole_layers=[0]              # layer 0 kept whole (TailorKV's dagger)
     python -m kvbench.run method=snapkv +method.layer_ratios=[0,0.5,...]       # one ratio per layer (kvpress's list)
     python -m kvbench.run method=knorm +method.chunk_length=1024               # each chunk of the prompt on its own
     python -m kvbench.run method=knorm +method.block_size=128                  # block-wise, as keydiff's default
     python -m kvbench.run method=snapkv +method.then=knorm +method.first_ratio=0.5 ratio=0.75   # one, then another
-    python -m kvbench.run method=knorm +method.merge=true ratio=0.5           # evicted values merged into kept ones
+    python -m kvbench.run method=knorm +method.merge=true ratio=0.5            # evicted values merged into kept ones
 
 `kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
 `block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
 the engine: it delegates the selector API (`select`, `layer_budgets`, the windows) and adds its one idea. Its
-records name it `<method>+<wrapper>` (`snapkv+per_layer`, `knorm+chunk`, `snapkv+knorm`, `knorm+merge`); its run directory is the
-method's, the switches in config.yaml and the directory's hash. Not registered:
+records name it `<method>+<wrapper>` (`snapkv+per_layer`, `knorm+chunk`, `snapkv+knorm`, `knorm+merge`); its run
+directory is the method's, the switches in config.yaml and the directory's hash. Not registered:
 there is no `method=chunk`. Chunk and block need a scorer whose `scores(view)` reads no queries (the capture records
 only the prompt's last queries, not every chunk's).
 """

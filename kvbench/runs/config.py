@@ -168,7 +168,7 @@ def build(node: DictConfig, what: str):
 
 def build_method(node: DictConfig, build=build):
     """The method of a `method` node, wrapped by the kvpress-wrapper switches it carries (`+method.whole_layers=[0]`,
-    `chunk_length`, `block_size`, `then` + `first_ratio`: kvbench/methods/wrappers.py), unless they are its own
+    `chunk_length`, `block_size`, `then` + `first_ratio`, `merge`: kvbench/methods/wrappers.py), unless they are its own
     fields (keydiff's `block_size`). `then` names a second method, built from its YAML."""
     import dataclasses
 

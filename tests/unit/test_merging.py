@@ -15,9 +15,10 @@ from omegaconf import OmegaConf
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache import KVCache
+from kvbench.engine.batching import Request, generate_batched
 from kvbench.engine.generation import prefill, prepare
 from kvbench.engine.recompress import why_not
-from kvbench.engine.static import unsupported
+from kvbench.engine.static import StaticDecoder, unsupported
 from kvbench.methods.base import LayerView
 from kvbench.methods.merging import merged_kept_values
 from kvbench.methods.wrappers import Merge, Switches, wrap
@@ -90,6 +91,20 @@ def test_the_cache_stores_the_merged_kept_values_only():
             assert torch.equal(layer.keys, whole.keys.gather(2, kept[..., None].expand(-1, -1, -1, 16)))
             assert torch.equal(layer.values, merged_kept_values(whole.keys, whole.values, kept, 0.1))
             assert not torch.equal(layer.values, whole.values.gather(2, kept[..., None].expand(-1, -1, -1, 16)))
+
+
+def test_the_static_step_decodes_the_merged_cache_as_the_eager_engine():
+    model = tiny_model("llama", layers=2)
+    method = Merge(METHODS["snapkv"](window=8))
+    reqs = [Request(prompt(n, seed=i), 24, 6, tag=i) for i, n in enumerate((80, 60))]
+    with AttentionCapture(model, window=method.query_window) as capture:
+        eager = {r.tag: g for r, g in generate_batched(model, None, method, capture, reqs, 1)}
+        static = {r.tag: g for r, g in StaticDecoder(model, None, method, capture, 2, eos_ids=set()).run(reqs)}
+        plain = {r.tag: g for r, g in generate_batched(model, None, method.press, capture, reqs, 1)}
+    for i in eager:
+        assert static[i].step == "static" and static[i].token_ids == eager[i].token_ids
+        assert static[i].kv_bytes == eager[i].kv_bytes == plain[i].kv_bytes
+    assert any(eager[i].token_ids != plain[i].token_ids for i in eager)  # (the merge reaches the logits)
 
 
 # --- the command line -----------------------------------------------------------------------------------------------
