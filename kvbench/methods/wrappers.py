@@ -252,7 +252,10 @@ class Block(Pieces):
 class Compose(Wrapper):
     """kvpress `ComposedPress` of two: the wrapped method keeps `int(n (1 - first_ratio))` entries, then `then`
     keeps the run's budget of those, scoring them as a layer of their own (its window queries are the prompt's, so
-    a `then` that reads queries needs the first to keep at least that window). Budgets are `then`'s."""
+    a `then` that reads queries needs the first to keep at least that window). Budgets are `then`'s. A layer the
+    first keeps whole (SimLayerKV's non-lazy layers: `select` returns None) goes whole to `then`, as in kvpress,
+    whose ComposedPress hands each press the layer the previous one left. A `then` that may keep a layer whole is
+    refused: it would leave the first's count, not the run's budget."""
 
     then: Method = field(default_factory=Method)
     first_ratio: float = 0.5
@@ -260,7 +263,12 @@ class Compose(Wrapper):
 
     def __post_init__(self):
         super().__post_init__()
-        Wrapper(self.then)  # a selector too
+        if self.then.kind is not Kind.SELECTOR or not self.then.compresses:
+            raise ValueError(f"{self.registry_name}: then={self.then.registry_name} must be a selector too (a method "
+                             f"that picks entries once at prefill); it is a {self.then.kind.value}")
+        if self.then.may_keep_whole:
+            raise ValueError(f"{self.registry_name}: then={self.then.registry_name} may keep a layer whole, which "
+                             f"would keep what {self.press.registry_name} left, not the run's budget; put it first")
         if not 0 <= self.first_ratio < 1:
             raise ValueError(f"{self.registry_name}: first_ratio={self.first_ratio} must be in [0, 1)")
         if self.then.query_window > self.press.kept_window:
@@ -282,7 +290,7 @@ class Compose(Wrapper):
 
     @property
     def may_keep_whole(self) -> bool:
-        return self.press.may_keep_whole or self.then.may_keep_whole
+        return False  # a layer the first keeps whole goes to `then`, which keeps the budget (refused otherwise)
 
     @property
     def prefill_needs(self) -> str | None:
@@ -303,12 +311,14 @@ class Compose(Wrapper):
         if first < n_keep:
             raise ValueError(f"{self.registry_name}: first_ratio={self.first_ratio} keeps {first} of {n} entries, "
                              f"fewer than the budget {n_keep}; lower first_ratio or the budget")
-        kept = torch.arange(n, device=view.keys.device).expand(*view.keys.shape[:2], n)
-        if first < n:
-            kept = self.press.select(view, first)
-            if not isinstance(kept, Tensor):
-                raise ValueError(f"{self.registry_name}: {self.press.registry_name} keeps heads of different "
-                                 "lengths, which a second method cannot take (kvpress refuses AdaKV too)")
+        kept = self.press.select(view, first) if first < n else None
+        if kept is None:  # the layer whole (kept so by the first, or first_ratio leaves all): `then` scores it all
+            if n_keep == n:
+                return torch.arange(n, device=view.keys.device).expand(*view.keys.shape[:2], n)
+            return self.then.select(view, n_keep)
+        if not isinstance(kept, Tensor):
+            raise ValueError(f"{self.registry_name}: {self.press.registry_name} keeps heads of different "
+                             "lengths, which a second method cannot take (kvpress refuses AdaKV too)")
         if n_keep == first:
             return kept
         return kept.gather(-1, self.then.select(sub_view(view, kept), n_keep))

@@ -107,7 +107,7 @@ def setup(cfg: DictConfig):
     from kvbench.runs.schema import check
 
     check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
-    method = build_method(cfg.method, build)
+    method = build_method(cfg.method, build, cfg.model)
     dataset = build(cfg.dataset, "dataset")
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
@@ -166,10 +166,25 @@ def build(node: DictConfig, what: str):
         raise ValueError(f"{what}: {str(cause).splitlines()[0]}") from e
 
 
-def build_method(node: DictConfig, build=build):
+def method_node(name: str, model=None) -> DictConfig:
+    """configs/method/<name>.yaml composed as a run composes its method: its `${model.<key>}` interpolations (KVzip's
+    chat template, TailorKV's layer split) read `model` (the run's model node, or a configs/model file's fields),
+    then resolved. Shared by a `then` method and the lm-eval harness's method, so neither reads other values."""
+    path = CONFIG_DIR / "method" / f"{name}.yaml"
+    if not path.is_file():
+        from kvbench.registry import unknown_choice
+
+        raise ValueError(unknown_choice("method", name, group_choices("method")))
+    model = OmegaConf.to_container(model, resolve=True) if isinstance(model, DictConfig) else model or {}
+    composed = OmegaConf.create({"model": model, "method": load_yaml(path)})
+    return OmegaConf.create(OmegaConf.to_container(composed.method, resolve=True))
+
+
+def build_method(node: DictConfig, build=build, model=None):
     """The method of a `method` node, wrapped by the kvpress-wrapper switches it carries (`+method.whole_layers=[0]`,
     `chunk_length`, `block_size`, `then` + `first_ratio`, `merge`: kvbench/methods/wrappers.py), unless they are its own
-    fields (keydiff's `block_size`). `then` names a second method, built from its YAML."""
+    fields (keydiff's `block_size`). `then` names a second method, built from its YAML composed with `model` (the
+    run's model node: `method_node`), as the first method is."""
     import dataclasses
 
     from kvbench.methods.wrappers import Switches, wrap
@@ -185,12 +200,11 @@ def build_method(node: DictConfig, build=build):
     method = build(OmegaConf.create(values), "method")
     then = None
     if switches.then is not None:
-        path = CONFIG_DIR / "method" / f"{switches.then}.yaml"
-        if not path.is_file():
-            from kvbench.registry import unknown_choice
-
-            raise ValueError("method.then: " + unknown_choice("method", switches.then, group_choices("method")))
-        then = build(load_yaml(path), "method.then")
+        try:
+            then_node = method_node(switches.then, model)
+        except Exception as e:  # an unknown name, or a `${model.<key>}` the model lacks
+            raise ValueError(f"method.then: {str(e).splitlines()[0]}") from None
+        then = build(then_node, "method.then")
     try:
         return wrap(method, switches, then)
     except ValueError as e:

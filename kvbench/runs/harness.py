@@ -89,18 +89,13 @@ def build_method(name: str, overrides: dict, model: dict | None = None):
     `chunk_length`, `block_size`, `then` + `first_ratio`) applied by `kvbench.runs.config.build_method`."""
     from omegaconf import OmegaConf
 
-    from kvbench.registry import unknown_choice
     from kvbench.runs import config
     from kvbench.runs.schema import check
 
-    path = CONFIG_DIR / "method" / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError("kvbench: " + unknown_choice("method", name, config.group_choices("method")))
-    composed = OmegaConf.create({"model": model or {}, "method": config.load_yaml(path)})
-    node = OmegaConf.merge(OmegaConf.to_container(composed.method, resolve=True), overrides)
     try:
+        node = OmegaConf.merge(config.method_node(name, model), overrides)
         check(OmegaConf.create({"method": node}))
-        return config.build_method(node)
+        return config.build_method(node, model=model)
     except ValueError as e:
         raise ValueError(f"kvbench: {e}") from None
 

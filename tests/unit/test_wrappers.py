@@ -203,3 +203,55 @@ def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
                 assert ours == {i for i in range(n) if int(mask, 16) >> i & 1}, (case, p, view.layer_idx, h)
     if case.startswith("simlayerkv"):
         assert 0 < whole < 60  # both kinds of layer occur
+
+
+# --- composition: `then` composed with the run's model; a layer the first keeps whole ----------------------------
+def test_a_then_methods_yaml_reads_the_runs_model(tmp_path, monkeypatch):
+    """`then`'s YAML is composed with the model, as the first method's is (before: loaded alone, so a
+    `${model.<key>}` failed to resolve and `oc.select` got its default)."""
+    from kvbench.runs import config
+    from kvbench.runs.validate import BadInput, validate
+
+    with pytest.raises(BadInput, match="then=kvzip must be a selector too"):  # before: "'model.chat_template' not found"
+        validate(["method=snapkv", "+method.then=kvzip", "+method.first_ratio=0.5", "ratio=0.75"])
+    (tmp_path / "method").mkdir()
+    (tmp_path / "method/mine.yaml").write_text("_target_: kvbench.methods.snapkv.SnapKV\nwindow: ${model.w}\n"
+                                              "kernel: ${oc.select:model.k,1}\n")
+    monkeypatch.setattr(config, "CONFIG_DIR", tmp_path)
+    node = OmegaConf.create({"_target_": "kvbench.methods.snapkv.SnapKV", "window": 16, "then": "mine",
+                             "first_ratio": 0.5})
+    method = config.build_method(node, model=OmegaConf.create({"w": 12, "k": 3}))
+    assert (method.then.window, method.then.kernel) == (12, 3)
+
+
+def test_simlayerkv_first_hands_a_layer_it_keeps_whole_to_then(embedded_views):
+    """kvpress's ComposedPress hands each press the layer the previous one left: a non-lazy layer, whole, goes to the
+    second press. Before, Compose failed on it ("heads of different lengths"). Knorm's picks recomputed by hand."""
+    _, views = embedded_views
+    layers, n_keep = views[0], 40
+    n = layers[0].prompt_len
+    simlayerkv = SimLayerKV(lazy_threshold=0.55, reading="kvpress")
+    method = Compose(simlayerkv, METHODS["knorm"](), first_ratio=0.75)
+    whole = 0
+    for view in layers:
+        lazy = simlayerkv.select(view, int(n * 0.25))
+        whole += lazy is None
+        kept = method.select(view, n_keep)
+        for h in range(view.keys.shape[1]):
+            pool = range(n) if lazy is None else lazy[0, h].tolist()
+            norms = {i: view.keys[0, h, i].double().norm().item() for i in pool}
+            assert set(kept[0, h].tolist()) == set(sorted(pool, key=norms.get)[:n_keep]), (view.layer_idx, h)
+    assert 0 < whole < len(layers)  # both kinds of layer occur
+
+
+def test_simlayerkv_then_knorm_runs_from_the_command_line_and_stores_the_budget(base_config):
+    """lazy_threshold=1: no layer is lazy, every one goes whole to knorm, which keeps the budget, stored for real."""
+    method = built(base_config, "simlayerkv", lazy_threshold=1.0, then="knorm", first_ratio=0.5)
+    assert not method.may_keep_whole
+    model, ids = tiny_model("llama", layers=3), prompt(120)
+    with AttentionCapture(model, window=method.query_window) as capture:
+        gen = generate(model, None, method, capture, ids, 32, 4, eos_ids=set())
+    assert [layer[0] for layer in gen.kept_per_head] == [32, 32, 32]
+    assert gen.kv_bytes == gen.full_kv_bytes * 32 / 120
+    with pytest.raises(ValueError, match="then=simlayerkv may keep a layer whole"):
+        built(base_config, "snapkv", then="simlayerkv", first_ratio=0.5)
