@@ -1,14 +1,19 @@
 """`decode_compression.ratio=R` (kvpress's CompressionRatioDecodingPress): while decoding, every `every` generated
 tokens each layer is brought to max(1, int(seen * (1 - R))) of the tokens seen, split over the layers as a target is;
-checked against hand-worked sizes, in a batch, and refused in one line where it cannot run."""
+checked against hand-worked sizes, kvpress's own (golden lengths), in a batch, and refused in one line where it
+cannot run."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 import kvbench.methods  # noqa: F401
-from kvbench.engine.batching import Request, generate_batched
+from kvbench.engine.batching import Request, generate, generate_batched
 from kvbench.engine.recompress import DecodeCompression, check
+from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, config_hash, setup
 from tests.unit.test_cli import refusal
@@ -16,6 +21,7 @@ from tests.unit.test_recompress import N_PROMPT, decode
 from tests.unit.tiny import prompt, tiny_model
 
 EVERY, RATIO, NEW = 16, 0.5, 70
+GOLDEN = json.loads((Path(__file__).parents[1] / "fixtures/kvpress_ratiodecode/lengths.json").read_text())["cases"]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,19 @@ def test_streamingllm_keeps_half_of_the_tokens_seen_at_each_compression(model):
         assert all(positions == expected for positions in layers), t
 
 
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_each_compression_has_kvpress_size(model, name):
+    """kvpress's cache length after each forward (prefill first; scripts/make_kvpress_ratiodecode_goldens.py, on
+    SmolLM2: the lengths do not depend on the model) is the length kvbench's layers hold before the next one."""
+    case, lengths = GOLDEN[name], []
+    method = METHODS[case["method"]]()
+    with AttentionCapture(model, window=method.query_window) as capture:
+        generate(model, None, method, capture, prompt(case["prompt_tokens"]), case["prompt_tokens"],
+                 case["new_tokens"], eos_ids=set(), recompress=DecodeCompression(case["every"], ratio=case["ratio"]),
+                 on_logits=lambda t, logits: lengths.append({layer.keys.shape[-2] for layer in capture.cache.layers}))
+    assert lengths == [{n} for n in case["lengths"]]
+
+
 def test_pyramidkv_splits_each_ratios_target_over_its_layers_as_a_target(model):
     """PyramidKV: right after each compression the layers hold its own shares of that compression's target,
     `layer_budgets(seen, layers, int(seen / 2))`: the ratio's target, split as `decode_compression.target`'s."""
@@ -58,8 +77,6 @@ def test_a_batch_equals_each_sample_alone(model):
     """The ratio's layers grow with the length, so they stay out of the fixed-capacity rows."""
     method, setting = METHODS["snapkv"](window=8), DecodeCompression(EVERY, ratio=RATIO)
     requests = [Request(prompt(n, seed=n), 32, new, ()) for n, new in [(N_PROMPT, 40), (N_PROMPT + 20, 50)]]
-    from kvbench.models import AttentionCapture
-
     with AttentionCapture(model, window=8) as capture:
         together = dict(generate_batched(model, None, method, capture, requests, 2, eos_ids=set(), recompress=setting))
         alone = [g for r in requests for _, g in generate_batched(model, None, method, capture, [r], 1, eos_ids=set(),
