@@ -1,4 +1,5 @@
-"""Compression while decoding, for every method that scores entries: `decode_compression.target=T` (and `.every=N`).
+"""Compression while decoding, for every method that scores entries: `decode_compression.target=T` (and `.every=N`),
+or `decode_compression.ratio=R` instead of a target.
 
 A reasoning model writes thousands of tokens after a short prompt, so the cache grows while decoding and a prefill
 selector (SnapKV, PyramidKV, KNorm, Expected Attention, StreamingLLM, ...) never sees most of it. kvpress's
@@ -15,6 +16,11 @@ shares are uniform and no layer may be kept whole (SimLayerKV's non-lazy layers 
 KVzap: per-head variable too), methods whose scores need what only a prefill's view holds (`Method.prefill_needs`:
 every prompt query, W_o; kvpress's per-layer ratios, of the tokens seen), beam search and conversations are
 refused by `check`, which names the methods that can.
+
+`ratio=R` is kvpress's `CompressionRatioDecodingPress`: the same schedule, with the target at each compression
+max(1, int(seen * (1 - R))) of the tokens seen so far (prompt and generated, the step's own included; kvpress's
+`position_ids.max() + 1`), split over the layers by the same `layer_budgets`. Its target grows with the length, so
+its layers stay out of batched decoding's fixed-capacity rows.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from kvbench.methods.base import Kind, LayerView, Method
 
 @dataclass(frozen=True)
 class DecodeCompression:
-    """The `decode_compression` config node: off while `target` is None."""
+    """The `decode_compression` config node: off while `target` and `ratio` are both None; at most one is set."""
 
     every: int = 512  # generated tokens between two compressions (kvpress: compression_interval)
     target: int | None = None  # entries per head a layer is brought back to (kvpress: target_size, 2048)
@@ -38,10 +44,27 @@ class DecodeCompression:
     # sequence, prompt included, reached a multiple of N on the previous step (R-KV's `length % divide_length`); then
     # the window's queries are the sequence's last ones too, the prompt's included (R-KV's query cache), where
     # kvpress's buffer holds the generated tokens' alone
+    ratio: float | None = None  # instead of target: the fraction of the tokens seen (prompt and generated) removed,
+    # the target then max(1, int(seen * (1 - ratio))) (kvpress: CompressionRatioDecodingPress)
+
+    def __post_init__(self):
+        if self.target is not None and self.ratio is not None:
+            raise ValueError(f"decode_compression.target={self.target} and decode_compression.ratio={self.ratio}: "
+                             "set one of them, the other null")
 
     @property
     def on(self) -> bool:
-        return self.target is not None
+        return self.target is not None or self.ratio is not None
+
+    @property
+    def switch(self) -> str:
+        """How the run turned it on, for messages: `decode_compression.target=40` or `decode_compression.ratio=0.5`."""
+        return f"decode_compression.ratio={self.ratio}" if self.ratio is not None else \
+            f"decode_compression.target={self.target}"
+
+    def target_at(self, seen: int) -> int:
+        """The target (mean entries per head over the layers) after `seen` tokens, the step's own included."""
+        return max(1, int(seen * (1 - self.ratio))) if self.ratio is not None else self.target
 
 
 def check(method: Method, setting: DecodeCompression, positions: str = "original", num_beams: int = 1,
@@ -52,12 +75,13 @@ def check(method: Method, setting: DecodeCompression, positions: str = "original
     why = why_not(method)
     if why:
         name = getattr(method, "registry_name", type(method).__name__)
-        raise ValueError(f"decode_compression.target={setting.target}: {name} {why}; methods that compress while "
-                         f"decoding: {', '.join(decoding_methods())}; or decode_compression.target=null")
+        off = "decode_compression.ratio=null" if setting.ratio is not None else "decode_compression.target=null"
+        raise ValueError(f"{setting.switch}: {name} {why}; methods that compress while decoding: "
+                         f"{', '.join(decoding_methods())}; or {off}")
     if positions != "original" or num_beams > 1 or turns > 1:
-        raise ValueError(f"decode_compression.target={setting.target} runs with positions=original, "
-                         "generation.num_beams=1 and one turn")
-    method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
+        raise ValueError(f"{setting.switch} runs with positions=original, generation.num_beams=1 and one turn")
+    if setting.target is not None:  # (a ratio's targets depend on the lengths: as a prefill ratio, unchecked here)
+        method.check_budget(setting.target)  # e.g. SnapKV's window must fit in it
 
 
 def why_not(method: Method) -> str | None:
@@ -151,6 +175,8 @@ class Recompressor:
         change with the length (PyramidKV's pyramid) or that may keep a layer whole (SimLayerKV's non-lazy layers,
         which grow with every token): such layers stay out of the rows and grow and shrink. The layers' share is
         the method's own (SimLayerKV's lazy layers: n_sink + target - n_last), not always the target."""
+        if self.setting.ratio is not None:  # the target grows with the tokens seen
+            return None
         shares = set(self.method.layer_budgets(1 << 30, len(self.cache.layers), self.setting.target))
         if len(shares) != 1 or self.method.may_keep_whole:
             return None
@@ -162,7 +188,8 @@ class Recompressor:
         n = layer.keys.shape[-2]
         # the layers' shares from the tokens seen so far, the same for every layer at this step (their lengths
         # differ: a pyramid's shares must come from one length, or their mean drifts off the target)
-        n_keep = self.method.layer_budgets(layer.seen_tokens, n_layers, self.setting.target)[i]
+        seen = layer.seen_tokens
+        n_keep = self.method.layer_budgets(seen, n_layers, self.setting.target_at(seen))[i]
         if n_keep >= n:
             return
         queries = torch.cat(self.queries[i], dim=2) if self.method.query_window else None

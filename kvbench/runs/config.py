@@ -36,9 +36,12 @@ def config_hash(*nodes) -> str:
     """Short hash of the parts of the config that change results (the run dir's suffix). A last node equal to
     `aware` (the run-dir pattern ends with `${query}`) is left out, so question-aware runs keep the run dirs they
     had before `query` existed; `agnostic` enters the hash. So are `LATER_KEYS` while null, and a last
-    `decode_compression` node while it is off (its target null)."""
-    if nodes and isinstance(nodes[-1], DictConfig) and "target" in nodes[-1] and nodes[-1].target is None:
-        nodes = nodes[:-1]
+    `decode_compression` node while it is off (its target and ratio null), and its `ratio` while null."""
+    if nodes and isinstance(nodes[-1], DictConfig) and "target" in nodes[-1]:
+        if nodes[-1].target is None and nodes[-1].get("ratio") is None:
+            nodes = nodes[:-1]
+        elif nodes[-1].get("ratio", 0) is None:  # a target's run dirs keep the names they had before `ratio`
+            nodes = (*nodes[:-1], OmegaConf.create({k: v for k, v in nodes[-1].items() if k != "ratio"}))
     if nodes and isinstance(nodes[-1], str) and nodes[-1] == QUERY_MODES[0]:
         nodes = nodes[:-1]
     plain = [OmegaConf.to_container(n, resolve=True) if isinstance(n, DictConfig) else n for n in nodes]

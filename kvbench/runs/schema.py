@@ -120,6 +120,8 @@ RANGES: dict[str, Range] = {
     "length_penalty": UNBOUNDED,
     "every": at_least(1, "generated tokens between two decode-time compressions"),
     "target": Range(low=1, says="a positive number of entries per head, or null (off)"),
+    "DecodeCompression.ratio": within(0, 1, "fraction of the tokens seen removed while decoding; null: off or target",
+                                      open_high=True),
     # --- model (ModelSpec)
     "name": TEXT,
     "path": TEXT,
