@@ -54,13 +54,15 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
+from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.recompress import DecodeCompression, Recompressor
-from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
-                                sampling_generator)
+from kvbench.engine.generation import (EvictionHook, Generation, Prefilled, Prepared, Sampling, eos_token_ids,
+                                       next_token, prepare, sampling_generator)
 from kvbench.methods.base import Method
+from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture, refuse_window
 
 _ids = itertools.count()
@@ -148,8 +150,16 @@ class BatchedCache:
                 self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
                     key_states[i:i + 1], value_states[i:i + 1], layer_idx)
         for members in in_rows.values():
-            append([layer for _, layer in members], [key_states[i] for i, _ in members],
-                   [value_states[i] for i, _ in members])
+            rows = members[0][1].rows
+            if isinstance(rows, EvictingRows):  # every row's token in one copy
+                slot_idx, row_idx = [i for i, _ in members], [layer.row for _, layer in members]
+                keys, values, n_rows = key_states, value_states, len(rows.owners)
+                if slot_idx != row_idx or n_rows != len(self.slots):  # (else the batch is the rows)
+                    keys, values = (scattered(x, slot_idx, row_idx, n_rows) for x in (keys, values))
+                rows.append_all([layer for _, layer in members], keys[:, :, 0], values[:, :, 0])
+            else:
+                append([layer for _, layer in members], [key_states[i] for i, _ in members],
+                       [value_states[i] for i, _ in members])
             for i, _ in members:  # (their attention reads the rows, not `updated`)
                 if layer_idx == len(self.slots[i].run.cache.layers) - 1:
                     self.slots[i].run.cache.note_step()
@@ -266,9 +276,13 @@ class BatchedDecoder:
         budget share them and a long full cache does not widen the others'."""
         hook, new_tokens = slot.decode_hook, slot.request.max_new_tokens
         compacted = isinstance(hook, Recompressor) and hook.bound(0, new_tokens) is not None  # fixed capacity
-        if self.batch_size == 1 or (hook is not None and not compacted) or slot.input_hook is not None \
-                or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
+        if self.batch_size == 1 or slot.input_hook is not None or slot.logit_scale is not None \
+                or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
+        if isinstance(hook, EvictionHook) and hook.state.method.together:
+            return self._into_evicting_rows(slot, hook)
+        if hook is not None and not compacted:
+            return slot
         layers = slot.run.cache.layers
         try:
             for i, layer in enumerate(layers):
@@ -286,14 +300,37 @@ class BatchedDecoder:
             raise
         return slot
 
+    def _into_evicting_rows(self, slot: Slot, hook: EvictionHook) -> Slot:
+        """Move the layers of a sample whose evictor scores `together` (H2O) into rows shared with the samples of
+        its method and budget (`kvbench.cache.evicting_rows`), each layer that holds exactly its budget (the others,
+        e.g. of a prompt shorter than the budget, evict alone)."""
+        state, layers = hook.state, slot.run.cache.layers
+        try:
+            for i, layer in enumerate(layers):
+                if i in hook.fixed or not EvictingRows.fits(layer, state.budget):
+                    continue
+                key = (i, "evicting", id(state.method), state.budget, layer.keys.shape[1], layer.keys.shape[-1],
+                       layer.keys.dtype, layer.keys.device)
+                if key not in self.rows:
+                    self.rows[key] = EvictingRows(layer, state.budget)
+                layers[i] = state.layers[i] = self.rows[key].take_scored(layer, state.scores[i], state)
+        except BaseException:
+            self._leave_rows(slot)
+            raise
+        return slot
+
     def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
         """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger). `keep`:
         the cache lives on (a follow-up request feeds it), so its layers leave the rows as plain layers."""
         layers = slot.run.cache.layers
         for i, layer in enumerate(layers):
+            if isinstance(layer, EvictingLayer):  # its scores go back to its evictor's state
+                slot.decode_hook.state.scores[i] = layer.row_scores()
             if isinstance(layer, RowLayer):
                 if keep:
                     layers[i] = layer.detach()
+                    if isinstance(layer, EvictingLayer):
+                        slot.decode_hook.state.layers[i] = layers[i]
                 else:
                     layer.release()
         self.rows = {key: rows for key, rows in self.rows.items() if any(o is not None for o in rows.owners)}
@@ -439,7 +476,12 @@ class BatchedDecoder:
             self.capture.cache = self.cache.slots[members[0][0]].run.cache
             n_rows, slot_idx, row_idx = len(rows.owners), *map(list, zip(*members))
             in_order = slot_idx == row_idx == list(range(batch)) and n_rows == batch  # the batch is the rows
-            if rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
+            if isinstance(rows, EvictingRows):  # one engine call over the rows as they lie, then one eviction
+                out, logits = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
+                                               [DecodeKV(rows.keys, rows.values)], kwargs.get("scaling") or
+                                               module.scaling, softcap=kwargs.get("softcap"), return_logits=True)
+                EvictionState.decode_rows(rows, layer_idx, logits)
+            elif rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
                 scale = kwargs.get("scaling") or module.scaling
                 out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
                                        [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
@@ -450,7 +492,7 @@ class BatchedDecoder:
                                  **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
                                     for k, v in kwargs.items()})[0]
             for i in slot_idx:  # compression while decoding: after this step's attention, in the row's place
-                if self.cache.slots[i].decode_hook is not None:
+                if self.cache.slots[i].decode_hook is not None and not isinstance(rows, EvictingRows):
                     self.cache.slots[i].decode_hook(layer_idx, query[i:i + 1], None,
                                                     kwargs.get("scaling") or module.scaling)
             if in_order:
