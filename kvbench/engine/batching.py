@@ -56,6 +56,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
 from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
+from kvbench.cache.offloaded_rows import OffloadedRows, PooledOffloadedLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.recompress import DecodeCompression, Recompressor
@@ -188,6 +189,7 @@ class BatchedDecoder:
         self.name = f"kvbench_batched_{next(_ids)}"
         self.cache: BatchedCache | None = None
         self.rows: dict[tuple, Rows] = {}  # the plain dense layers of the active samples, per layer and capacity
+        self.active: deque[Slot] = deque()  # the samples decoding now (`run`)
 
     @property
     def method(self) -> Method:
@@ -199,6 +201,7 @@ class BatchedDecoder:
         whose prefill or compression raised yields its exception instead, and so does every sample of a batched
         step that raised; the others go on (one failing sample must not stop the rest)."""
         pending, active, follow = iter(requests), deque(), deque()
+        self.active = active
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
@@ -276,12 +279,13 @@ class BatchedDecoder:
         budget share them and a long full cache does not widen the others'."""
         hook, new_tokens = slot.decode_hook, slot.request.max_new_tokens
         compacted = isinstance(hook, Recompressor) and hook.bound(0, new_tokens) is not None  # fixed capacity
-        if self.batch_size == 1 or slot.input_hook is not None or slot.logit_scale is not None \
-                or getattr(self.model.config, "sliding_window", None):
+        if self.batch_size == 1 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
-        if isinstance(hook, EvictionHook) and hook.state.method.together:
+        if isinstance(hook, EvictionHook) and hook.state.method.together and slot.input_hook is None:
             return self._into_evicting_rows(slot, hook)
-        if hook is not None and not compacted:
+        if slot.input_hook is not None and hook is None:  # (TailorKV: its offloaded layers into pools)
+            return self._into_offloaded_rows(slot)
+        if hook is not None and not compacted or slot.input_hook is not None:
             return slot
         layers = slot.run.cache.layers
         try:
@@ -301,19 +305,48 @@ class BatchedDecoder:
         return slot
 
     def _into_evicting_rows(self, slot: Slot, hook: EvictionHook) -> Slot:
-        """Move the layers of a sample whose evictor scores `together` (H2O) into rows shared with the samples of
-        its method and budget (`kvbench.cache.evicting_rows`), each layer that holds exactly its budget (the others,
-        e.g. of a prompt shorter than the budget, evict alone)."""
+        """Once a second sample of its method and budget decodes, move the layers of samples whose evictor scores
+        `together` (H2O) into rows shared with them (`kvbench.cache.evicting_rows`), each layer that holds exactly
+        its budget (the others, e.g. of a prompt shorter than the budget, evict alone). A lone sample keeps its own
+        layers: rows of one would save nothing."""
+        state = hook.state
+        peers = [other for other in self.active if isinstance(other.decode_hook, EvictionHook)
+                 and other.decode_hook.state.method is state.method and other.decode_hook.state.budget == state.budget]
+        for peer in peers:  # (a peer that decoded alone so far moves in now)
+            self._evict_in_rows(peer, peer.decode_hook)
+        try:
+            if peers:
+                self._evict_in_rows(slot, hook)
+        except BaseException:
+            self._leave_rows(slot)
+            raise
+        return slot
+
+    def _evict_in_rows(self, slot: Slot, hook: EvictionHook) -> None:
         state, layers = hook.state, slot.run.cache.layers
+        for i, layer in enumerate(layers):
+            if i in hook.fixed or not EvictingRows.fits(layer, state.budget):
+                continue
+            key = (i, "evicting", id(state.method), state.budget, layer.keys.shape[1], layer.keys.shape[-1],
+                   layer.keys.dtype, layer.keys.device)
+            if key not in self.rows:
+                self.rows[key] = EvictingRows(layer, state.budget)
+            layers[i] = state.layers[i] = self.rows[key].take_scored(layer, state.scores[i], state)
+
+    def _into_offloaded_rows(self, slot: Slot) -> Slot:
+        """Move the sample's offloaded layers (TailorKV's sparse layers, on the CPU) into pools shared with the
+        samples of its configuration (`kvbench.cache.offloaded_rows`): one retrieval per layer for all of them."""
+        layers = slot.run.cache.layers
         try:
             for i, layer in enumerate(layers):
-                if i in hook.fixed or not EvictingRows.fits(layer, state.budget):
+                if not OffloadedRows.fits(layer):
                     continue
-                key = (i, "evicting", id(state.method), state.budget, layer.keys.shape[1], layer.keys.shape[-1],
-                       layer.keys.dtype, layer.keys.device)
+                capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
+                key = (i, "offloaded", layer.start, layer.recent, layer.n_topk, layer.n_channels,
+                       *layer.static_keys.shape[1:], layer.static_keys.dtype, capacity)
                 if key not in self.rows:
-                    self.rows[key] = EvictingRows(layer, state.budget)
-                layers[i] = state.layers[i] = self.rows[key].take_scored(layer, state.scores[i], state)
+                    self.rows[key] = OffloadedRows(layer, capacity)
+                layers[i] = self.rows[key].take(layer)
         except BaseException:
             self._leave_rows(slot)
             raise
@@ -326,7 +359,7 @@ class BatchedDecoder:
         for i, layer in enumerate(layers):
             if isinstance(layer, EvictingLayer):  # its scores go back to its evictor's state
                 slot.decode_hook.state.scores[i] = layer.row_scores()
-            if isinstance(layer, RowLayer):
+            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):
                 if keep:
                     layers[i] = layer.detach()
                     if isinstance(layer, EvictingLayer):
