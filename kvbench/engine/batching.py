@@ -145,7 +145,7 @@ class BatchedCache:
         in_rows: dict[int, list[tuple[int, RowLayer]]] = {}
         for i, slot in enumerate(self.slots):
             layer = slot.run.cache.layers[layer_idx]
-            if isinstance(layer, RowLayer):
+            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):  # (a pool's generated tokens are rows too)
                 in_rows.setdefault(id(layer.rows), []).append((i, layer))
             else:
                 self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
@@ -161,7 +161,7 @@ class BatchedCache:
             else:
                 append([layer for _, layer in members], [key_states[i] for i, _ in members],
                        [value_states[i] for i, _ in members])
-            for i, _ in members:  # (their attention reads the rows, not `updated`)
+            for i, _ in members:  # (their attention reads the rows or the pool, not `updated`)
                 if layer_idx == len(self.slots[i].run.cache.layers) - 1:
                     self.slots[i].run.cache.note_step()
         return key_states, value_states  # placeholders: the attention below reads `updated`
@@ -541,7 +541,8 @@ class BatchedDecoder:
 
     def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
         batch, slot = query.shape[0], self.cache.slots[i]
-        keys, values = self.cache.updated[module.layer_idx][i]
+        updated, layer = self.cache.updated.get(module.layer_idx, {}), slot.run.cache.layers[module.layer_idx]
+        keys, values = updated[i] if i in updated else (layer.keys, layer.values)  # (a pool's layer: its row)
         self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
         self.capture.logit_scale = slot.logit_scale
         try:
