@@ -7,14 +7,18 @@ dense layers (no decode-time eviction, temperature, prefetch or position shift: 
 full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are written in place
 and one call per layer attends every row, masked to each row's length. Per-head variable layers (Ada-KV, KVzip) move
 into a pool of their own (`kvbench.cache.varlen.VarlenRows`): one padded block per layer and step for all of them,
-one engine call. Every other sample's layer (TailorKV's quantized and offloaded layers, the layers of H2O /
-Keyformer / BUZZ with their decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's
-decode attention (`kvbench.attention.decode`) with what it holds this step (`decode_kv`), whatever the lengths per
-sample, layer and head; each sample's temperature scales its own logits, and its evictor scores the logits of that
-call (no second computation). So a layer costs one attention call per set of rows or pool and one for the rest,
-whatever the batch; a lone sample outside them takes batch 1's path. Per-sample method work that several samples can
-share runs once for them: a layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together`
-(TailorKV's predicted-query prefetch, H2O's scoring and eviction for samples of one budget). A sample that finishes
+one engine call. Once two samples of one evictor that scores `together` (H2O) and one budget decode, their layers
+move into evicting rows (`kvbench.cache.evicting_rows`): one append, one engine call and one eviction per layer for
+all of them. TailorKV's offloaded layers of one configuration move into pools (`kvbench.cache.offloaded_rows`, on
+the CPU): one channel fetch, one top-k retrieval and one K/V gather per layer for all of them. Every other sample's
+layer (TailorKV's quantized layers, the layers of Keyformer / BUZZ with their decode-time eviction, a BUZZ log n
+temperature) and the pools' layers go into ONE call of the engine's decode attention (`kvbench.attention.decode`)
+with what they hold this step (`decode_kv`), whatever the lengths per sample, layer and head; each sample's
+temperature scales its own logits, and its evictor scores the logits of that call (no second computation). So a
+layer costs one attention call per set of rows or pool and one for the rest, whatever the batch; a lone sample
+outside them takes batch 1's path. Per-sample method work that several samples can share runs once for them: a
+layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query
+prefetch, H2O's scoring and eviction for samples of one budget outside rows). A sample that finishes
 leaves at once and the next prompt is prefilled and joins (continuous batching), so one long generation does not
 hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and a prefill shared with
 other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a sweep together this way.
