@@ -7,14 +7,18 @@ dense layers (no decode-time eviction, temperature, prefetch or position shift: 
 full...) move into rows shared with the other samples (`kvbench.cache.rows`): decoded tokens are written in place
 and one call per layer attends every row, masked to each row's length. Per-head variable layers (Ada-KV, KVzip) move
 into a pool of their own (`kvbench.cache.varlen.VarlenRows`): one padded block per layer and step for all of them,
-one engine call. Every other sample's layer (TailorKV's quantized and offloaded layers, the layers of H2O /
-Keyformer / BUZZ with their decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's
-decode attention (`kvbench.attention.decode`) with what it holds this step (`decode_kv`), whatever the lengths per
-sample, layer and head; each sample's temperature scales its own logits, and its evictor scores the logits of that
-call (no second computation). So a layer costs one attention call per set of rows or pool and one for the rest,
-whatever the batch; a lone sample outside them takes batch 1's path. Per-sample method work that several samples can
-share runs once for them: a layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together`
-(TailorKV's predicted-query prefetch, H2O's scoring and eviction for samples of one budget). A sample that finishes
+one engine call. Once two samples of one evictor that scores `together` (H2O) and one budget decode, their layers
+move into evicting rows (`kvbench.cache.evicting_rows`): one append, one engine call and one eviction per layer for
+all of them. TailorKV's offloaded layers of one configuration move into pools (`kvbench.cache.offloaded_rows`, on
+the CPU): one channel fetch, one top-k retrieval and one K/V gather per layer for all of them. Every other sample's
+layer (TailorKV's quantized layers, the layers of Keyformer / BUZZ with their decode-time eviction, a BUZZ log n
+temperature) and the pools' layers go into ONE call of the engine's decode attention (`kvbench.attention.decode`)
+with what they hold this step (`decode_kv`), whatever the lengths per sample, layer and head; each sample's
+temperature scales its own logits, and its evictor scores the logits of that call (no second computation). So a
+layer costs one attention call per set of rows or pool and one for the rest, whatever the batch; a lone sample
+outside them takes batch 1's path. Per-sample method work that several samples can share runs once for them: a
+layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query
+prefetch, H2O's scoring and eviction for samples of one budget outside rows). A sample that finishes
 leaves at once and the next prompt is prefilled and joins (continuous batching), so one long generation does not
 hold the others back. A request may bring its own `Decoding` (method, sampling, positions) and a prefill shared with
 other requests (`generation.Prefilled`): the grid launcher decodes the configurations of a sweep together this way.
@@ -55,13 +59,16 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
+from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
+from kvbench.cache.offloaded_rows import OffloadedRows, PooledOffloadedLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.recompress import DecodeCompression, Recompressor
-from kvbench.engine.generation import (Generation, Prefilled, Prepared, Sampling, eos_token_ids, next_token, prepare,
-                                sampling_generator)
+from kvbench.engine.generation import (EvictionHook, Generation, Prefilled, Prepared, Sampling, eos_token_ids,
+                                       next_token, prepare, sampling_generator)
 from kvbench.methods.base import Method
+from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture, refuse_window
 
 _ids = itertools.count()
@@ -145,15 +152,23 @@ class BatchedCache:
         in_rows: dict[int, list[tuple[int, RowLayer]]] = {}
         for i, slot in enumerate(self.slots):
             layer = slot.run.cache.layers[layer_idx]
-            if isinstance(layer, RowLayer):
+            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):  # (a pool's generated tokens are rows too)
                 in_rows.setdefault(id(layer.rows), []).append((i, layer))
             else:
                 self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
                     key_states[i:i + 1], value_states[i:i + 1], layer_idx)
         for members in in_rows.values():
-            append([layer for _, layer in members], [key_states[i] for i, _ in members],
-                   [value_states[i] for i, _ in members])
-            for i, _ in members:  # (their attention reads the rows, not `updated`)
+            rows = members[0][1].rows
+            if isinstance(rows, EvictingRows):  # every row's token in one copy
+                slot_idx, row_idx = [i for i, _ in members], [layer.row for _, layer in members]
+                keys, values, n_rows = key_states, value_states, len(rows.owners)
+                if slot_idx != row_idx or n_rows != len(self.slots):  # (else the batch is the rows)
+                    keys, values = (scattered(x, slot_idx, row_idx, n_rows) for x in (keys, values))
+                rows.append_all([layer for _, layer in members], keys[:, :, 0], values[:, :, 0])
+            else:
+                append([layer for _, layer in members], [key_states[i] for i, _ in members],
+                       [value_states[i] for i, _ in members])
+            for i, _ in members:  # (their attention reads the rows or the pool, not `updated`)
                 if layer_idx == len(self.slots[i].run.cache.layers) - 1:
                     self.slots[i].run.cache.note_step()
         return key_states, value_states  # placeholders: the attention below reads `updated`
@@ -181,6 +196,7 @@ class BatchedDecoder:
         self.name = f"kvbench_batched_{next(_ids)}"
         self.cache: BatchedCache | None = None
         self.rows: dict[tuple, Rows] = {}  # the plain dense layers of the active samples, per layer and capacity
+        self.active: deque[Slot] = deque()  # the samples decoding now (`run`)
 
     @property
     def method(self) -> Method:
@@ -192,6 +208,7 @@ class BatchedDecoder:
         whose prefill or compression raised yields its exception instead, and so does every sample of a batched
         step that raised; the others go on (one failing sample must not stop the rest)."""
         pending, active, follow = iter(requests), deque(), deque()
+        self.active = active
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
@@ -270,9 +287,14 @@ class BatchedDecoder:
         budget share them and a long full cache does not widen the others'."""
         hook, new_tokens = slot.decode_hook, slot.request.max_new_tokens
         compacted = isinstance(hook, Recompressor) and hook.bound(0, new_tokens) is not None  # fixed capacity
-        if self.batch_size == 1 or (hook is not None and not compacted) or slot.input_hook is not None \
-                or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
+        if self.batch_size == 1 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
+        if isinstance(hook, EvictionHook) and hook.state.method.together and slot.input_hook is None:
+            return self._into_evicting_rows(slot, hook)
+        if slot.input_hook is not None and hook is None:  # (TailorKV: its offloaded layers into pools)
+            return self._into_offloaded_rows(slot)
+        if hook is not None and not compacted or slot.input_hook is not None:
+            return slot
         layers = slot.run.cache.layers
         try:
             for i, layer in enumerate(layers):
@@ -290,14 +312,66 @@ class BatchedDecoder:
             raise
         return slot
 
+    def _into_evicting_rows(self, slot: Slot, hook: EvictionHook) -> Slot:
+        """Once a second sample of its method and budget decodes, move the layers of samples whose evictor scores
+        `together` (H2O) into rows shared with them (`kvbench.cache.evicting_rows`), each layer that holds exactly
+        its budget (the others, e.g. of a prompt shorter than the budget, evict alone). A lone sample keeps its own
+        layers: rows of one would save nothing."""
+        state = hook.state
+        peers = [other for other in self.active if isinstance(other.decode_hook, EvictionHook)
+                 and other.decode_hook.state.method is state.method and other.decode_hook.state.budget == state.budget]
+        for peer in peers:  # (a peer that decoded alone so far moves in now)
+            self._evict_in_rows(peer, peer.decode_hook)
+        try:
+            if peers:
+                self._evict_in_rows(slot, hook)
+        except BaseException:
+            self._leave_rows(slot)
+            raise
+        return slot
+
+    def _evict_in_rows(self, slot: Slot, hook: EvictionHook) -> None:
+        state, layers = hook.state, slot.run.cache.layers
+        for i, layer in enumerate(layers):
+            if i in hook.fixed or not EvictingRows.fits(layer, state.budget):
+                continue
+            key = (i, "evicting", id(state.method), state.budget, layer.keys.shape[1], layer.keys.shape[-1],
+                   layer.keys.dtype, layer.keys.device)
+            if key not in self.rows:
+                self.rows[key] = EvictingRows(layer, state.budget)
+            layers[i] = state.layers[i] = self.rows[key].take_scored(layer, state.scores[i], state)
+
+    def _into_offloaded_rows(self, slot: Slot) -> Slot:
+        """Move the sample's offloaded layers (TailorKV's sparse layers, on the CPU) into pools shared with the
+        samples of its configuration (`kvbench.cache.offloaded_rows`): one retrieval per layer for all of them."""
+        layers = slot.run.cache.layers
+        try:
+            for i, layer in enumerate(layers):
+                if not OffloadedRows.fits(layer):
+                    continue
+                capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
+                key = (i, "offloaded", layer.start, layer.recent, layer.n_topk, layer.n_channels,
+                       *layer.static_keys.shape[1:], layer.static_keys.dtype, capacity)
+                if key not in self.rows:
+                    self.rows[key] = OffloadedRows(layer, capacity)
+                layers[i] = self.rows[key].take(layer)
+        except BaseException:
+            self._leave_rows(slot)
+            raise
+        return slot
+
     def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
         """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger). `keep`:
         the cache lives on (a follow-up request feeds it), so its layers leave the rows as plain layers."""
         layers = slot.run.cache.layers
         for i, layer in enumerate(layers):
-            if isinstance(layer, RowLayer):
+            if isinstance(layer, EvictingLayer):  # its scores go back to its evictor's state
+                slot.decode_hook.state.scores[i] = layer.row_scores()
+            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):
                 if keep:
                     layers[i] = layer.detach()
+                    if isinstance(layer, EvictingLayer):
+                        slot.decode_hook.state.layers[i] = layers[i]
                 else:
                     layer.release()
         self.rows = {key: rows for key, rows in self.rows.items() if any(o is not None for o in rows.owners)}
@@ -443,7 +517,12 @@ class BatchedDecoder:
             self.capture.cache = self.cache.slots[members[0][0]].run.cache
             n_rows, slot_idx, row_idx = len(rows.owners), *map(list, zip(*members))
             in_order = slot_idx == row_idx == list(range(batch)) and n_rows == batch  # the batch is the rows
-            if rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
+            if isinstance(rows, EvictingRows):  # one engine call over the rows as they lie, then one eviction
+                out, logits = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
+                                               [DecodeKV(rows.keys, rows.values)], kwargs.get("scaling") or
+                                               module.scaling, softcap=kwargs.get("softcap"), return_logits=True)
+                EvictionState.decode_rows(rows, layer_idx, logits)
+            elif rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
                 scale = kwargs.get("scaling") or module.scaling
                 out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
                                        [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
@@ -454,7 +533,7 @@ class BatchedDecoder:
                                  **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
                                     for k, v in kwargs.items()})[0]
             for i in slot_idx:  # compression while decoding: after this step's attention, in the row's place
-                if self.cache.slots[i].decode_hook is not None:
+                if self.cache.slots[i].decode_hook is not None and not isinstance(rows, EvictingRows):
                     self.cache.slots[i].decode_hook(layer_idx, query[i:i + 1], None,
                                                     kwargs.get("scaling") or module.scaling)
             if in_order:
@@ -470,7 +549,8 @@ class BatchedDecoder:
 
     def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
         batch, slot = query.shape[0], self.cache.slots[i]
-        keys, values = self.cache.updated[module.layer_idx][i]
+        updated, layer = self.cache.updated.get(module.layer_idx, {}), slot.run.cache.layers[module.layer_idx]
+        keys, values = updated[i] if i in updated else (layer.keys, layer.values)  # (a pool's layer: its row)
         self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
         self.capture.logit_scale = slot.logit_scale
         try:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvbench.attention.columns import causal_column_sums, grouped_logits
+from kvbench.cache.evicting_rows import EvictingRows
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.methods.base import Kind, Method, reduce_groups
 
@@ -136,6 +137,25 @@ class EvictionState:
             for k, s in enumerate(members):
                 states[s].scores[layer_idx] = row[k:k + 1]
                 states[s]._apply(layer_idx, layers[s], None if idx is None else idx[k:k + 1])
+
+    @staticmethod
+    def decode_rows(rows: EvictingRows, layer_idx: int, logits: Tensor) -> None:
+        """`decode_many` for samples whose layer sits in one `EvictingRows` (one method that scores `together`, one
+        budget): the step's logits `[R, H_q, budget + 1]` over every row as it lies are scored, chosen and kept in
+        one call each (a free row's are scored too and ignored)."""
+        states = [state for state in rows.states if state is not None]
+        first = states[0]
+        if layer_idx == 0:
+            for state in states:
+                state.step += 1
+        method = first.method
+        row = reduce_groups(method.row_score(logits[:, :, None], first, decoding=True)[:, :, 0],
+                            rows.keys.shape[1], method.gqa_reduce)
+        if method.keeps_history:  # (the new entry's slot holds 0: `EvictingRows.append_all`)
+            rows.scores += row
+        else:
+            rows.scores.copy_(row)
+        rows.keep_all(method.evict(first, layer_idx, rows.scores, prefill=False))
 
     def prefill_done(self) -> None:
         """Called once every layer's prefill eviction ran: a method that decides across layers (Keyformer's shared
