@@ -80,15 +80,14 @@ class TransferLedger:
         self.steps, self.transient_peak, self.resident = [], [], []
         self.feed = defaultdict(int)
 
-    def hold(self, tensor: Tensor | int) -> None:
-        """A fetched tensor (or that many bytes: a row of a batch's pooled fetch) now occupies device memory (until
-        `release`)."""
-        self.held += nbytes_of(tensor)
+    def hold(self, tensor: Tensor) -> None:
+        """A fetched tensor now occupies device memory (until `release`)."""
+        self.held += tensor.numel() * tensor.element_size()
         if self.transient_peak:
             self.transient_peak[-1] = max(self.transient_peak[-1], self.held)
 
-    def release(self, *tensors: Tensor | int) -> None:
-        self.held -= sum(nbytes_of(t) for t in tensors)
+    def release(self, *tensors: Tensor) -> None:
+        self.held -= sum(t.numel() * t.element_size() for t in tensors)
 
     def summary(self) -> dict:
         """What a prediction record stores: per-step bytes by category and their mean per token, for each direction
@@ -108,10 +107,6 @@ class TransferLedger:
             "transient_device_bytes_max": max(self.transient_peak, default=0),  # critical slices of two layers
             #                                                                    (prefetch runs one layer ahead) + rows
         }
-
-
-def nbytes_of(tensor: Tensor | int) -> int:
-    return tensor if isinstance(tensor, int) else tensor.numel() * tensor.element_size()
 
 
 class StepStart:

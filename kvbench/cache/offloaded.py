@@ -38,7 +38,6 @@ class OffloadedLayer(KVLayer):
     """Host-resident prompt K/V + device-resident sinks/recent/generated; see the module docstring."""
 
     own_storage = True
-    pool = None  # the batch's `offloaded_rows.OffloadedRows` holding this layer's storage, if any
 
     @classmethod
     def from_layer(cls, layer: KVLayer, start: int, recent: int, n_topk: int, n_channels: int,
@@ -101,14 +100,6 @@ class OffloadedLayer(KVLayer):
     def prefetch_many(layers: list[OffloadedLayer], query: Tensor) -> None:
         """`prefetch` for several sequences' layers, row i of `query` `[S, H_q, 1, D]` for `layers[i]`: the channel
         scores and their top-k in one call; each layer then fetches from its own host copy."""
-        pooled = [i for i, layer in enumerate(layers) if layer.pool is not None]
-        if pooled:  # (a batch's pools: one fetch per pool; any other layers as below)
-            by_pool([layers[i] for i in pooled], query if len(pooled) == len(layers) else query[pooled],
-                    "fetch_channels")
-            layers, query = [layer for layer in layers if layer.pool is None], \
-                query[[i for i in range(len(layers)) if i not in pooled]]
-            if not layers:
-                return
         device = layers[0].device
         if device.type != "cuda":
             OffloadedLayer._fetch_channels(layers, query)
@@ -144,8 +135,6 @@ class OffloadedLayer(KVLayer):
         """`decode_kv` for several sequences' layers, row i of `query` `[S, H_q, 1, D]` for `layers[i]`: the real
         query's group means and the top-k over the approximate scores (each row padded with -inf past its own
         candidates) in one call; each layer then fetches its rows from its own host copy."""
-        if any(layer.pool is not None for layer in layers):
-            return by_pool(layers, query, "decode_kv")
         unready = [i for i, layer in enumerate(layers) if layer.critical_keys is None]
         if unready:  # nothing predicted these layers' query (e.g. layer 0): use the real one
             rows = query if len(unready) == len(layers) else torch.cat([query[i:i + 1] for i in unready])
@@ -206,23 +195,6 @@ class OffloadedLayer(KVLayer):
         """Entries each head attends per step: sinks + recent + top-k + generated."""
         attended = self.static_keys.shape[2] + self.n_topk + self.keys.shape[2]
         return [attended] * self.static_keys.shape[1]
-
-
-def by_pool(layers: list[OffloadedLayer], query: Tensor, verb: str) -> list | None:
-    """Layers held in a batch's pools (`kvbench.cache.offloaded_rows`): `verb` once per pool over its layers (query
-    row i for `layers[i]`); the results, if any, in `layers`' order."""
-    groups: dict[int, list[int]] = {}
-    for i, layer in enumerate(layers):
-        if layer.pool is None:
-            raise ValueError("cache: offloaded layers in a pool and outside one cannot be retrieved together")
-        groups.setdefault(id(layer.pool), []).append(i)
-    out: list = [None] * len(layers)
-    for members in groups.values():
-        rows = query if len(members) == len(layers) else query[members]
-        got = getattr(layers[members[0]].pool, verb)([layers[i] for i in members], rows)
-        for i, result in zip(members, got or []):
-            out[i] = result
-    return out
 
 
 def group_mean(query: Tensor, n_kv_heads: int) -> Tensor:

@@ -9,14 +9,12 @@ and one call per layer attends every row, masked to each row's length. Per-head 
 into a pool of their own (`kvbench.cache.varlen.VarlenRows`): one padded block per layer and step for all of them,
 one engine call. Once two samples of one evictor that scores `together` (H2O) and one budget decode, their layers
 move into evicting rows (`kvbench.cache.evicting_rows`): one append, one engine call and one eviction per layer for
-all of them. TailorKV's offloaded layers of one configuration move into pools (`kvbench.cache.offloaded_rows`, on
-the CPU): one channel fetch, one top-k retrieval and one K/V gather per layer for all of them. Every other sample's
-layer (TailorKV's quantized layers, the layers of Keyformer / BUZZ with their decode-time eviction, a BUZZ log n
-temperature) and the pools' layers go into ONE call of the engine's decode attention (`kvbench.attention.decode`)
-with what they hold this step (`decode_kv`), whatever the lengths per sample, layer and head; each sample's
-temperature scales its own logits, and its evictor scores the logits of that call (no second computation). So a
-layer costs one attention call per set of rows or pool and one for the rest, whatever the batch; a lone sample
-outside them takes batch 1's path. Per-sample method work that several samples can share runs once for them: a
+all of them. Every other sample's layer (TailorKV's offloaded and quantized layers, the layers of Keyformer / BUZZ
+with their decode-time eviction, a BUZZ log n temperature) goes into ONE call of the engine's decode attention
+(`kvbench.attention.decode`) with what they hold this step (`decode_kv`), whatever the lengths per sample, layer
+and head; each sample's temperature scales its own logits, and its evictor scores the logits of that call (no second
+computation). So a layer costs one attention call per set of rows or pool and one for the rest, whatever the batch;
+a lone sample outside them takes batch 1's path. Per-sample method work that several samples can share runs once for them: a
 layer type's `decode_kv_many` (TailorKV's top-k retrieval), and hooks with a `together` (TailorKV's predicted-query
 prefetch, H2O's scoring and eviction for samples of one budget outside rows). A sample that finishes
 leaves at once and the next prompt is prefilled and joins (continuous batching), so one long generation does not
@@ -61,7 +59,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
 from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
-from kvbench.cache.offloaded_rows import OffloadedRows, PooledOffloadedLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
 from kvbench.engine.recompress import DecodeCompression, Recompressor
@@ -152,7 +149,7 @@ class BatchedCache:
         in_rows: dict[int, list[tuple[int, RowLayer]]] = {}
         for i, slot in enumerate(self.slots):
             layer = slot.run.cache.layers[layer_idx]
-            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):  # (a pool's generated tokens are rows too)
+            if isinstance(layer, RowLayer):
                 in_rows.setdefault(id(layer.rows), []).append((i, layer))
             else:
                 self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
@@ -168,7 +165,7 @@ class BatchedCache:
             else:
                 append([layer for _, layer in members], [key_states[i] for i, _ in members],
                        [value_states[i] for i, _ in members])
-            for i, _ in members:  # (their attention reads the rows or the pool, not `updated`)
+            for i, _ in members:  # (their attention reads the rows, not `updated`)
                 if layer_idx == len(self.slots[i].run.cache.layers) - 1:
                     self.slots[i].run.cache.note_step()
         return key_states, value_states  # placeholders: the attention below reads `updated`
@@ -287,13 +284,12 @@ class BatchedDecoder:
         budget share them and a long full cache does not widen the others'."""
         hook, new_tokens = slot.decode_hook, slot.request.max_new_tokens
         compacted = isinstance(hook, Recompressor) and hook.bound(0, new_tokens) is not None  # fixed capacity
-        if self.batch_size == 1 or slot.logit_scale is not None or getattr(self.model.config, "sliding_window", None):
+        if self.batch_size == 1 or slot.input_hook is not None or slot.logit_scale is not None \
+                or getattr(self.model.config, "sliding_window", None):
             return slot  # (a uniform window, Mistral v0.1 / Phi-3, is masked per sample by each key's position)
-        if isinstance(hook, EvictionHook) and hook.state.method.together and slot.input_hook is None:
+        if isinstance(hook, EvictionHook) and hook.state.method.together:
             return self._into_evicting_rows(slot, hook)
-        if slot.input_hook is not None and hook is None:  # (TailorKV: its offloaded layers into pools)
-            return self._into_offloaded_rows(slot)
-        if hook is not None and not compacted or slot.input_hook is not None:
+        if hook is not None and not compacted:
             return slot
         layers = slot.run.cache.layers
         try:
@@ -341,25 +337,6 @@ class BatchedDecoder:
                 self.rows[key] = EvictingRows(layer, state.budget)
             layers[i] = state.layers[i] = self.rows[key].take_scored(layer, state.scores[i], state)
 
-    def _into_offloaded_rows(self, slot: Slot) -> Slot:
-        """Move the sample's offloaded layers (TailorKV's sparse layers, on the CPU) into pools shared with the
-        samples of its configuration (`kvbench.cache.offloaded_rows`): one retrieval per layer for all of them."""
-        layers = slot.run.cache.layers
-        try:
-            for i, layer in enumerate(layers):
-                if not OffloadedRows.fits(layer):
-                    continue
-                capacity = Rows.capacity_for(layer, slot.request.max_new_tokens)
-                key = (i, "offloaded", layer.start, layer.recent, layer.n_topk, layer.n_channels,
-                       *layer.static_keys.shape[1:], layer.static_keys.dtype, capacity)
-                if key not in self.rows:
-                    self.rows[key] = OffloadedRows(layer, capacity)
-                layers[i] = self.rows[key].take(layer)
-        except BaseException:
-            self._leave_rows(slot)
-            raise
-        return slot
-
     def _leave_rows(self, slot: Slot, keep: bool = False) -> None:
         """Free the slot's rows; rows no sample uses any more are dropped (a long cache's must not linger). `keep`:
         the cache lives on (a follow-up request feeds it), so its layers leave the rows as plain layers."""
@@ -367,7 +344,7 @@ class BatchedDecoder:
         for i, layer in enumerate(layers):
             if isinstance(layer, EvictingLayer):  # its scores go back to its evictor's state
                 slot.decode_hook.state.scores[i] = layer.row_scores()
-            if isinstance(layer, (RowLayer, PooledOffloadedLayer)):
+            if isinstance(layer, RowLayer):
                 if keep:
                     layers[i] = layer.detach()
                     if isinstance(layer, EvictingLayer):
@@ -549,8 +526,7 @@ class BatchedDecoder:
 
     def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
         batch, slot = query.shape[0], self.cache.slots[i]
-        updated, layer = self.cache.updated.get(module.layer_idx, {}), slot.run.cache.layers[module.layer_idx]
-        keys, values = updated[i] if i in updated else (layer.keys, layer.values)  # (a pool's layer: its row)
+        keys, values = self.cache.updated[module.layer_idx][i]
         self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
         self.capture.logit_scale = slot.logit_scale
         try:

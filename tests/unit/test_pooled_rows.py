@@ -1,21 +1,17 @@
 """Per-sample work pooled across a batch: H2O's samples of one budget in shared evicting rows
-(`kvbench.cache.evicting_rows`) and TailorKV's offloaded layers in pools (`kvbench.cache.offloaded_rows`). Each
-sample's tokens, records (ledger included), decode-time byte figures and H2O's accumulated scores equal its own
-batch-1 run, with joins, departures, a prompt shorter than the budget (its layers evict alone) and conversations
-whose cache lives on after a turn leaves the batch (`detach`)."""
+(`kvbench.cache.evicting_rows`). Each sample's tokens, records, decode-time byte figures and H2O's accumulated scores
+equal its own batch-1 run, with joins, departures and a prompt shorter than the budget (its layers evict alone);
+conversations whose cache lives on after a turn leaves the batch: test_turns_batch.py's h2o conversations."""
 from __future__ import annotations
 
 import torch
 
 import kvbench.methods  # noqa: F401
 from kvbench.cache.evicting_rows import EvictingRows
-from kvbench.cache.offloaded_rows import OffloadedRows
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request, generate, generate_batched
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
-from tests.unit import test_turns_batch as turns
 from tests.unit.test_batching import assert_same
-from tests.unit.test_contract import configured
 from tests.unit.tiny import prompt, tiny_model
 
 LENGTHS = [90, 40, 130, 70, 110]  # sample 1 is shorter than the budget: its layers grow, then evict alone
@@ -58,36 +54,3 @@ def test_h2o_samples_in_evicting_rows_equal_each_alone(monkeypatch):
         assert left["batched"][n].keys() == scores.keys()
         for layer, expected in scores.items():
             torch.testing.assert_close(left["batched"][n][layer], expected, rtol=1e-5, atol=1e-6)
-
-
-def test_tailorkv_samples_in_offloaded_pools_equal_each_alone(monkeypatch):
-    model = tiny_model("llama", layers=3)
-    method = configured("tailorkv")  # layer 0 quantized, layers 1 and 2 offloaded
-    prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
-    retrieved, decode_kv = [], OffloadedRows.decode_kv
-    monkeypatch.setattr(OffloadedRows, "decode_kv",
-                        lambda pool, layers, query: retrieved.append(len(layers)) or decode_kv(pool, layers, query))
-    with AttentionCapture(model) as capture:
-        alone = [generate(model, None, method, capture, ids, BUDGET, new, eos_ids=set(), seed=i)
-                 for i, (ids, new) in enumerate(zip(prompts, NEW))]
-        requests = [Request(ids, BUDGET, new, seed=i, tag=i, decoding=Decoding(method))
-                    for i, (ids, new) in enumerate(zip(prompts, NEW))]
-        done = {r.tag: g for r, g in generate_batched(model, None, method, capture, requests, 3, eos_ids=set())}
-    batched = [done[i] for i in range(len(prompts))]
-    assert_same(alone, batched)  # (the ledger's summary included: bytes per step, transient peak)
-    for one, many in zip(alone, batched):
-        assert [getattr(many, name) for name in DECODE_FIELDS] == [getattr(one, name) for name in DECODE_FIELDS]
-    assert retrieved and max(retrieved) >= 2  # one retrieval for several samples of a step (prompt 40: own top-k)
-
-
-def test_conversations_leave_the_pools_with_their_caches(monkeypatch):
-    """A finished turn's offloaded layers leave the pools as plain layers (`detach`); its next turn is fed on them
-    (H2O's rows: test_turns_batch.py's h2o conversations)."""
-    monkeypatch.setattr(turns, "method_named", configured)
-    model = tiny_model("llama", layers=3)
-    reference = turns.alone(model, "tailorkv", "append", False)
-    batched, _, _ = turns.together(model, "tailorkv", "append", False)
-    assert set(batched) == set(reference)
-    for key, gen in reference.items():
-        for field in turns.FIELDS + ("host_kv_bytes", "transfers"):
-            assert getattr(batched[key], field) == getattr(gen, field), (key, field)
