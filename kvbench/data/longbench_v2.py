@@ -6,7 +6,7 @@ Data: `<root>/data.jsonl`, one record per question with the source's fields (`_i
 written by `scripts/download_longbench_v2.py` from the Hub's THUDM/LongBench-v2 at a pinned commit (provenance.json,
 into the manifest).
 
-Prompts (`prompt=`), byte for byte (sha256 of each upstream file pinned in tests/unit/test_longbench_v2.py):
+Prompts (`prompt=`), byte for byte (sha256 of each upstream file pinned in tests/unit/test_long_context_data.py):
 - `0shot` (default): `prompts/0shot.txt`; pred.py's `max_new_tokens=128`.
 - `cot`: `prompts/0shot_cot.txt` ("Let’s think step by step:", with its curly apostrophe), 1024 new tokens; then,
   as pred.py, a second question (`follow_up`): `prompts/0shot_cot_ans.txt` (no document, the first reply stripped

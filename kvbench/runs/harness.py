@@ -12,9 +12,9 @@ Model arguments: `model` (a configs/model name, default smollm2), `path` (with m
 name, default full), `budget` or `ratio` (fraction of the context's entries removed, the Keyformer/H2O few-shot
 "50 % KV" setting), `positions` (original | shift), `seed`, `add_bos_token`, and `method.<field>=value` for method
 knobs (e.g. `method.recent_ratio=0.3`) and for the kvpress-wrapper switches the command's `+method.<key>` sets
-(`method.whole_layers=[0]`, `method.layer_ratios=[...]`, `method.chunk_length`, `method.block_size`, `method.then=knorm`
-with `method.first_ratio=0.5`: kvbench/methods/wrappers.py). lm-eval's batch_size/device are accepted and ignored
-(batch 1, the model config's device).
+(`method.whole_layers=[0]`, `method.layer_ratios=[...]`, `method.chunk_length`, `method.block_size`,
+`method.then=knorm` with `method.first_ratio=0.5`, `method.merge=true`: kvbench/methods/wrappers.py). lm-eval's
+batch_size/device are accepted and ignored (batch 1, the model config's device).
 
 The method is built as `python -m kvbench.run` builds it: configs/method/<name>.yaml with its `${model.*}` fields read
 from the model config (TailorKV's published layer split, KVzip's chat template), its values checked by the rules of
@@ -28,8 +28,8 @@ Semantics (what is compressed, where the continuation starts):
   the prefix token) are prefilled with full attention and compressed by the method to the budget; the continuation
   is then teacher-forced one token per forward against the compressed cache (decode-time methods keep evicting),
   its first token scored from the prefill's last logits. The result is (sum of log-probs, all tokens greedy).
-- generate_until: the context is prefilled, compressed, and generated from greedily (kvbench.engine.generation), stopping at
-  any `until` string or after `max_gen_toks` (default 256).
+- generate_until: the context is prefilled, compressed, and generated from greedily (kvbench.engine.generation),
+  stopping at any `until` string or after `max_gen_toks` (default 256).
 - loglikelihood_rolling: the whole text after the prefix token is a token-by-token stream (kvbench.engine.perplexity's
   stream): decode-time methods evict during it; prefill-only methods have no prompt to select from and keep all.
 Keyformer's and H2O's published few-shot numbers (Keyformer Table 2) came from a different simulation: one forward
@@ -86,7 +86,7 @@ def build_method(name: str, overrides: dict, model: dict | None = None):
     as `python -m kvbench.run` builds it: its `${model.<key>}` interpolations read `model` (the fields of a
     configs/model file: TailorKV's published layer split, KVzip's chat template), the values checked against
     kvbench/runs/schema.py's rules, and the kvpress-wrapper switches (`method.whole_layers`, `layer_ratios`,
-    `chunk_length`, `block_size`, `then` + `first_ratio`) applied by `kvbench.runs.config.build_method`."""
+    `chunk_length`, `block_size`, `then` + `first_ratio`, `merge`) applied by `kvbench.runs.config.build_method`."""
     from omegaconf import OmegaConf
 
     from kvbench.runs import config
