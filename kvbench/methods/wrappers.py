@@ -83,17 +83,36 @@ def chunk_quotas(lengths: list[int], n_keep: int) -> list[int]:
     return quotas
 
 
+class FromPress:
+    """A capability flag of `Method` that a wrapper has exactly when the method it wraps has it (class attributes are
+    found before `__getattr__` is asked, so without this a wrapper would report the base class's defaults)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, wrapper, owner=None):
+        return self if wrapper is None else getattr(wrapper.press, self.name)
+
+
 @dataclass
 class Wrapper(Method):
     """A selector holding another (`press`, kvpress's name); the selector API is the wrapped method's."""
 
     press: Method = field(default_factory=Method)
     suffix = "wrapped"
+    own_storage = FromPress()  # (Ada-KV's per-head layers stay per head under per-layer budgets)
+    selects_per_query_head = FromPress()
+    prefill_needs = FromPress()
+    may_keep_whole = FromPress()
 
     def __post_init__(self):
         if self.press.kind is not Kind.SELECTOR or not self.press.compresses:
             raise ValueError(f"{self.registry_name}: wraps selectors only (methods that pick entries once at "
                              f"prefill); {self.press.registry_name} is a {self.press.kind.value}")
+        why = unwrappable(self.press)
+        if why:
+            raise ValueError(f"{self.registry_name}: {self.press.registry_name} {why}, which a wrapper does not "
+                             "hand on; use it unwrapped")
 
     @property
     def registry_name(self) -> str:
@@ -116,18 +135,6 @@ class Wrapper(Method):
     @property
     def kept_window(self) -> int:
         return self.press.kept_window
-
-    @property
-    def selects_per_query_head(self) -> bool:
-        return self.press.selects_per_query_head
-
-    @property
-    def prefill_needs(self) -> str | None:
-        return self.press.prefill_needs
-
-    @property
-    def may_keep_whole(self) -> bool:
-        return self.press.may_keep_whole
 
     def prepare(self, model, tokenizer, *, prefill=None):
         return self.press.prepare(model, tokenizer, prefill=prefill)
@@ -355,6 +362,17 @@ class Merge(Wrapper):
             raise ValueError(f"{self.registry_name}: {self.press.registry_name} kept heads of different lengths, "
                              "which merge cannot fold into")
         return merged_kept_values(view.keys, view.values, kept, self.threshold, self.fraction)
+
+
+def unwrappable(method: Method) -> str | None:
+    """What `method` needs from the engine beyond `select`, which no wrapper hands on; None: nothing."""
+    if method.threshold_budget:
+        return "keeps what its score threshold passes (no budget for a wrapper to set)"
+    if method.scores_inputs:
+        return "scores each layer's input during the prefill"
+    if method.holds_ranked or method.own_decode_compression(1 << 20) is not None:
+        return "compresses again while decoding with its own schedule and ranking"
+    return None
 
 
 def refusal(method: Method) -> str | None:

@@ -255,3 +255,18 @@ def test_simlayerkv_then_knorm_runs_from_the_command_line_and_stores_the_budget(
     assert gen.kv_bytes == gen.full_kv_bytes * 32 / 120
     with pytest.raises(ValueError, match="then=simlayerkv may keep a layer whole"):
         built(base_config, "snapkv", then="simlayerkv", first_ratio=0.5)
+
+
+def test_a_wrapper_has_the_capabilities_of_what_it_wraps_and_refuses_what_it_cannot_hand_on():
+    """Ada-KV under per-layer budgets keeps per-head layers, so compression while decoding refuses it as it refuses
+    Ada-KV; methods that need the engine beyond `select` (a threshold, scores of the layers' inputs, R-KV's own
+    decoding schedule) are refused when wrapped (each was silently run as a plain selector before)."""
+    from kvbench.engine.recompress import why_not
+
+    adakv = wrap(METHODS["adakv"](), Switches(whole_layers=[0]))
+    assert adakv.own_storage and why_not(adakv) == why_not(METHODS["adakv"]())
+    assert wrap(METHODS["simlayerkv"](), Switches(whole_layers=[0])).may_keep_whole
+    assert not wrap(METHODS["snapkv"](), Switches(whole_layers=[0])).own_storage
+    for name, why in [("dms", "score threshold"), ("kvzap", "score threshold"), ("rkv", "its own schedule")]:
+        with pytest.raises(ValueError, match=f"{name}\\+per_layer: {name} .*{why}.*use it unwrapped"):
+            wrap(METHODS[name](), Switches(whole_layers=[0]))
