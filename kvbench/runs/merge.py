@@ -1,10 +1,16 @@
 """`python -m kvbench.merge <run dir>...`: put the shards of a run (`shard=i/n`) back together.
 
 Checks that every shard finished and that every sample id of the run is present exactly once, then writes what an
-unsharded run writes: predictions.jsonl (records in the dataset's order), scores.json through the runner's own
-`write_scores` (so the numbers cannot differ from an unsharded run's), manifest.json with each shard's cost, and the
-run report. The shard files stay where they are, so a rerun of any shard still resumes. The last shard of a sweep to
-finish calls this itself, and `python -m kvbench.report` calls it for any run whose shards changed since.
+unsharded run writes: predictions.jsonl, scores.json through the runner's own `write_scores` (so the numbers cannot
+differ from an unsharded run's), manifest.json with each shard's cost, and the run report. The shard files stay
+where they are, so a rerun of any shard still resumes. The last shard of a sweep to finish calls this itself, and
+`python -m kvbench.report` calls it for any run whose shards changed since.
+
+`limit` and `shard` do not change the run directory, so predictions.jsonl may already hold records (an unsharded
+run, an earlier merge): the merge adds to it, never replaces it. Every valid line it held stays, byte for byte and
+first; a shard's record is added (in the run's order) only for an id the file has no prediction for. When both hold a
+prediction of an id, the one already in predictions.jsonl wins (DESIGN.md "Nothing lost": a flushed record is never
+rewritten) and the shard's stays in its shard file. A damaged line there is set aside as a run sets it aside.
 """
 from __future__ import annotations
 
@@ -19,10 +25,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
+from kvbench.report.records import is_failure
 from kvbench.runs.cost import totals
 from kvbench.runs.shard import SHARD_FILE, Shard, assign
-from kvbench.runs.store import (PREDICTIONS, RunDirBusy, RunDirError, hold, lock_name, read_json, write_json_atomic,
-                                 write_text_atomic)
+from kvbench.runs.store import (PREDICTIONS, RunDirBusy, RunDirError, hold, lock_name, read_json, repair,
+                                 write_bytes_atomic, write_json_atomic)
 
 logger = logging.getLogger(__name__)
 SHARD_ONLY = ("shard", "sample_ids", "n_shard_samples", "dataset_skipped", "cost")
@@ -104,9 +111,14 @@ def ordered_records(run_dir: Path, states: list[ShardState]) -> tuple[list[str],
     return ids, [by_id[i] for i in ids]
 
 
-def merged_manifest(states: list[ShardState], n_samples: int) -> dict:
+def merged_manifest(states: list[ShardState], n_samples: int, old: dict | None = None) -> dict:
+    """manifest.json of the merged run: the shards' common fields, their sessions' cost, and the sessions an earlier
+    manifest.json of the directory recorded that are no shard's (an unsharded run into the same folder)."""
     base = {k: v for k, v in states[0].manifest.items() if k not in SHARD_ONLY}
     sessions = [x for s in states for x in s.manifest.get("cost", {}).get("sessions", [])]
+    seen = {session_key(x) for x in sessions}
+    earlier = ((old or {}).get("cost") or {}).get("sessions", []) if isinstance(old, dict) else []
+    sessions = [x for x in earlier if isinstance(x, dict) and session_key(x) not in seen] + sessions
     cost = totals(sessions)
     shards = {s.shard.tag: {"n_samples": len(s.records), "started_utc": s.manifest.get("started_utc"),
                             "finished_utc": s.manifest.get("finished_utc"),
@@ -115,6 +127,18 @@ def merged_manifest(states: list[ShardState], n_samples: int) -> dict:
     return {**base, "n_samples": n_samples, "started_utc": min(s.manifest["started_utc"] for s in states),
             "finished_utc": max(s.manifest["finished_utc"] for s in states), "wall_s": cost["wall_s"],
             "shards": shards, "cost": cost}
+
+
+def session_key(session: dict) -> tuple:
+    return session.get("host"), session.get("started_utc"), session.get("job_id")
+
+
+def union(held: list[dict], ids: list[str], shard_records: list[dict]) -> list[dict]:
+    """The shard records (one per id, in `ids`' order) that predictions.jsonl, holding `held`, lacks: an id with a
+    prediction there keeps it; an id with only a failure there takes the shard's prediction (a retry)."""
+    predicted = {r["id"] for r in held if not is_failure(r)}
+    present = {r["id"] for r in held}
+    return [r for r in shard_records if r["id"] not in predicted and not (is_failure(r) and r["id"] in present)]
 
 
 @contextlib.contextmanager
@@ -157,11 +181,18 @@ def merge(run_dir: str | Path) -> dict:
         _, dataset, spec = setup(cfg)
         if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
             dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
-        manifest = merged_manifest(states, len(ids))
-        write_text_atomic(run_dir / PREDICTIONS,
-                          "".join(json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in records))
-        summary = write_scores(run_dir, records, [SimpleNamespace(id=i) for i in ids], dataset,
-                               manifest["dataset"], manifest["method"], cfg, spec)
+        old = read_json(run_dir / "manifest.json")  # a damaged one stops here, in one line
+        held = repair(run_dir / PREDICTIONS)  # what the directory already holds: kept, first, byte for byte
+        added = union([line.record for line in held], ids, records)
+        write_bytes_atomic(run_dir / PREDICTIONS, b"".join(line.raw for line in held) + "".join(
+            json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in added).encode("utf-8"))
+        if held and added:
+            logger.info("merge: %s already held %d records; added %d from the shards", run_dir, len(held),
+                        len(added))
+        manifest = merged_manifest(states, len(ids), old)
+        summary = write_scores(run_dir, [line.record for line in held] + added,
+                               [SimpleNamespace(id=i) for i in ids], dataset, manifest["dataset"], manifest["method"],
+                               cfg, spec)
         write_json_atomic(run_dir / "manifest.json", manifest)
     if cfg.get("report", False):
         try:

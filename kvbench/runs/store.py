@@ -168,6 +168,36 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def repair(path: Path) -> list:
+    """The valid lines of a predictions file (kvbench.report.records.Line), after repairing it in place. A torn
+    last line is cut off; any other invalid line is moved, with its line number and why, into
+    `<predictions>.quarantine.jsonl` and the file is rewritten (atomically) with every valid line byte for byte, so
+    no valid record after a damaged line is ever dropped (docs/records.md). The caller holds the file's lock."""
+    if not path.exists():
+        return []
+    lines = scan(path.read_bytes())
+    torn = [line for line in lines if line.torn]
+    damaged = [line for line in lines if line.problem and not line.torn]
+    if torn:
+        logger.warning("%s: cutting off a torn last line %d (%s; crash mid-write?); its sample runs again",
+                       path, torn[0].number, torn[0].problem)
+    if damaged:
+        quarantine = path.with_name(path.stem + ".quarantine.jsonl")
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        append_lines(quarantine, [json.dumps({"file": path.name, "line": x.number, "problem": x.problem,
+                                              "text": x.raw.decode("utf-8", "replace").rstrip("\n"),
+                                              "quarantined_utc": when}, ensure_ascii=False) + "\n"
+                                  for x in damaged])
+        logger.warning("%s: set aside %d invalid line(s) (line %s: %s) into %s; every valid record is kept and "
+                       "those samples run again", path, len(damaged), ", ".join(str(x.number) for x in damaged),
+                       damaged[0].problem, quarantine.name)
+        write_bytes_atomic(path, b"".join(line.raw for line in lines if line.record is not None))
+    elif torn:  # the last line only: cut it off in place
+        with open(path, "r+b") as f:
+            f.truncate(torn[0].offset)
+    return [line for line in lines if line.record is not None]
+
+
 class RunStore:
     """Owns one run directory (or, with `shard`, one shard's file in it). Use `done_ids()` to resume, `append()` per
     sample, `write_scores()` at the end. The lock file names the holder's host and pid (what a cluster user kills)."""
@@ -188,33 +218,7 @@ class RunStore:
             raise
 
     def _load_and_repair(self) -> list[dict]:
-        """The valid records on disk. A torn last line is cut off; any other invalid line is moved, with its line
-        number and why, into `<predictions>.quarantine.jsonl` and the file is rewritten (atomically) with every
-        valid line byte for byte, so no valid record after a damaged line is ever dropped (docs/records.md)."""
-        path = self.predictions_path
-        if not path.exists():
-            return []
-        lines = scan(path.read_bytes())
-        torn = [line for line in lines if line.torn]
-        damaged = [line for line in lines if line.problem and not line.torn]
-        if torn:
-            logger.warning("%s: cutting off a torn last line %d (%s; crash mid-write?); its sample runs again",
-                           path, torn[0].number, torn[0].problem)
-        if damaged:
-            quarantine = path.with_name(path.stem + ".quarantine.jsonl")
-            when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            append_lines(quarantine, [json.dumps({"file": path.name, "line": x.number, "problem": x.problem,
-                                                  "text": x.raw.decode("utf-8", "replace").rstrip("\n"),
-                                                  "quarantined_utc": when}, ensure_ascii=False) + "\n"
-                                      for x in damaged])
-            logger.warning("%s: set aside %d invalid line(s) (line %s: %s) into %s; every valid record is kept and "
-                           "those samples run again", path, len(damaged), ", ".join(str(x.number) for x in damaged),
-                           damaged[0].problem, quarantine.name)
-            write_bytes_atomic(path, b"".join(line.raw for line in lines if line.record is not None))
-        elif torn:  # the last line only: cut it off in place
-            with open(path, "r+b") as f:
-                f.truncate(torn[0].offset)
-        return [line.record for line in lines if line.record is not None]
+        return [line.record for line in repair(self.predictions_path)]
 
     @property
     def records(self) -> list[dict]:
