@@ -37,6 +37,7 @@ from kvbench.report.lengths import write_reports as length_reports
 from kvbench.report.paper import build_paper_table, has_runs, headline_id, paper_names, table_ids, write_table_files
 from kvbench.report.paper import to_markdown as paper_markdown
 from kvbench.report.runs import ManifestError, load_runs
+from kvbench.report.settings import folder_name, setting_parts
 from kvbench.report.tables import summary_table, to_markdown, write_tables
 
 
@@ -186,11 +187,16 @@ def report_main(df, args, parser) -> int:
     # a fresh Compare per family, so each table's note lists only its own unpaired samples
     options = {"stderr": args.stderr, "compare": Compare(compare.reference, args.resamples, args.seed)
                if compare and compare.axis == "method" else None}
-    for query, part in df.groupby("query", sort=True):  # benchmark layouts per query mode (agnostic: a subfolder)
-        written += benchmark_reports(part, Path(args.out) / ("" if query == "aware" else f"query-{query}"), **options)
-    long = df if args.lengths else df[df["dataset"].isin(LONG_GENERATION)]
-    if not long.empty:  # what compression did to the answers' length, memory and time
-        written += length_reports(long, args.out)
+    for setting, runs in setting_parts(df):  # runs of one row key whose settings differ: each in its own folder
+        out = Path(args.out) / ("" if setting is None else folder_name(setting))
+        if setting is not None:
+            print(f"report: the runs with {setting} (another run shares their method and size): their benchmark "
+                  f"layouts are in {out}", file=sys.stderr)
+        for query, part in runs.groupby("query", sort=True):  # per query mode (agnostic: a subfolder)
+            written += benchmark_reports(part, out / ("" if query == "aware" else f"query-{query}"), **options)
+        long = runs if args.lengths else runs[runs["dataset"].isin(LONG_GENERATION)]
+        if not long.empty:  # what compression did to the answers' length, memory and time
+            written += length_reports(long, out)
     if args.html:
         written.append(write_html(args.html, written, title=f"kvbench report: {', '.join(args.paths)}"))
     print(to_markdown(table, stderr=args.stderr))

@@ -52,6 +52,8 @@ def run_caption(df_run: pd.DataFrame, stderr: bool = False) -> str:
         parts.append(f"KV Size={int(row['budget'])}")
     if pd.notna(row.get("ratio")):
         parts.append(f"ratio={float(row['ratio']):g}")
+    if isinstance(row.get("setting"), str):  # another run has the same method and size (kvbench.report.settings)
+        parts.append(row["setting"])
     if stderr:
         return ", ".join(parts) + f", acc {acc:.1f}" + ("" if est.se is None else f" ± {est.se:.1f}") + f" (n={est.n})"
     return ", ".join(parts) + f", acc {acc:.1f}"

@@ -56,6 +56,7 @@ from matplotlib.figure import Figure
 
 from kvbench.report.heatmap import has_needle_grid, needle_grid
 from kvbench.report.escape import md_row, md_text, tex_escape
+from kvbench.report.settings import SETTING
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,26 @@ def matching_records(df: pd.DataFrame, configs: dict, match: dict) -> pd.DataFra
                 g = g.loc[values.index[[_same(have, want) for have in values]]] if len(values) else g.iloc[0:0]
             keep.append(g)
     return pd.concat(keep) if keep else df.iloc[0:0]
+
+
+def one_setting(records: pd.DataFrame, configs: dict, paper: str, table: str) -> tuple[pd.DataFrame, str]:
+    """A cell's records from one run setting (kvbench.report.settings): where runs of different settings match the
+    cell, those this table's preset made (`paper_settings` name and id), else the paper's, if they are one setting;
+    else none, and why (a cell never averages two settings)."""
+    if SETTING not in records or records[SETTING].nunique(dropna=False) < 2:
+        return records, ""
+    groups = list(records.groupby(SETTING, dropna=False, sort=True))
+
+    def made_by(g: pd.DataFrame, **want: str) -> bool:
+        return all(str(configs.get(d, {}).get(f"paper_settings.{k}")) == v for d in g["run_dir"].unique()
+                   for k, v in want.items())
+
+    for want in ({"name": paper, "id": table}, {"name": paper}):
+        own = [g for _, g in groups if made_by(g, **want)]
+        if len(own) == 1:
+            return own[0], ""
+    return records.iloc[0:0], (f"{len(groups)} runs of different settings match ({'; '.join(s for s, _ in groups)}); "
+                               "report one of their folders")
 
 
 _defaults = {"positions": "original", "method.logn": False, "method.score": "per_layer"}  # keys older runs lack
@@ -329,8 +350,11 @@ def build_paper_table(df: pd.DataFrame, name: str, model: str | None = None, tab
                 records = records[records["dataset"].astype(str) == col.get("dataset", spec["dataset"])]
             if records is not None and "match" in col:
                 records = matching_records(records, configs, col["match"])
+            clash = ""
+            if records is not None and not records.empty:
+                records, clash = one_setting(records, configs, name, spec["id"])
             if records is None or records.empty:
-                cell.note = missing_reason(spec, row, not df.empty)
+                cell.note = clash or missing_reason(spec, row, not df.empty)
             else:
                 cell.rebuilt, cell.note = cell_value(records, {**spec["cell"], **col.get("cell", {})}, col)
             cells[col["key"]] = cell

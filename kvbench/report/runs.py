@@ -14,6 +14,7 @@ from typing import Iterable
 import pandas as pd
 
 from kvbench.report.records import is_failure, latest_per_id, scan, with_follow_up_work
+from kvbench.report.settings import ROW_KEYS, SETTING, setting_labels
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,16 @@ def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
     Columns: the record fields of docs/records.md (nested `meta` and `scores` flattened with a dot), plus the
     manifest's model, dataset, method, budget, ratio, primary_metric, dataset_version, query (aware | agnostic),
     and run_dir.
-    `budget` is a nullable integer: a full-cache or ratio-based run may have none.
+    `budget` is a nullable integer: a full-cache or ratio-based run may have none. `setting` says what tells a run
+    apart from the other runs of its row key (kvbench.report.settings; None where it is alone): tables key rows by it.
     """
     frames = [load_run(d) for d in find_run_dirs(paths)]
     frames = [f for f in frames if len(f)]
     if not frames:
         return pd.DataFrame(columns=[*MANIFEST_COLUMNS, "run_dir", "id", "score"])
+    labels = setting_labels({f["run_dir"].iloc[0]: tuple(f[k].iloc[0] for k in ROW_KEYS) for f in frames})
+    for f in frames:
+        f[SETTING] = labels[f["run_dir"].iloc[0]]
     df = pd.concat(frames, ignore_index=True)
     df["budget"] = pd.to_numeric(df["budget"]).astype("Int64")
     df["ratio"] = pd.to_numeric(df["ratio"]).astype("Float64")

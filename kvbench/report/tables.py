@@ -17,6 +17,7 @@ from kvbench.metrics.stats import unit_mean_se
 from kvbench.report.compare import MARK, fmt_interval, reference_key, sample_units
 from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
+from kvbench.report.settings import SETTING
 
 METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in the papers
 # column -> (header, format); the score column, named after its metric, is "{:.2f}"
@@ -24,7 +25,7 @@ COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("M
            "budget": ("KV Size", "{:d}"), "ratio": ("Ratio", "{:.2f}"), "metric": ("Metric", "{}"),
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
            "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}"),
-           "query": ("Query", "{}"), "turn_mode": ("Turns", "{}"),
+           "query": ("Query", "{}"), "turn_mode": ("Turns", "{}"), "setting": ("Setting", "{}"),
            "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
            "tokens": ("Tokens", "{:d}"), "PPL": ("PPL", "{:.3f}")}  # the last row: seed-task tables
 MEANS = ("effective_budget", "prefill_s", "decode_tok_s")
@@ -49,7 +50,8 @@ def sort_runs(frame: pd.DataFrame) -> pd.DataFrame:
                          "method_order": frame["method"].map(lambda m: order.get(m, len(order))),
                          "query_order": frame["query"] != "aware" if "query" in frame else False},
                         index=frame.index)
-    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query_order", "turn_mode"]
+    cols = ["model", "dataset", "not_full", "budget", "ratio", "method_order", "method", "query_order", "turn_mode",
+            SETTING]
     tmp = pd.concat([frame.drop(columns=["not_full", "method_order", "query_order"], errors="ignore"), keys], axis=1)
     cols = [c for c in cols if c in tmp]
     return tmp.sort_values(cols, na_position="last", kind="stable").drop(columns=["not_full", "method_order",
@@ -63,7 +65,7 @@ def score_scale(scores: pd.Series) -> float:
 
 
 def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
-    """One row per (model, dataset, method, budget[, ratio]) with n (records), the primary score, its standard error
+    """One row per (model, dataset, method, budget[, ratio][, setting]) with n (records), the primary score, its standard error
     (`se`, sd / sqrt(n) on the score's scale) and cost columns. Where a problem ran several times (`dataset.samples`)
     the problem is the unit: the score is the mean of the problems' means (pass@1) and se is over problems, as in
     the dataset's own summary (kvbench.report.compare.sample_units). With `compare` (a kvbench.report.compare.Compare),
@@ -84,6 +86,9 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     if "turn_mode" in df and df["turn_mode"].notna().any():  # multi-turn: append and reset conversations apart
         df["turn_mode"] = df["turn_mode"].fillna("–")
         keys.append("turn_mode")
+    if SETTING in df and df[SETTING].notna().any():  # runs of one key whose settings differ: never one row
+        df[SETTING] = df[SETTING].fillna("–")
+        keys.append(SETTING)
     scale = {m: score_scale(g["score"]) for m, g in df.groupby("primary_metric")}
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
     df["_group"] = g.ngroup()
@@ -114,7 +119,7 @@ def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale
     same budget, and query mode, if the reference ran at it; kvbench.report.compare.reference_key). With a query
     reference (`--compare aware`): to the same method's row at the same budget in that mode."""
     rows = []
-    same = ["budget", "ratio", *(k for k in ("query", "turn_mode") if k in keys)]
+    same = ["budget", "ratio", *(k for k in ("query", "turn_mode", SETTING) if k in keys)]
     for _, row in out.iterrows():
         by_query = compare.axis == "query"
         where = out["query"] == compare.reference if by_query else out["method"] == compare.reference
@@ -128,6 +133,7 @@ def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale
         if ref is not None and row.get("query" if by_query else "method") != compare.reference:
             label = f"{method_label(row['method'])} {'' if pd.isna(row['budget']) else row['budget']}".strip()
             label += f" {row['query']}" if "query" in keys else ""
+            label += f" ({row[SETTING]})" if SETTING in keys and row[SETTING] != "–" else ""
             ci = compare.cells(df[df["_group"] == row["_group"]], df[df["_group"] == ref["_group"]], label,
                                scale[row["primary_metric"]])["score"]
         rows.append({"diff": ci.diff, "diff_lo": ci.lo, "diff_hi": ci.hi, "diff_se": ci.se,
