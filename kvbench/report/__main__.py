@@ -22,8 +22,21 @@ import importlib
 import inspect
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+
+INTERRUPTED = "kvbench: report: interrupted; every record is kept, rerun the same command for the whole report"
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C during the imports below, before `main` can catch it: one line, no traceback, nothing written yet."""
+    print(INTERRUPTED, file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 from kvbench.metrics.stats import RESAMPLES, SEED
 from kvbench.runs.merge import merge_stale
@@ -96,6 +109,18 @@ def wrote_line(written: list[Path], out: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; Ctrl-C anywhere in it is one line (INTERRUPTED) and exit code 130, as a shell expects."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # started as a command: Ctrl-C raises again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return report(argv)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def report(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run directories, or folders searched recursively for them")
     parser.add_argument("--out", help="output folder (default: report/ in the deepest folder holding every PATH: "
@@ -220,16 +245,19 @@ def paper_main(df, args) -> int:
     ids = [args.table] if args.table else table_ids(args.paper)
     tables = {t: build_paper_table(df, args.paper, args.model, t) for t in ids}
     shown = [t for t in tables if args.table or has_runs(tables[t])] or [headline_id(args.paper)]
-    written = []
+    written, headings = [], {}
     for t in shown:
-        written += write_table_files(tables[t], args.out, args.pdf)
+        files = write_table_files(tables[t], args.out, args.pdf)
+        name = tables[t].spec["table"].split(":")[0]  # "Table 11 (App. M)": the page's heading for its files
+        headings.update({f: name if f.suffix == ".md" else f"{name}, figure" for f in files})
+        written += files
         print(paper_markdown(tables[t]))
     if not args.table and len(shown) < len(tables):
         print(f"No runs here for {', '.join(t for t in tables if t not in shown)} of {args.paper}: "
               f"--table <id> shows one with the reason in each cell.")
     if args.html:
         title = f"kvbench: {args.paper} " + ", ".join(tables[t].spec["table"].split(":")[0] for t in shown)
-        written.append(write_html(args.html, written, title=title))
+        written.append(write_html(args.html, written, title=title, headings=headings))
     sys.stdout.flush()
     print(wrote_line(written, args.out), file=sys.stderr)
     return 0

@@ -22,6 +22,14 @@ from kvbench.metrics.stats import (LEVEL, RESAMPLES, SEED, Interval, pair_by_id,
 from kvbench.report.labels import METHOD_NAMES, method_label
 
 MARK = "†"           # appended to a cell whose interval excludes 0 (not "*", which Markdown bold would eat)
+# fewer paired units than this: no mark, a warning in the note. A percentile bootstrap over 2 samples that agree has
+# the one-point interval [d, d], which "excludes 0" without meaning anything
+MIN_PAIRED = 10
+
+
+def significant(ci: Interval | None) -> bool:
+    """Whether a cell gets the mark: its interval excludes 0 and rests on at least MIN_PAIRED paired units."""
+    return ci is not None and ci.excludes_zero and ci.n >= MIN_PAIRED
 
 
 QUERY_MODES = ("aware", "agnostic")  # `--compare aware`: each agnostic row against its own method's aware row
@@ -97,6 +105,7 @@ class Compare:
     unpaired: list[tuple[str, int, int]] = field(default_factory=list)
     axis: str = "method"  # "query": `reference` is a query mode, each row compared with its own method in it
     per_problem: bool = False  # some row's samples repeated a problem: its differences were averaged per problem
+    few: list[tuple[str, int]] = field(default_factory=list)  # (label, n) of cells under MIN_PAIRED paired units
 
     def cells(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, scale: float = 1.0,
               task: str | None = None, tasks: list[str] | None = None,
@@ -113,7 +122,7 @@ class Compare:
         units = sample_units(m).reindex(pairing.ids)
         self.per_problem |= units.nunique() < len(units)
         if task is None:
-            return {"score": self._interval(diffs.to_numpy(), None, scale, units.to_numpy())}
+            return {"score": self._counted(label, self._interval(diffs.to_numpy(), None, scale, units.to_numpy()))}
         strata = m.loc[pairing.ids, task] if len(pairing.ids) else pd.Series(dtype=object)
         out: dict[Hashable, Interval | None] = {
             t: self._interval(diffs[strata == t].to_numpy(), None, scale, units[strata == t].to_numpy())
@@ -121,6 +130,8 @@ class Compare:
         keep = strata.isin(tasks or [])
         out[average] = (self._interval(diffs[keep].to_numpy(), strata[keep].to_numpy(), scale,
                                        units[keep].to_numpy()) if tasks and set(tasks) <= set(strata) else None)
+        for key, ci in out.items():
+            self._counted(f"{label} {key}", ci)
         return out
 
     def statistic_cell(self, method: pd.DataFrame, reference: pd.DataFrame, label: str, columns: list[str],
@@ -134,7 +145,13 @@ class Compare:
             self.unpaired.append((label, only_m, only_r))
         ci = paired_statistic_bootstrap(m.loc[ids].to_numpy(), r.loc[ids].to_numpy(), statistic, self.resamples,
                                         self.seed, self.level)
-        return None if ci is None else ci.scaled(scale)
+        return self._counted(label, None if ci is None else ci.scaled(scale))
+
+    def _counted(self, label: str, ci: Interval | None) -> Interval | None:
+        """`ci`, noted for the table's warning when it rests on fewer than MIN_PAIRED paired units."""
+        if ci is not None and ci.n < MIN_PAIRED and (label, ci.n) not in self.few:
+            self.few.append((label, ci.n))
+        return ci
 
     def _interval(self, diffs, strata, scale: float, units=None) -> Interval | None:
         ci = paired_bootstrap(diffs, strata, self.resamples, self.seed, self.level, units)
@@ -147,6 +164,9 @@ class Compare:
         unit = "; a problem's samples averaged, problems resampled" if self.per_problem else ""
         lines = [f"{MARK} the {self.level:.0%} paired-bootstrap interval of the difference to {ref} excludes 0 "
                  f"(samples paired by id{unit}; {self.resamples} resamples, seed {self.seed})."]
+        if self.few:
+            lines.append(f"Too few paired samples for a test (under {MIN_PAIRED}), never marked: " + "; ".join(
+                f"{label}: n={n}" for label, n in self.few) + ".")
         if self.unpaired:
             lines.append("Unpaired samples, excluded: " + "; ".join(
                 f"{label}: {a} ids only in this run, {b} only in {ref}'s" for label, a, b in self.unpaired) + ".")
@@ -157,4 +177,4 @@ def fmt_interval(ci: Interval | None) -> str:
     """`-33.33 [-58.33, -8.33]†`: difference, interval, and the mark when the interval excludes 0."""
     if ci is None:
         return "–"
-    return f"{ci.diff:+.2f} [{ci.lo:+.2f}, {ci.hi:+.2f}]" + (MARK if ci.excludes_zero else "")
+    return f"{ci.diff:+.2f} [{ci.lo:+.2f}, {ci.hi:+.2f}]" + (MARK if significant(ci) else "")

@@ -77,16 +77,19 @@ def markdown_blocks(text: str) -> list[str]:
     return out
 
 
-def write_html(path: str | Path, files: list[Path], title: str = "kvbench report") -> Path:
-    """Write the page: one section per Markdown table file and per PNG figure among `files`, in their order."""
+def write_html(path: str | Path, files: list[Path], title: str = "kvbench report",
+               headings: dict[Path, str] | None = None) -> Path:
+    """Write the page: one section per Markdown table file and per PNG figure among `files`, in their order, each
+    headed by `headings[file]` (a paper's "Table 11", its figure) or else the file's name."""
+    headings = {Path(k): v for k, v in (headings or {}).items()}
     sections = []
     for f in map(Path, files):
+        heading = html.escape(headings.get(f, f.name))
         if f.suffix == ".md" and f.is_file():
-            sections.append(f"<h2>{html.escape(f.name)}</h2>" + "".join(markdown_blocks(f.read_text("utf-8"))))
+            sections.append(f"<h2>{heading}</h2>" + "".join(markdown_blocks(f.read_text("utf-8"))))
         elif f.suffix == ".png" and f.is_file():
             data = base64.b64encode(f.read_bytes()).decode("ascii")
-            sections.append(f'<h2>{html.escape(f.name)}</h2><img alt="{html.escape(f.name)}" '
-                            f'src="data:image/png;base64,{data}">')
+            sections.append(f'<h2>{heading}</h2><img alt="{heading}" src="data:image/png;base64,{data}">')
     page = (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}"
             f"<script>{SCRIPT}</script></body></html>\n")

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from kvbench.data.longbench import summarize_longbench
 from kvbench.data.longbench_prompts import ALL21, CATEGORIES, E_BUCKETS, TASKS, base_task
 from kvbench.metrics.stats import combine_se
-from kvbench.report.compare import MARK, Compare, reference_key, select
+from kvbench.report.compare import MARK, Compare, reference_key, select, significant
 from kvbench.report.escape import md_cell, md_row, md_text, tex_escape
 from kvbench.report.labels import method_label
 from kvbench.report.tables import sort_runs
@@ -115,7 +115,7 @@ def add_differences(frame: pd.DataFrame, df: pd.DataFrame, compare: Compare) -> 
                                 f"{method_label(row['method'])} {kv_size(row)}", 100.0, TASK, frame.attrs["tasks"])
         extra.append({f"{k}:{c}": getattr(cis.get(c), a, None) for c in cols
                       for k, a in (("diff", "diff"), ("lo", "lo"), ("hi", "hi"))})
-        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+        marks |= {(i, c): ci for c, ci in cis.items() if significant(ci)}
     out = pd.concat([frame, pd.DataFrame(extra, index=frame.index)], axis=1)
     out.attrs.update(frame.attrs, marks=marks, notes=compare.note())
     return out

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from kvbench.data.ruler.templates import ALL_TASKS, task_metric
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.metrics.stats import combine_se, mean_se
-from kvbench.report.compare import MARK, Compare, reference_key, select
+from kvbench.report.compare import MARK, Compare, reference_key, select, significant
 from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
 from kvbench.report.tables import sort_runs
@@ -99,7 +99,7 @@ def with_uncertainty(wide: pd.DataFrame, scores: pd.DataFrame, df: pd.DataFrame,
             cis = compare.cells(select(records, row, keys), select(records, ref, keys), label, 100.0, TASK, have)
         extra.append({f"{k}:{c}": getattr(cis.get(c), k, None) for c in [*tasks, "Avg."]
                       for k in ("diff", "lo", "hi")})
-        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+        marks |= {(i, c): ci for c, ci in cis.items() if significant(ci)}
     out = pd.concat([out, pd.DataFrame(extra, index=out.index)], axis=1)
     out.attrs.update(marks=marks, notes=compare.note())
     return out

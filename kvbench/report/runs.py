@@ -53,11 +53,15 @@ def read_predictions(path: str | Path) -> list[dict]:
         if line.torn:
             logger.warning("report: %s:%d: skipping a torn last line (%s)", path, line.number, line.problem)
         elif line.problem:
-            raise ValueError(f"report: {path}:{line.number} is not a valid record ({line.problem}); rerun the run's "
+            raise DamagedRecords(f"report: {path}:{line.number} is not a valid record ({line.problem}); rerun the run's "
                              "command to set it aside (it keeps every valid record), or repair that line")
         else:
             records.append(line.record)
     return records
+
+
+class DamagedRecords(ValueError):
+    """A predictions file with an invalid line before its last: the report leaves that run out, naming it."""
 
 
 class ManifestError(ValueError):
@@ -82,7 +86,35 @@ def read_manifest(run_dir: str | Path) -> dict:
                             f"{fix}") from None
     if not isinstance(manifest, dict):
         raise ManifestError(f"report: {path} holds a JSON {type(manifest).__name__}, not an object; {fix}")
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise ManifestError(f"report: {path} is not a kvbench manifest ({problem}); {fix}")
     return manifest
+
+
+# manifest field -> (what it must be, the check); every row of the report takes these from the manifest
+NAMES = ("method", "dataset", "model")  # required, non-empty strings
+
+
+def _optional(types: tuple):
+    return lambda v: v is None or (isinstance(v, types) and not isinstance(v, bool))
+
+
+OPTIONAL = {"budget": ("an integer or null", _optional((int,))), "ratio": ("a number or null", _optional((int, float))),
+            "primary_metric": ("a string or null", _optional((str,))), "query": ("a string or null", _optional((str,))),
+            "dataset_version": ("a string, a number or null", _optional((str, int, float)))}
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """Why a manifest (a JSON object) cannot describe a run's rows, in a few words; None if it can."""
+    for key in NAMES:
+        value = manifest.get(key)
+        if not isinstance(value, str) or not value:
+            return f"'{key}' is {json.dumps(value)[:40] if key in manifest else 'missing'}, not a name"
+    for key, (what, ok) in OPTIONAL.items():
+        if not ok(manifest.get(key)):
+            return f"'{key}' is {json.dumps(manifest[key])[:40]}, not {what}"
+    return None
 
 
 def load_run(run_dir: str | Path) -> pd.DataFrame:
@@ -114,7 +146,15 @@ def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
     `budget` is a nullable integer: a full-cache or ratio-based run may have none. `setting` says what tells a run
     apart from the other runs of its row key (kvbench.report.settings; None where it is alone): tables key rows by it.
     """
-    frames = [load_run(d) for d in find_run_dirs(paths)]
+    frames, damaged = [], []
+    for run_dir in find_run_dirs(paths):
+        try:
+            frames.append(load_run(run_dir))
+        except DamagedRecords as e:  # one damaged run does not stop the report of the others
+            logger.warning("report: left out %s, the rest is reported: %s", run_dir, str(e).removeprefix("report: "))
+            damaged.append(e)
+    if damaged and not frames:
+        raise damaged[0]
     frames = [f for f in frames if len(f)]
     if not frames:
         return pd.DataFrame(columns=[*MANIFEST_COLUMNS, "run_dir", "id", "score"])

@@ -154,7 +154,7 @@ def add_differences(table: pd.DataFrame, df: pd.DataFrame, dataset: str, compare
     """`diff:`, `lo:`, `hi:` columns and attrs["marks"] / attrs["notes"] for a seed-task table (see
     kvbench.report.compare): rows pair with the reference method's row of the same model (protocol, mode) and KV
     size, or with the full cache at any size."""
-    from kvbench.report.compare import reference_key, select
+    from kvbench.report.compare import reference_key, select, significant
 
     extra_keys = {"cnn_dailymail": "protocol", "xsum": "protocol", "wikitext_ppl": "mode"}.get(dataset)
     keys = [*run_keys(df), *([extra_keys] if extra_keys else [])]
@@ -172,7 +172,7 @@ def add_differences(table: pd.DataFrame, df: pd.DataFrame, dataset: str, compare
             label = f"{method_label(row['method'])} {size}".strip()
             cis = _row_cells(dataset, row, select(records, row, keys), select(records, ref, keys), label, compare)
         extra.append({f"{k}:{c}": getattr(ci, k, None) for c, ci in cis.items() for k in ("diff", "lo", "hi")})
-        marks |= {(i, c): ci for c, ci in cis.items() if ci is not None and ci.excludes_zero}
+        marks |= {(i, c): ci for c, ci in cis.items() if significant(ci)}
     out = pd.concat([table, pd.DataFrame(extra, index=table.index)], axis=1)
     out.attrs.update(table.attrs, marks=marks, notes=compare.note())
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.metrics.stats import unit_mean_se
-from kvbench.report.compare import MARK, fmt_interval, reference_key, sample_units
+from kvbench.report.compare import MARK, fmt_interval, reference_key, sample_units, significant
 from kvbench.report.escape import md_row, md_text, tex_escape
 from kvbench.report.labels import METHOD_NAMES, method_label
 from kvbench.report.settings import SETTING
@@ -137,7 +137,7 @@ def _add_differences(out: pd.DataFrame, df: pd.DataFrame, keys: list[str], scale
             ci = compare.cells(df[df["_group"] == row["_group"]], df[df["_group"] == ref["_group"]], label,
                                scale[row["primary_metric"]])["score"]
         rows.append({"diff": ci.diff, "diff_lo": ci.lo, "diff_hi": ci.hi, "diff_se": ci.se,
-                     "diff_excludes_0": ci.excludes_zero, "n_paired": ci.n} if ci is not None else {})
+                     "diff_excludes_0": significant(ci), "n_paired": ci.n} if ci is not None else {})
     extra = pd.DataFrame(rows, index=out.index, columns=list(DIFF_COLUMNS[:6]))
     return out.assign(**extra, reference=compare.reference, resamples=compare.resamples, seed=compare.seed)
 
