@@ -53,8 +53,8 @@ def read_predictions(path: str | Path) -> list[dict]:
         if line.torn:
             logger.warning("report: %s:%d: skipping a torn last line (%s)", path, line.number, line.problem)
         elif line.problem:
-            raise DamagedRecords(f"report: {path}:{line.number} is not a valid record ({line.problem}); rerun the run's "
-                             "command to set it aside (it keeps every valid record), or repair that line")
+            raise DamagedRecords(f"report: {path}:{line.number} is not a valid record ({line.problem}); rerun the "
+                                 "run's command to set it aside (it keeps every valid record), or repair that line")
         else:
             records.append(line.record)
     return records
@@ -92,8 +92,9 @@ def read_manifest(run_dir: str | Path) -> dict:
     return manifest
 
 
-# manifest field -> (what it must be, the check); every row of the report takes these from the manifest
-NAMES = ("method", "dataset", "model")  # required, non-empty strings
+# what every row of the report takes from the manifest: names (required, non-empty strings), and optional fields
+# (field -> what it must be, its check)
+NAMES = ("method", "dataset", "model")
 
 
 def _optional(types: tuple):

@@ -65,11 +65,11 @@ def score_scale(scores: pd.Series) -> float:
 
 
 def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
-    """One row per (model, dataset, method, budget[, ratio][, setting]) with n (records), the primary score, its standard error
-    (`se`, sd / sqrt(n) on the score's scale) and cost columns. Where a problem ran several times (`dataset.samples`)
-    the problem is the unit: the score is the mean of the problems' means (pass@1) and se is over problems, as in
-    the dataset's own summary (kvbench.report.compare.sample_units). With `compare` (a kvbench.report.compare.Compare),
-    also each row's paired-bootstrap difference to the reference method (`diff`, `diff_lo`, `diff_hi`, ...).
+    """One row per (model, dataset, method, budget[, ratio][, setting]) with n (records), the primary score, its
+    standard error (`se`, sd / sqrt(n) on the score's scale) and cost columns. Where a problem ran several times
+    (`dataset.samples`) the problem is the unit: the score is the mean of the problems' means (pass@1) and se is over
+    problems, as in the dataset's own summary (kvbench.report.compare.sample_units). With `compare` (a
+    kvbench.report.compare.Compare), also each row's paired-bootstrap difference to the reference method (`diff`, `diff_lo`, `diff_hi`, ...).
 
     The score column is named after the primary metric ("Acc." for pyramidkv_recall); when runs with different
     primary metrics are mixed it is named "score" and a "metric" column says which. kv_bytes_frac is the total KV

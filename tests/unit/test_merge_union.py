@@ -43,7 +43,8 @@ def test_shards_into_a_finished_run_keep_every_finished_record(finished, tmp_pat
     n = 2 if limit else 4
     assert scores["n"] == n
     assert set(json.loads((copy / "manifest.json").read_text())["shards"]) == {"shard-0-of-2", "shard-1-of-2"}
-    shard_ids = {r["id"] for i in range(2) for r in map(json.loads, (copy / f"predictions.shard-{i}-of-2.jsonl").open())}
+    shard_ids = {r["id"] for i in range(2)
+                 for r in map(json.loads, (copy / f"predictions.shard-{i}-of-2.jsonl").open())}
     assert len(shard_ids) == n
     assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(
         sum(r["score"] for r in kept if r["id"] in shard_ids) / n)

@@ -18,7 +18,8 @@ SWEEP = {"context_lengths": [1000], "depth_percents": [0, 50]}
 
 
 def niah_run(root: Path, method: str, budget: int | None, dataset: dict, hit, suffix: str, kv: int = 10,
-             prefill_s: float = 1.0, name: str = "niah", model: str = "smollm2-135m", extra: dict | None = None) -> Path:
+             prefill_s: float = 1.0, name: str = "niah", model: str = "smollm2-135m",
+             extra: dict | None = None) -> Path:
     """A run directory as kvbench.run writes it: config.yaml (the resolved config's identifying nodes), manifest,
     one record per (length, depth) of `dataset`; `hit(length, depth)` is the record's score."""
     run = root / name / model / method / f"b{budget}-{suffix}"
