@@ -2,9 +2,9 @@
 
 A table row is a (model, dataset, method, budget, ratio, query) key, and several run directories can share one: a
 NIAH sweep at `dataset.context_lengths=[1000]` beside the demo's grid, the same configuration copied into two
-results trees. Runs are the same run only where their resolved configs (config.yaml) agree on every key that names
-the run directory: the nodes configs/config.yaml hashes into its suffix (method, dataset, model, generation, seed,
-positions, query, decode_compression) plus budget and ratio; `limit`, `shard` and where a run executed do not.
+results trees, lm-eval runs at two shot counts. Runs are the same run only where their resolved configs
+(config.yaml) agree on every key that names the run directory: everything but NOT_IDENTITY (`limit`, `shard`, how
+and where a run executed and wrote) and PLACEMENT.
 
 `setting_labels` gives each run of such a shared key a label saying what differs (`dataset.context_lengths=[1000]`,
 the differing keys only), or, where the configs agree but the folders differ (copies, two trees), the folder's path
@@ -22,8 +22,11 @@ import yaml
 
 SETTING = "setting"  # the DataFrame column (load_runs) and the tables' key
 ROW_KEYS = ("model", "dataset", "method", "budget", "ratio", "query")  # manifest values that make a table row
-IDENTITY = ("method", "dataset", "model", "generation", "seed", "positions", "query", "decode_compression", "budget",
-            "ratio")  # config.yaml's nodes that name a run directory (configs/config.yaml, hydra.run.dir)
+# config.yaml's keys that do not name a run directory (configs/config.yaml's run-dir pattern hashes the others):
+# how a run executes, which part of its samples, where it writes; and per node, where the model sits
+NOT_IDENTITY = ("compress_after", "limit", "shard", "batch_size", "step", "retry_failed", "report", "results_dir",
+                "paper_settings", "hydra")
+PLACEMENT = ("gpus", "mem_gb", "device_map")  # kvbench.runs.config.PLACEMENT_KEYS
 
 
 def flatten(node, prefix: str = "") -> dict[str, object]:
@@ -46,7 +49,8 @@ def identity(run_dir: str | Path) -> dict[str, object]:
         cfg = None
     if not isinstance(cfg, Mapping):
         return {}
-    return flatten({k: cfg[k] for k in IDENTITY if k in cfg})
+    flat = flatten({k: v for k, v in cfg.items() if k not in NOT_IDENTITY})
+    return {k: v for k, v in flat.items() if not (k.count(".") == 1 and k.split(".")[1] in PLACEMENT)}
 
 
 def _text(value) -> str:

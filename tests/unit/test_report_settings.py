@@ -91,6 +91,24 @@ def test_a_report_without_a_clash_keeps_its_layout(demo_and_sweep: Path):
     assert "setting" not in table and "Setting" not in to_markdown(table)
 
 
+def test_what_names_a_run(tmp_path: Path):
+    """Every config key but how, where and on which part of the samples a run ran; the placement keys are the run
+    directory hash's own (kvbench.runs.config.PLACEMENT_KEYS)."""
+    from kvbench.report.settings import PLACEMENT, identity, setting_labels
+    from kvbench.runs.config import PLACEMENT_KEYS
+
+    assert set(PLACEMENT) == set(PLACEMENT_KEYS)
+    runs = {}
+    for shots, batch in ((0, 1), (5, 8)):  # lm-eval runs (kvbench.report.lm_eval_runs) at two shot counts
+        run = tmp_path / f"run{shots}"
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump({"method": {"window": 8}, "num_fewshot": shots, "limit": 3,
+                                                         "batch_size": batch, "model": {"gpus": batch}}))
+        runs[str(run)] = ("m", "lm_eval", "snapkv", 64, None, "aware")
+    assert identity(tmp_path / "run5") == {"method.window": 8, "num_fewshot": 5}
+    assert setting_labels(runs) == {str(tmp_path / "run0"): "num_fewshot=0", str(tmp_path / "run5"): "num_fewshot=5"}
+
+
 def test_which_keys_differ():
     a = flatten({"dataset": {"lengths": [1, 2], "root": "x"}, "seed": 0})
     b = flatten({"dataset": {"lengths": [1], "root": "x"}, "seed": 0, "positions": "shift"})
