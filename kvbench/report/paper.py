@@ -203,8 +203,8 @@ def one_setting(records: pd.DataFrame, configs: dict, paper: str, table: str) ->
         own = [g for _, g in groups if made_by(g, **want)]
         if len(own) == 1:
             return own[0], ""
-    return records.iloc[0:0], (f"{len(groups)} runs of different settings match ({'; '.join(s for s, _ in groups)}); "
-                               "report one of their folders")
+    labels = "; ".join(s if isinstance(s, str) else "a run of another row" for s, _ in groups)
+    return records.iloc[0:0], f"{len(groups)} runs of different settings match ({labels}); report one of their folders"
 
 
 _defaults = {"positions": "original", "method.logn": False, "method.score": "per_layer"}  # keys older runs lack

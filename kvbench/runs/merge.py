@@ -133,8 +133,8 @@ def session_key(session: dict) -> tuple:
     return session.get("host"), session.get("started_utc"), session.get("job_id")
 
 
-def union(held: list[dict], ids: list[str], shard_records: list[dict]) -> list[dict]:
-    """The shard records (one per id, in `ids`' order) that predictions.jsonl, holding `held`, lacks: an id with a
+def union(held: list[dict], shard_records: list[dict]) -> list[dict]:
+    """The shard records (one per id, in the run's order) that predictions.jsonl, holding `held`, lacks: an id with a
     prediction there keeps it; an id with only a failure there takes the shard's prediction (a retry)."""
     predicted = {r["id"] for r in held if not is_failure(r)}
     present = {r["id"] for r in held}
@@ -183,7 +183,7 @@ def merge(run_dir: str | Path) -> dict:
             dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
         old = read_json(run_dir / "manifest.json")  # a damaged one stops here, in one line
         held = repair(run_dir / PREDICTIONS)  # what the directory already holds: kept, first, byte for byte
-        added = union([line.record for line in held], ids, records)
+        added = union([line.record for line in held], records)
         write_bytes_atomic(run_dir / PREDICTIONS, b"".join(line.raw for line in held) + "".join(
             json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in added).encode("utf-8"))
         if held and added:
