@@ -250,3 +250,34 @@ def test_a_read_only_cache_serves_a_whole_folder_and_refuses_a_damaged_one_namin
         os.chmod(models, 0o755)
     assert "differs" in problem(folder)
     check_usable(folder, "tiny")  # writable again: not refused, the load converts it again
+
+
+def test_an_unwritable_cache_stops_a_run_in_one_line_before_the_run_folder_is_made(tmp_path):
+    """`python -m kvbench.run` on a model the cache has not converted yet (here: a random model, which takes the
+    embedded tokenizer), with KVBENCH_CACHE where nothing can be created: one line, exit 1, no run folder."""
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" / "cache"
+    results = tmp_path / "results"
+    env = {**os.environ, "KVBENCH_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "kvbench.run", "model=tiny_llama", "dataset=niah", "limit=1",
+                           f"results_dir={results}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("kvbench: model cache: SmolLM2-135M-Instruct must be converted into "
+                               f"{cache / 'models'}/") and "Not a directory" in lines[0], lines[0]
+    assert not results.exists()
+
+
+def test_a_gguf_model_path_is_checked_against_the_cache_before_any_weights_load(tmp_path, monkeypatch):
+    from kvbench.models.checks import check_source, converted_folder
+    from kvbench.models.embedded import embedded_gguf_path
+    from kvbench.models.loader import ModelSpec
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "file" / "cache"))
+    spec = ModelSpec(name="mine", path=str(embedded_gguf_path()))
+    with pytest.raises(ModelCacheError, match=f"^model cache: {embedded_gguf_path().name} must be converted into "
+                                              f"{converted_folder(spec.path)} \\(it is not there\\)"):
+        check_source(spec)
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))  # writable: the load will convert it
+    assert check_source(spec) == "gguf" and not converted_folder(spec.path).exists()
