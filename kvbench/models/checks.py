@@ -131,8 +131,10 @@ def tokenizer_source(spec) -> str | None:
     tokenizer wait until the run loads the model)."""
     kind = source_kind(spec.path)
     if kind in ("random", "embedded", "gguf"):
-        folder = converted_folder(spec.path)
-        return str(folder) if (folder / "tokenizer_config.json").is_file() else None
+        from kvbench.disk.built_once import problem
+
+        folder = converted_folder(spec.path)  # a damaged folder's tokenizer waits for the load to convert it again
+        return str(folder) if problem(folder) is None and (folder / "tokenizer_config.json").is_file() else None
     if kind == "dir":
         return spec.path
     if kind == "hub" and hub_cached(spec.path, "tokenizer_config.json", spec.revision):
