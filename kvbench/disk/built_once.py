@@ -82,18 +82,21 @@ def problem(folder: Path) -> str | None:
         return f"it has no {CHECKSUMS} (converted by an earlier kvbench, or a copy)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its {CHECKSUMS} is unreadable ({type(e).__name__})"
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != listed[name][0]:
-            return f"{name} has {path.stat().st_size} bytes, {listed[name][0]} were written (truncated?)"
-    key = stat_key(folder, names)
-    if _verified.get(folder) == key:
-        return None
-    for name in names:
-        if digest(folder / name) != listed[name][1]:
-            return f"{name} differs from what was written ({ALGORITHM} digest; damaged on disk?)"
+    try:
+        for name in names:
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != listed[name][0]:
+                return f"{name} has {path.stat().st_size} bytes, {listed[name][0]} were written (truncated?)"
+        key = stat_key(folder, names)
+        if _verified.get(folder) == key:
+            return None
+        for name in names:
+            if digest(folder / name) != listed[name][1]:
+                return f"{name} differs from what was written ({ALGORITHM} digest; damaged on disk?)"
+    except OSError as e:  # unreadable, or replaced by a conversion in another process while being read
+        return f"{Path(e.filename or folder).name} is unreadable ({e.strerror or type(e).__name__})"
     _verified[folder] = key
     return None
 
@@ -115,8 +118,11 @@ def check_usable(folder: Path, what: str) -> None:
     """Before anything is written: raise a one-line ModelCacheError when `folder` is not whole and its cache
     cannot be written, so the conversion that would make it could not succeed."""
     wrong = problem(folder)
-    if wrong is None:
-        return
+    if wrong is not None:
+        refuse_if_unwritable(folder, what, wrong)
+
+
+def refuse_if_unwritable(folder: Path, what: str, wrong: str) -> None:
     cannot = writable_problem(folder.parent)
     if cannot is not None:
         raise ModelCacheError(f"model cache: {what} must be converted into {folder} ({wrong}), but the cache cannot "
@@ -141,7 +147,7 @@ def build_once(folder: Path, what: str, write: Callable[[Path], None]) -> Path:
     wrong = problem(folder)
     if wrong is None:
         return folder
-    check_usable(folder, what)  # one line now instead of a permission error after the conversion
+    refuse_if_unwritable(folder, what, wrong)  # one line now instead of a permission error after the conversion
     with conversion_lock(folder.parent):
         # we hold the lock every converter holds: a temporary whose pid is dead here is a dead writer's
         remove_dead_temporaries(folder.parent, lambda tmp: None)
