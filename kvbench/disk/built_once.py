@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -133,12 +134,17 @@ def refuse_if_unwritable(folder: Path, what: str, wrong: str) -> None:
 @contextlib.contextmanager
 def conversion_lock(models: Path) -> Iterator[None]:
     """Hold the cache's conversion lock, waiting for a process that converts now (a conversion ends; no timeout)."""
-    with open(models / LOCK, "a") as lock:
+    with open(models / LOCK, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("%s: another process is converting a model; waiting for it", models)
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            logger.info("%s: %s is converting a model; waiting for it", models, holder)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.truncate(0)
+        lock.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        lock.flush()
         yield
 
 

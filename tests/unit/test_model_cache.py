@@ -155,6 +155,40 @@ def test_a_killed_conversion_leaves_a_temporary_that_is_removed_only_once_its_wr
     assert sorted(p.name for p in models.iterdir()) == [LOCK, "tiny-v1"]
 
 
+CONVERTER = textwrap.dedent("""
+    import logging, sys
+    from pathlib import Path
+    from kvbench.disk.built_once import build_once
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+
+    def write(out):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(sys.argv[2].encode() * 1000)
+        print("ready", flush=True)
+        sys.stdin.readline()  # until the test lets it finish
+        print("wrote", flush=True)
+
+    print("built", build_once(Path(sys.argv[1]), "tiny", write), flush=True)
+""")
+
+
+def test_a_second_process_waits_for_the_conversion_under_way_and_uses_it(tmp_path):
+    folder = tmp_path / "models" / "tiny-v1"
+    first = start(CONVERTER, str(folder), "A")
+    second = subprocess.Popen([sys.executable, "-c", CONVERTER, str(folder), "B"], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    waiting = second.stderr.readline()  # logged once it found the lock held
+    assert f"pid {first.pid} is converting a model; waiting for it" in waiting
+    out_first, _ = first.communicate("\n")
+    out_second, err_second = second.communicate("\n")
+    assert (first.returncode, second.returncode) == (0, 0), err_second
+    assert out_first.split("\n")[:2] == ["wrote", f"built {folder}"]
+    assert out_second.strip() == f"built {folder}"  # its own conversion never ran
+    assert (folder / "model.safetensors").read_bytes() == b"A" * 1000 and problem(folder) is None
+
+
 HOLDER = textwrap.dedent("""
     import fcntl, sys
     lock = open(sys.argv[1], "a")
