@@ -1,12 +1,13 @@
 """A folder built once into kvbench's cache (a GGUF model converted to safetensors): built whole, checked before use.
 
-A conversion takes 30-50 s (the embedded SmolLM2, kvbench/models/embedded.py), so it runs once per cache: under the
+A conversion takes 30-150 s (the embedded SmolLM2, kvbench/models/embedded.py), so it runs once per cache: under the
 cache's lock (a second process waits for the first instead of converting again), into `<name>.tmp<pid>`, renamed
 when complete, with `kvbench-checksums.json` listing each file's size and xxh3-128 digest. Every process checks a
 folder against it once before using it: a truncated or corrupted file (same size or not) is built again, or, where
 the cache cannot be written, refused in one line naming the folder. xxh3-128 over a memory map reads SmolLM2's 538 MB
 in 0.3 s wall, 0.09 s CPU, on 2 cores at load 10 (sha256: 1.6 s, 0.42 s CPU; docs/troubleshooting.md, "The converted
-model cache"); it guards against damage, not against an attacker. Temporaries of a conversion that was killed are removed by the next.
+model cache"); it guards against damage, not against an attacker. Temporaries of a conversion that was killed
+are removed by the next.
 """
 from __future__ import annotations
 

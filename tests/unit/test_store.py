@@ -73,7 +73,8 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_removed_when_the_run_dir_n
     store.append(rec(0))
     store.close()
     writer = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=root, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)})
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(root)})
     try:
         assert writer.stdout.readline().strip() == "ready"
         temporary = tmp_path / f".manifest.json.tmp{writer.pid}"
