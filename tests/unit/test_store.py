@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +49,47 @@ def test_atomic_json_leaves_no_temp_file(tmp_path):
     write_json_atomic(tmp_path / "scores.json", {"a": 1})
     assert json.loads((tmp_path / "scores.json").read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["scores.json"]
+
+
+KILLED_MID_WRITE = """
+import os, sys
+from pathlib import Path
+from kvbench.runs.store import write_json_atomic
+
+def pause(fd):  # the temporary is written and locked; the test kills this process here
+    print("ready", flush=True)
+    sys.stdin.read()
+
+os.fsync = pause
+write_json_atomic(Path(sys.argv[1]) / "manifest.json", {"half": "written"})
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_removed_when_the_run_dir_next_opens(tmp_path):
+    """kill -9 inside write_json_atomic (a real process, paused in its fsync) leaves `.manifest.json.tmp<pid>`;
+    the store removes it once that writer is dead, never while it lives, and never a file that is not its own."""
+    root = Path(__file__).resolve().parents[2]
+    store = RunStore(tmp_path)
+    store.append(rec(0))
+    store.close()
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=root, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        temporary = tmp_path / f".manifest.json.tmp{writer.pid}"
+        assert json.loads(temporary.read_text()) == {"half": "written"}
+        RunStore(tmp_path).close()  # its writer lives: kept
+        assert temporary.is_file()
+    finally:
+        writer.kill()
+        writer.wait()  # reaped: a zombie's pid still exists
+        writer.stdin.close()
+        writer.stdout.close()
+    user_file = tmp_path / f"notes.tmp{writer.pid}"  # not a kvbench temporary (no leading dot): never touched
+    user_file.write_text("mine")
+    store = RunStore(tmp_path)
+    assert not temporary.exists() and not (tmp_path / "manifest.json").exists()
+    assert user_file.read_text() == "mine"
+    assert store.done_ids() == {"s0"}
+    store.close()

@@ -1,0 +1,1 @@
+"""Files written whole: temporaries named after their writer, and how to tell one whose writer died."""
