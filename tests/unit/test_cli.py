@@ -22,7 +22,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREAD
 
 def kvbench(*args: str, results: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvbench.run", *args, f"results_dir={results}"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
 
 
 def run_here(*overrides: str, results: Path) -> Path:

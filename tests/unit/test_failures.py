@@ -71,16 +71,13 @@ def ctrl_c_as_from_a_terminal() -> None:
 
 def signal_each_after_its_first_record(procs: dict) -> None:
     waiting = dict(procs)
-    deadline = time.time() + 300  # a guard against a hang, not a speed assumption
-    while waiting and time.time() < deadline:
+    while waiting:  # each run either writes its first record or ends: no deadline a loaded machine could reach
         for signum, (results, proc) in list(waiting.items()):
             found = list(results.rglob("predictions.jsonl"))
             if proc.poll() is not None or (found and found[0].read_text().count("\n") >= 1):
                 proc.send_signal(signum)
                 del waiting[signum]
         time.sleep(0.05)
-    for _, (_, proc) in waiting.items():
-        proc.kill()
 
 
 def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_path):
@@ -100,7 +97,7 @@ def test_sigterm_and_ctrl_c_stop_the_run_cleanly_keeping_what_is_written(tmp_pat
                                                    preexec_fn=ctrl_c_as_from_a_terminal))
     try:
         signal_each_after_its_first_record(procs)
-        stderrs = {signum: proc.communicate(timeout=120)[1] for signum, (_, proc) in procs.items()}
+        stderrs = {signum: proc.communicate()[1] for signum, (_, proc) in procs.items()}
     finally:
         for _, proc in procs.values():
             if proc.poll() is None:  # a run the signal did not stop would wait in HeldNeedle for ever
