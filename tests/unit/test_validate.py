@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from kvbench.data.ruler import cache
 from kvbench.pathnames import check_inside, check_name
+from kvbench.runs.config import CONFIG_DIR
 from kvbench.runs.validate import BadInput, validate, validate_or_exit
 from tests.unit.test_cli import ENV, ROOT
 
@@ -183,6 +185,48 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
         for path in (ro_results, existing):
             for p in [path, *path.rglob("*")]:
                 p.chmod(0o755)
+
+
+# --- values refused before the heavy imports (issue 42) -------------------------------------------------------
+BEFORE_TORCH = "import sys; sys.modules['torch'] = sys.modules['transformers'] = None; sys.argv[0] = 'kvbench.run'; " \
+               "from kvbench.runs.run import cli; cli()"
+EARLY = {
+    "budget": (["budget=-1"], "kvbench: pyramidkv: budget=-1 must be a positive integer (KV entries kept per head "
+               "per layer, window included); or use ratio=<0..1>."),
+    "budget-text": (["budget=abc"], "kvbench: budget='abc' must be an integer, or null"),
+    "ratio": (["ratio=1.5"], "kvbench: ratio=1.5 must be in [0, 1), or null (fraction of prompt entries removed)"),
+    "method-sweep": (["-m", "method=snapkv", "method.window=32,0"], "kvbench: snapkv: method.window=0 must be a "
+                     "positive integer"),
+    "dataset-list": (["dataset.context_lengths=[0]"], "kvbench: niah: dataset.context_lengths=[0] must be a list, "
+                     "each item a positive integer (tokens)"),
+    "shard": (["shard=3/2"], "kvbench: shard=3/2 must be i/n with n >= 1 and 0 <= i < n, e.g. 0/4"),
+}
+
+
+def test_bad_values_are_refused_before_torch_and_transformers_import(tmp_path):
+    """A bad value is refused as fast as a misspelt name: from kvbench/runs/rules.json, before torch and
+    transformers are imported (4-60 s). Shown in processes where importing either fails, so a refusal that still
+    needed them would end in an ImportError traceback instead of its line; nothing is written."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", BEFORE_TORCH, *args, f"results_dir={tmp_path / name}"],
+                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (args, _) in EARLY.items()}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        assert (proc.returncode, stdout, stderr) == (1, "", EARLY[name][1] + "\n"), name
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_value_a_method_takes_at_other_settings_is_left_to_setup(tmp_path):
+    """The early budget rule holds for a method at its defaults only: Keyformer with budget_fraction ignores the
+    budget, DMS always does; neither is refused early, and setup takes them too."""
+    from kvbench.runs.rules import check_budget_early
+
+    for argv in (["method=keyformer", "method.budget_fraction=0.5", "budget=-1"], ["method=dms", "budget=-1"]):
+        assert validate(["model=tiny_llama", *argv, f"results_dir={tmp_path}"]) == 1
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["method=keyformer", "budget=-1"])
+    with pytest.raises(ValueError, match="keyformer: budget=-1 must be a positive integer"):
+        check_budget_early(cfg)
 
 
 # --- broken YAML ----------------------------------------------------------------------------------------------
