@@ -31,7 +31,8 @@ from kvbench.pathnames import check_inside
 from kvbench.registry import unknown_choice
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
-RUN_FILES = ("predictions.jsonl", "manifest.json", "scores.json", "config.yaml", "run.log", ".lock", ".hydra")
+RUN_FILES = ("predictions.jsonl", "manifest.json", "scores.json", "config.yaml", "run.log", ".lock", ".hydra",
+             ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")  # what Hydra rewrites at each start
 
 
 class BadInput(ValueError):

@@ -143,9 +143,9 @@ def read_only(path: Path) -> None:
 
 
 def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
-    """Four bad commands at once (each process pays ~5 s of imports): a bad model path and a bad value (issue #31's
+    """Five bad commands at once (each process pays ~5 s of imports): a bad model path and a bad value (issue #31's
     `dataset.max_new_tokens=-3`, which used to run and score 0; any check's failure takes this exit path: sys.exit
-    with the line; the other checks' lines are test_each_bad_input's, in this process) and the two read-only cases,
+    with the line; the other checks' lines are test_each_bad_input's, in this process) and the three read-only cases (a file in .hydra/, which Hydra rewrites, included),
     which need a process: root drops its file-permission override (setpriv) so that read-only folders are read-only
     to it as well."""
     as_user = []
@@ -161,10 +161,16 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
     (run_dir / "predictions.jsonl").write_text('{"id": "niah-L300-d0"}\n')
     read_only(ro_results)
     read_only(existing)
+    hydra_dir = tmp_path / "hydra_file" / "run" / ".hydra"  # issue 42: a read-only file Hydra rewrites at start
+    hydra_dir.mkdir(parents=True)
+    (hydra_dir / "config.yaml").write_text("budget: 64\n")
+    (hydra_dir / "config.yaml").chmod(0o444)
     commands = {
         "path": (["model=hf", f"model.path={inputs}/no/such/dir"], tmp_path / "r3", "does not exist"),
         "ro-results": ([], ro_results, f"results_dir={ro_results} cannot be written"),
         "ro-run-dir": (["method=full", "budget=64", f"hydra.run.dir={run_dir}"], existing, "is read-only"),
+        "ro-hydra-file": (["method=full", "budget=64", f"hydra.run.dir={hydra_dir.parent}"], hydra_dir.parent.parent,
+                          f"{hydra_dir}/config.yaml is read-only; make it writable (chmod u+w)"),
         "value": (["dataset.max_new_tokens=-3"], tmp_path / "r4",
                   "kvbench: niah: dataset.max_new_tokens=-3 must be a positive integer (new tokens per sample)"),
     }
