@@ -77,3 +77,18 @@ def mask(positions: set[int] | list[int], n: int) -> Tensor:
     out = torch.zeros(n, dtype=torch.bool)
     out[list(positions)] = True
     return out
+
+
+def row_disagreements(method, view, head: int, ours: set[int], theirs: set[int], where: str = "") -> list[str]:
+    """A per-head selection `method.select(view, ...)` against a reference's kept set: equal, or differing only in
+    ties of the method's own `scores(view)` (a prefix of the entries; those after it, a window, kept whatever they
+    score). A method without such scores, or whose scores do not explain its own selection, is compared exactly."""
+    if ours == theirs:
+        return []
+    n = view.prompt_len
+    try:
+        row = method.scores(view)[0, head].double()
+    except (AttributeError, TypeError):  # no scores(view) of its own
+        return [f"{where}: +{sorted(ours - theirs)[:5]} -{sorted(theirs - ours)[:5]}"]
+    row = torch.cat([row, row.new_full((n - row.shape[0],), float("inf"))])
+    return topk_disagreements(row, mask(ours, n), mask(theirs, n), where)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.decidable import mask, threshold_disagreements, topk_disagreements
+from tests.unit.decidable import mask, row_disagreements, threshold_disagreements, topk_disagreements
 
 SCORES = torch.tensor([3.0, 2.0, 2.0, 1.0])  # top-2: entry 0, then one of the tied 1 and 2
 
@@ -57,3 +57,18 @@ def test_a_threshold_leaves_only_entries_at_it_undecided():
     (problem,) = threshold_disagreements(scores, ours, mask({0, 2, 3}, 4), -17.0, "head")
     assert problem.startswith("head: the reference decides 1 entries away from the threshold otherwise")
     assert threshold_disagreements(scores, mask({0}, 4), mask({0, 3}, 4), -17.0) != []  # the window is kept
+
+
+def test_a_per_head_selection_differs_only_in_its_own_ties():
+    """With a method's own scores (Knorm: -||k||): a tie swapped is fine, a clear entry is not; a method without
+    scores of its own (StreamingLLM: positions) is compared exactly."""
+    import kvbench.methods  # noqa: F401
+    from kvbench.methods.base import LayerView
+    from kvbench.registry import METHODS
+
+    keys = torch.tensor([1.0, 2.0, 2.0, 3.0]).view(1, 1, 4, 1)  # scores -1, -2, -2, -3: top-2 is 0 and a tie
+    view = LayerView(0, 1, keys, keys.clone(), None, 1.0)
+    knorm = METHODS["knorm"]()
+    assert row_disagreements(knorm, view, 0, {0, 1}, {0, 2}) == []
+    assert row_disagreements(knorm, view, 0, {0, 1}, {1, 2}) != []
+    assert row_disagreements(METHODS["streamingllm"](), view, 0, {0, 1}, {0, 2}) != []
