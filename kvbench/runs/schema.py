@@ -408,7 +408,8 @@ def budget_refusal(cls: type) -> str | None:
 def write_snapshot() -> None:
     """rules.json, one class a line (a changed class changes its own line)."""
     found = snapshot()
-    lines = [f"  {json.dumps(name)}: {json.dumps(entry, sort_keys=True)}" for name, entry in sorted(found["classes"].items())]
+    lines = [f"  {json.dumps(name)}: {json.dumps(entry, sort_keys=True)}"
+             for name, entry in sorted(found["classes"].items())]
     SNAPSHOT.write_text('{"written_by": "python -m kvbench.runs.schema", "classes": {\n' + ",\n".join(lines) + "\n}}\n")
 
 

@@ -3,10 +3,12 @@
 `python -m kvbench.run ...` calls `validate_or_exit(argv)` first. It parses the overrides with Hydra's own parser,
 expands a `-m` sweep into its jobs exactly as Hydra's basic sweeper will (the sweeper's `params` from the config,
 then the command line), composes each job's config with Hydra's compose API (~0.1 s a job), and runs the same
-`setup(cfg)` the job will run (each value's rule first, from kvbench/runs/rules.json: before torch loads), plus the checks that need files but no weights: the model's files
+`setup(cfg)` the job will run, plus the checks that need files but no weights: the model's files
 (kvbench/models/checks.py), datasets' `check_fits(tokenizer)` (RULER lengths), the run directory (inside
-`results_dir`, writable). Any problem ends the command with ONE line `kvbench: ...` and nothing written: no run
-directory, no `.hydra/`, no `run.log`. Flags other than `-m` (`--help`, `--cfg`, `-cn`, ...) go to Hydra unchecked.
+`results_dir`, writable). Each value's rule is judged first, for every job, from kvbench/runs/rules.json
+(`check_values`): before torch and transformers are imported. Any problem ends the command with ONE line
+`kvbench: ...` and nothing written: no run directory, no `.hydra/`, no `run.log`. Flags other than `-m` (`--help`,
+`--cfg`, `-cn`, ...) go to Hydra unchecked.
 
 Like the launcher plugins under hydra_plugins/, this module is an exception to "only kvbench.run imports Hydra":
 it drives Hydra's compose API on kvbench.run's behalf.
