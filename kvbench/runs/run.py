@@ -25,6 +25,7 @@ from kvbench.runs.config import (CONFIG_DIR, GROUPS, check_group_overrides, deco
 from kvbench.runs.records import generated_record, git_sha, manifest, sample_record, write_scores
 
 logger = logging.getLogger("kvbench.run")
+INTERRUPTED = "kvbench: interrupted; every finished sample is kept, rerun the same command to resume"  # (run.py too)
 
 
 # --- the run --------------------------------------------------------------------------------------------------
@@ -374,8 +375,7 @@ def main(cfg: DictConfig) -> None:
     except RunDirError as e:  # busy, a damaged manifest, a link out of the run dir, a full disk
         sys.exit(f"kvbench: {e}")
     except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
-        print(f"kvbench: {str(e) or 'interrupted'}; every finished sample is kept, rerun the same command to resume",
-              file=sys.stderr)
+        print(INTERRUPTED.replace("interrupted", str(e) or "interrupted"), file=sys.stderr)
         sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))
 
 
@@ -451,10 +451,11 @@ def end_with(error: Exception) -> None:
 def cli() -> None:
     """`python -m kvbench.run ...`: the whole command line is checked before Hydra creates a run directory. Ends
     with exit code 1 and the first failure's cause when a run finished with no sample that succeeded.
-    It owns the process's cyclic garbage collector: paused while start-up imports (`started`), frozen at exit."""
-    from kvbench.runs.failures import NOTHING_SUCCEEDED
-
+    It owns the process's cyclic garbage collector: paused while start-up imports (`started`), frozen at exit.
+    Ctrl-C anywhere (the start-up's imports and checks included) ends it with one line and exit code 130."""
     try:
+        from kvbench.runs.failures import NOTHING_SUCCEEDED
+
         with collector_paused():  # start-up: torch, transformers and Hydra import while the command line is checked
             sys.argv[1:] = check_command_line(sys.argv[1:])
         started()
@@ -467,6 +468,9 @@ def cli() -> None:
                 if user_asked_full_errors and not (isinstance(e, OSError) and is_disk_full(e)):
                     raise
                 end_with(e)
+    except KeyboardInterrupt:  # outside the sample loop (which says it in main): while starting, or at the end
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
     finally:  # the interpreter's last collections would walk every object once more: 1-3 s here for nothing
         gc.freeze()
     if NOTHING_SUCCEEDED:

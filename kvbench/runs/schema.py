@@ -14,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
+import json
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -25,6 +28,8 @@ from kvbench.engine.generation import Sampling
 from kvbench.engine.recompress import DecodeCompression
 from kvbench.methods.wrappers import Switches
 from kvbench.models.loader import ModelSpec
+from kvbench.runs.rules import (PACKAGE, SNAPSHOT, Range, Rule, fits, problem_line,  # noqa: F401  (Rule, fits:
+                                 rule_json, source_hash)  # this module's API too)
 
 
 @dataclass
@@ -49,37 +54,6 @@ class Run:
 
 
 NODES = {"generation": Sampling, "model": ModelSpec, "decode_compression": DecodeCompression}  # no `_target_`
-
-
-@dataclass(frozen=True)
-class Range:
-    """What a value may be beyond its type: bounds or choices; or who else judges it; or anything (free text)."""
-
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False  # low itself is out
-    open_high: bool = False
-    choices: tuple = ()
-    note: str = ""  # what the value means, for the message
-    says: str = ""  # the whole "must be ..." phrase, where the generated one would read badly
-    owner: str = ""  # who judges it instead, in one line (its class's __post_init__, check_budget, Shard.parse)
-    free: bool = False  # free text: a path, a name, a template; the type is the whole rule
-    default_only: bool = False  # names what the class itself writes (the score it reports): its default only
-
-    def allows(self, value) -> bool:
-        if self.choices:
-            return value in self.choices
-        if self.low is not None and not (value > self.low if self.open_low else value >= self.low):
-            return False
-        return self.high is None or (value < self.high if self.open_high else value <= self.high)
-
-    def bounds(self) -> str:
-        """' >= 1', ' in (0, 1]', '' (unbounded)."""
-        if self.low is not None and self.high is not None:
-            return f" in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
-        if self.low is not None:
-            return f" {'>' if self.open_low else '>='} {self.low:g}"
-        return f" {'<' if self.open_high else '<='} {self.high:g}" if self.high is not None else ""
 
 
 def at_least(low: float, note: str = "") -> Range:
@@ -278,62 +252,6 @@ RANGES: dict[str, Range] = {
 }
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A field's annotation (type, None allowed, a list of such values) and its range."""
-
-    kind: type | None  # int, float, bool or str; None: no type (a mapping, a list's untyped items, Any)
-    null: bool
-    many: bool
-    range: Range
-
-    def problem(self, value) -> str | None:
-        """What is wrong with `value` ("must be ...", "is not one of ..."), or None."""
-        if value is None:
-            return None if self.null else f"must be {self.phrase()}"
-        if self.many and not isinstance(value, (list, tuple)):
-            return f"must be {self.phrase()}"
-        for item in value if self.many else [value]:
-            if not fits(item, self.kind):
-                return self.choices_text() if self.range.choices else f"must be {self.phrase()}"
-            if not self.range.owner and not self.range.allows(item):
-                return self.choices_text() if self.range.choices else f"must be {self.phrase(typed=True)}"
-        return None
-
-    def choices_text(self) -> str:
-        note = f" ({self.range.note})" if self.range.note else ""
-        return "is not one of " + ", ".join(map(str, self.range.choices)) + (", null" if self.null else "") + note
-
-    def phrase(self, typed: bool = False) -> str:
-        """'a positive integer', 'an integer >= 0', 'in [0, 1)' (a number of the right type out of its range)."""
-        r = self.range
-        if r.says:
-            return r.says
-        if r.choices:
-            text = "one of " + ", ".join(map(str, r.choices))
-        elif self.kind is int:
-            positive = (r.low, r.high, r.open_low) == (1, None, False)
-            text = "a positive integer" if positive else "an integer" + r.bounds()
-        elif self.kind is float:
-            text = r.bounds().strip() if typed and r.bounds() else "a number" + r.bounds()
-        else:
-            text = {bool: "true or false", str: "a string"}.get(self.kind, "a value")
-        if self.many:
-            text = f"a list, each item {text}"
-        if self.null:
-            text += ", or null"
-        return text + (f" ({r.note})" if r.note else "")
-
-
-def fits(value, kind: type | None) -> bool:
-    """Of the type: an int is a number, a bool is neither an int nor a number."""
-    if kind is None:
-        return True
-    if isinstance(value, bool):
-        return kind is bool
-    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-
-
 # --- rules from annotations -----------------------------------------------------------------------------------
 def parse_annotation(annotation) -> tuple[type | None, bool, bool, tuple]:
     """(kind, null allowed, a list, Literal choices) of `int | None`, `list[int]`, `Literal["a", "b"]`, ..."""
@@ -422,14 +340,81 @@ def check(cfg: DictConfig) -> None:
     """Raise ValueError, one line naming the key, its value and what it may be, at the first value that breaks its
     rule. Keys without a rule (a user's `+key=...`) are left to the code that reads them."""
     for key, value, rule, who in leaves(cfg):
-        problem = rule.problem(value) if rule is not None else None
-        if problem is not None:
-            hint = ""
-            if rule.kind is str and not rule.range.choices and isinstance(value, (int, float)):
-                hint = f"; quote it to pass text: {key}=\"'{value}'\""
-            raise ValueError(f"{who + ': ' if who else ''}{key}={value!r} {problem}{hint}")
+        line = problem_line(key, value, rule, who) if rule is not None else None
+        if line is not None:
+            raise ValueError(line)
 
 
 def unruled(cfg: DictConfig) -> list[str]:
     """The keys of a composed config that have no rule (tests/unit/test_schema.py keeps this empty)."""
     return [key for key, _, rule, _ in leaves(cfg) if rule is None]
+
+
+# --- rules.json: what kvbench.runs.rules.check_early reads before torch is imported -----------------------------
+def snapshot() -> dict:
+    """Every built-in config class's rules (as `leaves` finds them), the source files they come from (hashed: a
+    changed file sets its class aside until the file is rewritten), its defaults, and for a method its
+    `check_budget`'s refusal of a budget below 1 at those defaults."""
+    from kvbench import data, methods  # noqa: F401  (register the built-in classes)
+    from kvbench.registry import DATASETS, METHODS
+
+    classes = {}
+    method_classes = [METHODS[n] for n in METHODS.names()]
+    for cls in [Run, *NODES.values(), *method_classes, *(DATASETS[n] for n in DATASETS.names())]:
+        is_method = cls in method_classes
+        rules = (method_rules if is_method else rules_of)(cls)
+        owners = [k for k in cls.__mro__ if k.__module__.startswith("kvbench.")] + ([Switches] if is_method else [])
+        files = {str(Path(inspect.getsourcefile(k)).resolve().relative_to(PACKAGE)) for k in owners}
+        files |= {"runs/schema.py", "runs/rules.py"}
+        classes[f"{cls.__module__}.{cls.__qualname__}"] = {
+            "who": getattr(cls, "registry_name", ""),
+            "sources": {path: source_hash(path) for path in sorted(files)},
+            "rules": {name: rule_json(rule) for name, rule in rules.items()},
+            "defaults": json.loads(json.dumps(defaults(cls), default=str)),
+            "budget_refusal": budget_refusal(cls) if is_method else None,
+        }
+    return {"written_by": "python -m kvbench.runs.schema", "classes": classes}
+
+
+def defaults(cls: type) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.init and f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.init and f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def budget_refusal(cls: type) -> str | None:
+    """`check_budget`'s line for budget=-1 as a template (`{budget}`), where the method at its defaults refuses -1,
+    0 and null alike (a method that ignores its budget refuses none of them: None)."""
+    try:
+        method = cls()
+    except Exception:  # noqa: BLE001 - a class that needs arguments: left to setup
+        return None
+    if not getattr(method, "compresses", True):
+        return None
+    lines = []
+    for budget in (-1, 0, None):
+        try:
+            method.check_budget(budget)
+            return None
+        except ValueError as e:
+            lines.append(str(e).replace(f"budget={budget!r}", "budget={budget}"))
+    return lines[0] if len(set(lines)) == 1 and "{budget}" in lines[0] else None
+
+
+def write_snapshot() -> None:
+    """rules.json, one class a line (a changed class changes its own line)."""
+    found = snapshot()
+    lines = [f"  {json.dumps(name)}: {json.dumps(entry, sort_keys=True)}"
+             for name, entry in sorted(found["classes"].items())]
+    SNAPSHOT.write_text('{"written_by": "python -m kvbench.runs.schema", "classes": {\n' + ",\n".join(lines) + "\n}}\n")
+
+
+if __name__ == "__main__":  # rewrite rules.json after changing a config class or RANGES (as the module, so that
+    from kvbench.runs import schema  # the classes are named kvbench.runs.schema.Run, not __main__.Run)
+
+    schema.write_snapshot()
+    print(f"wrote {SNAPSHOT}")

@@ -5,8 +5,10 @@ expands a `-m` sweep into its jobs exactly as Hydra's basic sweeper will (the sw
 then the command line), composes each job's config with Hydra's compose API (~0.1 s a job), and runs the same
 `setup(cfg)` the job will run, plus the checks that need files but no weights: the model's files
 (kvbench/models/checks.py), datasets' `check_fits(tokenizer)` (RULER lengths), the run directory (inside
-`results_dir`, writable). Any problem ends the command with ONE line `kvbench: ...` and nothing written: no run
-directory, no `.hydra/`, no `run.log`. Flags other than `-m` (`--help`, `--cfg`, `-cn`, ...) go to Hydra unchecked.
+`results_dir`, writable). Each value's rule is judged first, for every job, from kvbench/runs/rules.json
+(`check_values`): before torch and transformers are imported. Any problem ends the command with ONE line
+`kvbench: ...` and nothing written: no run directory, no `.hydra/`, no `run.log`. Flags other than `-m` (`--help`,
+`--cfg`, `-cn`, ...) go to Hydra unchecked.
 
 Like the launcher plugins under hydra_plugins/, this module is an exception to "only kvbench.run imports Hydra":
 it drives Hydra's compose API on kvbench.run's behalf.
@@ -31,7 +33,8 @@ from kvbench.pathnames import check_inside
 from kvbench.registry import unknown_choice
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
-RUN_FILES = ("predictions.jsonl", "manifest.json", "scores.json", "config.yaml", "run.log", ".lock", ".hydra")
+RUN_FILES = ("predictions.jsonl", "manifest.json", "scores.json", "config.yaml", "run.log", ".lock", ".hydra",
+             ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")  # what Hydra rewrites at each start
 
 
 class BadInput(ValueError):
@@ -162,7 +165,6 @@ class Checker:
 
         HydraConfig.instance().set_config(cfg)  # the run-dir pattern reads hydra:runtime.choices
         try:
-            check_budget_and_ratio(overrides)
             _, dataset, spec = self.setup(cfg)
             if hasattr(dataset, "check_fits"):
                 self.check_fits(dataset, spec, cfg.dataset)
@@ -188,6 +190,20 @@ class Checker:
             return
         dataset.check_fits(tokenizer)
         self.fits_checked.add(key)
+
+
+def check_values(cfg: DictConfig, overrides: list[str]) -> None:
+    """What needs no config class imported: each value's rule as rules.json has it (kvbench/runs/rules.py), budget
+    with ratio, the shard. A bad value is refused in about the time of a bad name (issue 42)."""
+    from kvbench.runs.rules import check_early
+    from kvbench.runs.shard import Shard
+
+    check_budget_and_ratio(overrides)
+    try:
+        check_early(cfg)
+        Shard.parse(cfg.get("shard"))
+    except (ValueError, OmegaConfBaseException) as e:
+        raise BadInput(message(e)) from e
 
 
 def check_budget_and_ratio(overrides: list[str]) -> None:
@@ -263,10 +279,12 @@ def validate(argv: list[str], config_dir: Path | None = None) -> int:
     parsed = parse(overrides)
     config_dir = str(config_dir or CONFIG_DIR)
     with quiet(), initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="kvbench"):
-        jobs = expand(parsed, overrides, multirun)
+        jobs = [(compose_job(job), job) for job in expand(parsed, overrides, multirun)]
+        for cfg, job in jobs:  # every value, before torch and transformers are imported (rules.json)
+            check_values(cfg, job)
         checker = Checker(multirun)
-        for job in jobs:
-            checker.check(compose_job(job), job)
+        for cfg, job in jobs:
+            checker.check(cfg, job)
     return len(jobs)
 
 

@@ -22,7 +22,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREAD
 
 def kvbench(*args: str, results: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvbench.run", *args, f"results_dir={results}"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
 
 
 def run_here(*overrides: str, results: Path) -> Path:
@@ -222,3 +222,23 @@ def test_bad_input_gets_one_line_error_before_loading(tmp_path, args, expected):
     model = [] if any(a.startswith("model=") for a in args) else ["model=tiny_llama"]
     line = refusal(*model, *args, results=tmp_path / "results")
     assert expected in line, line
+
+
+def test_help_is_a_usage_paragraph_whose_examples_pass_the_checks(tmp_path):
+    """`python -m kvbench.run --help` (issue 42: Hydra's stock 113 lines): what a run is, what the budget means,
+    three example commands, where the docs are, then the groups' options (Hydra's help template, configs/config.yaml
+    hydra.help); each example passes every check a run makes before loading weights."""
+    from kvbench.runs.validate import validate
+
+    out = subprocess.run([sys.executable, "-m", "kvbench.run", "--help"], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) <= 40, out.stdout + out.stderr
+    for phrase in ("A run is one model x one method x one budget x one dataset", "budget=B keeps B KV entries per "
+                   "KV head per layer", "ratio=r", "docs/troubleshooting.md", "method: ", "dataset: "):
+        assert phrase in out.stdout, phrase
+    examples = [line.split()[3:] for line in lines if line.strip().startswith("python -m kvbench.run ")]
+    assert len(examples) == 3
+    for args in examples:
+        assert validate([*args, f"results_dir={tmp_path}"]) >= 1, args
+    assert not list(tmp_path.iterdir())

@@ -64,9 +64,9 @@ def test_submitit_sweep_of_configs_x_shards_requeues_a_preempted_job(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=local", *SWEEP,
                              *grid, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline, shard_file = time.monotonic() + 400, None  # a guard against a hang, not a speed assumption
+    shard_file = None  # waits as long as the job runs: no deadline a loaded machine could reach
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while proc.poll() is None:
             shard_file = next(tmp_path.rglob("snapkv/*/predictions.shard-0-of-2.jsonl"), None)
             if shard_file is not None and shard_file.read_text().count("\n") >= 1:
                 break
@@ -77,7 +77,7 @@ def test_submitit_sweep_of_configs_x_shards_requeues_a_preempted_job(tmp_path):
     finally:
         release.touch()  # the other jobs, and the requeued one, may go on (also if this test failed)
     assert len(written) == 1
-    _, err = proc.communicate(timeout=600)
+    _, err = proc.communicate()
     assert proc.returncode == 0, err
 
     dirs = check_merged(tmp_path, n=12)
@@ -99,7 +99,7 @@ def test_ray_sweep_of_configs_x_shards_on_a_local_ray(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvbench.run", "-m", "hydra/launcher=ray", *SWEEP,
                           "dataset.context_lengths=[300]", "dataset.depth_percents=[0,50,100]",
                           "hydra.launcher.ray.init.num_cpus=2", f"results_dir={tmp_path}"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     check_merged(tmp_path, n=3)
     assert out.stdout.count("(_run_job pid=") + out.stderr.count("(_run_job pid=") > 0  # ran inside Ray workers

@@ -160,8 +160,7 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
     release.unlink()
     proc = subprocess.Popen(command(grid, "hydra/launcher=grid", *held), cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300  # a guard against a hang, not a speed assumption
-    while count_lines(grid) < 3 and proc.poll() is None and time.time() < deadline:
+    while count_lines(grid) < 3 and proc.poll() is None:  # no deadline a loaded machine could reach
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)  # a hard kill: no cleanup, maybe a torn line
     proc.wait()
@@ -170,7 +169,7 @@ def test_grid_equals_basic_launcher_with_a_kill_in_the_middle(tmp_path):
     release.touch()
     # the rerun decodes 3 generations at once (configurations of a sample together): the same records
     again = subprocess.run(command(grid, "hydra/launcher=grid", "batch_size=3", *held), cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert outputs(grid) == expected
     manifest = json.loads(next(grid.rglob("keyformer/b40-*/manifest.json")).read_text())

@@ -26,7 +26,7 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu",
                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
                            "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ def test_keyformer_tables_agree_where_the_paper_repeats_a_cell():
 @functools.cache
 def paper_tables() -> dict[tuple[str, str], list[str]]:
     out = subprocess.run(["make", "-s", "--no-print-directory", "paper-tables"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60).stdout
+                         text=True).stdout
     return {(p[0], p[1]): p[2:] for line in out.splitlines() for p in [line.split()]}
 
 

@@ -159,7 +159,7 @@ def preset_runs(preset: str) -> tuple[dict, ...]:
 @functools.cache
 def table_presets(table: str) -> list[str]:
     out = subprocess.run(["make", "-s", "--no-print-directory", "paper-tables"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60).stdout
+                         text=True).stdout
     return next(line.split()[2:] for line in out.splitlines() if line.split()[:2] == ["pyramidkv", table])
 
 

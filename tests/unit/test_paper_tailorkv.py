@@ -103,7 +103,7 @@ def test_table_3_is_the_class_mean_of_tables_14_and_15_except_where_its_notes_sa
 @functools.cache
 def tailorkv_presets() -> dict[str, list[str]]:
     out = subprocess.run(["make", "-s", "--no-print-directory", "paper-tables"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60).stdout
+                         text=True).stdout
     return {line.split()[1]: line.split()[2:] for line in out.splitlines() if line.split()[0] == "tailorkv"}
 
 

@@ -26,6 +26,7 @@ from kvbench.methods.base import LayerView
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from tests.unit import tiny
+from tests.unit.decidable import row_disagreements
 from tests.unit.tiny import prompt, tiny_model
 
 N, BUDGET = 90, 24
@@ -353,15 +354,10 @@ def test_kept_sets_equal_kvpress_on_the_embedded_model(case, embedded_views):
             kept = kept if isinstance(kept, list) else kept[0]  # (critical_adakv: one tensor per head)
             for h, mask in enumerate(heads):
                 ours, theirs = set(kept[h].tolist()), {i for i in range(view.prompt_len) if int(mask, 16) >> i & 1}
-                if ours == theirs:
-                    continue
-                # a near-tie: kvpress recomputes pre-RoPE keys (leverage_score) or queries and chunk products
-                # (non_causal_attn) in another order, and the fp32 difference may swap two entries whose scores agree
-                # to 1e-5 (or tie exactly: topk then picks either); any other difference fails
-                assert case in ("leverage_score", "non_causal_attn"), (case, p, view.layer_idx, h,
-                                                                       sorted(ours ^ theirs))
-                swapped = method.scores(view)[0, h][sorted(ours ^ theirs)]
-                assert len(ours - theirs) == len(theirs - ours)
-                assert float(swapped.max() - swapped.min()) <= 1e-5 * float(swapped.abs().max()), (p, h)
-                near_ties += 1
-    assert near_ties <= 2
+                # a near-tie: kvpress computes the scores in another order (pre-RoPE keys for leverage_score,
+                # queries and chunk products for non_causal_attn), and fp32 rounding may swap two entries whose
+                # scores agree to rounding (tests/unit/decidable.py, with kvbench's own scores); any other
+                # difference fails
+                assert not row_disagreements(method, view, h, ours, theirs, f"{case} {p} {view.layer_idx} {h}")
+                near_ties += ours != theirs
+    assert near_ties <= 5

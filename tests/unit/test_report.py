@@ -195,7 +195,7 @@ def test_write_run_report(tmp_path: Path):
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "kvbench.report", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True)
 
 
 def test_cli_writes_tables_and_panels(tmp_path: Path):

@@ -55,7 +55,7 @@ def test_cli_prints_the_marked_table_with_standard_errors(sweep: Path, tmp_path:
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvbench.report", str(sweep), "--out", str(tmp_path / "out"),
                            "--compare", "full", "--stderr", "--html", str(tmp_path / "out" / "report.html")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "Δ vs FullKV [95% CI]" in lines[0]

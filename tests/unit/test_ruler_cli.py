@@ -19,10 +19,10 @@ QA_ROOT = ROOT / "tests" / "fixtures" / "ruler" / "qa"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
 
 
-def kvbench(*args: str, results: Path, module: str = "kvbench.run", timeout: int = 600) -> subprocess.CompletedProcess:
+def kvbench(*args: str, results: Path, module: str = "kvbench.run") -> subprocess.CompletedProcess:
     extra = [f"results_dir={results}"] if module == "kvbench.run" else []
     return subprocess.run([sys.executable, "-m", module, *args, *extra], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True)
 
 
 def ruler_args(tmp_path: Path, length: int = 1024) -> list[str]:

@@ -7,6 +7,7 @@ in test_configs.py (it composes each of them already); the paper presets and per
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -17,7 +18,9 @@ import kvbench.methods  # noqa: F401
 from kvbench.registry import DATASETS, METHODS
 from kvbench.runs.config import CONFIG_DIR, group_choices, setup
 from kvbench.methods import Method
-from kvbench.runs.schema import NODES, Rule, Run, method_rules, node_class, rules_of
+from kvbench.runs import rules
+from kvbench.runs.rules import SNAPSHOT, check_early
+from kvbench.runs.schema import NODES, Rule, Run, method_rules, node_class, rules_of, snapshot
 
 ABSENT = object()
 CLASSES = [Run, *NODES.values(), *(METHODS[n] for n in METHODS.names()), *(DATASETS[n] for n in DATASETS.names())]
@@ -131,7 +134,7 @@ def configs_of(base: DictConfig):
 def test_setup_refuses_each_rules_bad_values_in_one_line_naming_key_and_value(base):
     """Through `setup` (what the run, validate, the grid launcher and merge call), one bad value at a time; the
     message names the field and shows the value."""
-    probes = 0
+    probes = refused_early = 0
     for cls, cfg, group in configs_of(base):
         node = cfg[group] if group else cfg
         for name, rule in rules_of(cls).items():
@@ -142,9 +145,47 @@ def test_setup_refuses_each_rules_bad_values_in_one_line_naming_key_and_value(ba
                 with pytest.raises(ValueError) as error:
                     setup(cfg)
                 line, shown = str(error.value), bad[0] if isinstance(bad, list) else bad
+                early = refusal(check_early, cfg)
+                assert early in (None, line), (cls.__name__, name, bad, early, line)  # the same line, or setup's
+                refused_early += early is not None
                 assert "\n" not in line and name.rstrip("s") in line, (cls.__name__, name, bad, line)
                 assert repr(shown) in line or str(shown) in line, (cls.__name__, name, bad, line)
                 probes += 1
             with open_dict(node):
                 node.pop(name, None) if good is ABSENT else node.__setitem__(name, good)
     assert probes > 600  # every field of every class above
+    assert refused_early > 0.8 * probes  # before torch (rules.json); the rest: values a class's own code judges
+
+
+def refusal(check, cfg) -> str | None:
+    try:
+        check(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_rules_json_is_what_the_classes_say():
+    """kvbench/runs/rules.json, which judges values before torch is imported, holds every built-in class's rules
+    as they are now (after changing a config class or RANGES: python -m kvbench.runs.schema)."""
+    assert json.loads(SNAPSHOT.read_text()) == json.loads(json.dumps(snapshot())), \
+        "kvbench/runs/rules.json is out of date: run python -m kvbench.runs.schema"
+
+
+def test_a_class_changed_since_rules_json_is_left_to_setup(base):
+    """A source file whose hash is not rules.json's sets its classes aside: the early check refuses nothing it
+    might now allow (setup still judges the value)."""
+    cfg = copy.deepcopy(base)
+    cfg.limit = 0
+    target = "kvbench.runs.schema.Run"
+    assert "limit=0" in refusal(check_early, cfg)
+    sources = rules.snapshot()["classes"][target]["sources"]
+    saved = dict(sources)
+    try:
+        sources["runs/schema.py"] = "0" * 16
+        rules.current.cache_clear()
+        assert rules.current(target) is None and refusal(check_early, cfg) is None
+    finally:
+        sources.update(saved)
+        rules.current.cache_clear()
+    assert rules.current(target) is not None

@@ -169,7 +169,7 @@ def test_a_run_whose_method_selects_out_of_range_exits_1_with_that_line(tmp_path
 
     out = subprocess.run([sys.executable, "-m", "kvbench.run", *NEEDLE, "dataset.context_lengths=[300]",
                           "method._target_=tests.unit.faulty.OffByOneSnapKV", f"results_dir={tmp_path}"], cwd=ROOT,
-                         env=ENV, capture_output=True, text=True, timeout=300)
+                         env=ENV, capture_output=True, text=True)
     assert out.returncode == 1, out.stderr[-2000:]
     (run_dir,) = run_dirs(tmp_path)
     errors = [r["error"] for r in records(run_dir)]

@@ -45,7 +45,7 @@ def test_three_shards_in_separate_processes_merge_to_the_unsharded_run(tmp_path,
     here = run_here(*NEEDLE, "shard=2/3", results=sharded)
     plain_dir = run_here(*NEEDLE, results=plain)  # meanwhile, the same config unsharded (in this process)
     for p in procs:
-        assert p.wait(timeout=300) == 0, p.stderr.read()
+        assert p.wait() == 0, p.stderr.read()
     (run_dir,) = run_dirs(sharded)  # shard is not part of the run's identity: one directory for all three
     assert here == run_dir
     assert run_dirs(plain) == [plain_dir]
@@ -87,8 +87,7 @@ def test_a_killed_shard_resumes_and_merge_names_missing_shards(tmp_path, capsys)
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.run", *grid, f"results_dir={results}"], cwd=ROOT,
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240  # a guard against a hang, not a speed assumption
-    while time.monotonic() < deadline and proc.poll() is None:
+    while proc.poll() is None:  # no deadline a loaded machine could reach
         shard_file = next(results.rglob("predictions.shard-0-of-2.jsonl"), None)
         if shard_file is not None and shard_file.read_text().count("\n") >= 1:
             break

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from kvbench.data.ruler import cache
 from kvbench.pathnames import check_inside, check_name
+from kvbench.runs.config import CONFIG_DIR
 from kvbench.runs.validate import BadInput, validate, validate_or_exit
 from tests.unit.test_cli import ENV, ROOT
 
@@ -141,9 +143,9 @@ def read_only(path: Path) -> None:
 
 
 def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
-    """Four bad commands at once (each process pays ~5 s of imports): a bad model path and a bad value (issue #31's
+    """Five bad commands at once (each process pays ~5 s of imports): a bad model path and a bad value (issue #31's
     `dataset.max_new_tokens=-3`, which used to run and score 0; any check's failure takes this exit path: sys.exit
-    with the line; the other checks' lines are test_each_bad_input's, in this process) and the two read-only cases,
+    with the line; the other checks' lines are test_each_bad_input's, in this process) and the three read-only cases (a file in .hydra/, which Hydra rewrites, included),
     which need a process: root drops its file-permission override (setpriv) so that read-only folders are read-only
     to it as well."""
     as_user = []
@@ -159,10 +161,16 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
     (run_dir / "predictions.jsonl").write_text('{"id": "niah-L300-d0"}\n')
     read_only(ro_results)
     read_only(existing)
+    hydra_dir = tmp_path / "hydra_file" / "run" / ".hydra"  # issue 42: a read-only file Hydra rewrites at start
+    hydra_dir.mkdir(parents=True)
+    (hydra_dir / "config.yaml").write_text("budget: 64\n")
+    (hydra_dir / "config.yaml").chmod(0o444)
     commands = {
         "path": (["model=hf", f"model.path={inputs}/no/such/dir"], tmp_path / "r3", "does not exist"),
         "ro-results": ([], ro_results, f"results_dir={ro_results} cannot be written"),
         "ro-run-dir": (["method=full", "budget=64", f"hydra.run.dir={run_dir}"], existing, "is read-only"),
+        "ro-hydra-file": (["method=full", "budget=64", f"hydra.run.dir={hydra_dir.parent}"], hydra_dir.parent.parent,
+                          f"{hydra_dir}/config.yaml is read-only; make it writable (chmod u+w)"),
         "value": (["dataset.max_new_tokens=-3"], tmp_path / "r4",
                   "kvbench: niah: dataset.max_new_tokens=-3 must be a positive integer (new tokens per sample)"),
     }
@@ -173,7 +181,7 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
         for name, (args, results, _) in commands.items()}
     try:
         for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
+            stdout, stderr = proc.communicate()
             lines = stderr.strip().splitlines()
             assert proc.returncode == 1 and not stdout.strip(), (name, stdout, stderr)
             assert len(lines) == 1 and lines[0].startswith("kvbench: ") and commands[name][2] in lines[0], (name, stderr)
@@ -183,6 +191,48 @@ def test_the_command_line_prints_one_line_and_writes_nothing(inputs, tmp_path):
         for path in (ro_results, existing):
             for p in [path, *path.rglob("*")]:
                 p.chmod(0o755)
+
+
+# --- values refused before the heavy imports (issue 42) -------------------------------------------------------
+BEFORE_TORCH = "import sys; sys.modules['torch'] = sys.modules['transformers'] = None; sys.argv[0] = 'kvbench.run'; " \
+               "from kvbench.runs.run import cli; cli()"
+EARLY = {
+    "budget": (["budget=-1"], "kvbench: pyramidkv: budget=-1 must be a positive integer (KV entries kept per head "
+               "per layer, window included); or use ratio=<0..1>."),
+    "budget-text": (["budget=abc"], "kvbench: budget='abc' must be an integer, or null"),
+    "ratio": (["ratio=1.5"], "kvbench: ratio=1.5 must be in [0, 1), or null (fraction of prompt entries removed)"),
+    "method-sweep": (["-m", "method=snapkv", "method.window=32,0"], "kvbench: snapkv: method.window=0 must be a "
+                     "positive integer"),
+    "dataset-list": (["dataset.context_lengths=[0]"], "kvbench: niah: dataset.context_lengths=[0] must be a list, "
+                     "each item a positive integer (tokens)"),
+    "shard": (["shard=3/2"], "kvbench: shard=3/2 must be i/n with n >= 1 and 0 <= i < n, e.g. 0/4"),
+}
+
+
+def test_bad_values_are_refused_before_torch_and_transformers_import(tmp_path):
+    """A bad value is refused as fast as a misspelt name: from kvbench/runs/rules.json, before torch and
+    transformers are imported (4-60 s). Shown in processes where importing either fails, so a refusal that still
+    needed them would end in an ImportError traceback instead of its line; nothing is written."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", BEFORE_TORCH, *args, f"results_dir={tmp_path / name}"],
+                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (args, _) in EARLY.items()}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        assert (proc.returncode, stdout, stderr) == (1, "", EARLY[name][1] + "\n"), name
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_value_a_method_takes_at_other_settings_is_left_to_setup(tmp_path):
+    """The early budget rule holds for a method at its defaults only: Keyformer with budget_fraction ignores the
+    budget, DMS always does; neither is refused early, and setup takes them too."""
+    from kvbench.runs.rules import check_budget_early
+
+    for argv in (["method=keyformer", "method.budget_fraction=0.5", "budget=-1"], ["method=dms", "budget=-1"]):
+        assert validate(["model=tiny_llama", *argv, f"results_dir={tmp_path}"]) == 1
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["method=keyformer", "budget=-1"])
+    with pytest.raises(ValueError, match="keyformer: budget=-1 must be a positive integer"):
+        check_budget_early(cfg)
 
 
 # --- broken YAML ----------------------------------------------------------------------------------------------
