@@ -66,6 +66,11 @@ class KIVI(Method):
         """The papers' name of this variant (KIVI-2, KIVI-4), used in manifests and tables."""
         return f"kivi-{self.bits}"
 
+    @property
+    def kv_bits(self) -> int:
+        """Bits per stored code (reports' `bits` column)."""
+        return self.bits
+
     def check_budget(self, budget: int | None) -> None:
         if budget is not None:  # ignored (nothing is evicted), but a nonsensical value is still a mistake
             super().check_budget(budget)
