@@ -27,7 +27,8 @@ from kvbench.cache.quantized import QuantizedLayer
 from kvbench.cache.quantized_heads import QuantizedHeads
 from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.kivi import check_quantizer
-from kvbench.methods.wrappers import Wrapper
+from kvbench.methods.base import Method
+from kvbench.methods.wrappers import Switches, Wrapper, wrap
 
 SCHEMES = {"kivi1": 1, "kivi2": 2, "kivi4": 4, "kivi8": 8}  # `+method.quantize=<scheme>` -> bits
 
@@ -83,3 +84,13 @@ class Quantize(Wrapper):
             raise ValueError(f"{self.registry_name}: {self.press.registry_name} left a {type(layer).__name__}, "
                              "which +method.quantize cannot store")
         return QuantizedLayer.from_layer(layer, self.bits, self.group_size, self.residual, self.arithmetic)
+
+
+def wrap_all(method: Method, switches: Switches, then: Method | None = None) -> Method:
+    """`kvbench.methods.wrappers.wrap`, then `+method.quantize` around the result (it stores what they all left)."""
+    method = wrap(method, switches, then)
+    if switches.quantize is None and (switches.quantize_group is not None or switches.quantize_residual is not None):
+        raise ValueError("quantize_group and quantize_residual tune +method.quantize=kivi2 (or kivi1/4/8); add it")
+    if switches.quantize is None:
+        return method
+    return Quantize(method, switches.quantize, switches.quantize_group or 32, switches.quantize_residual or 128)

@@ -191,7 +191,8 @@ def build_method(node: DictConfig, build=build, model=None):
     run's model node: `method_node`), as the first method is."""
     import dataclasses
 
-    from kvbench.methods.wrappers import Switches, wrap
+    from kvbench.methods.quantize import wrap_all
+    from kvbench.methods.wrappers import Switches
     from kvbench.runs.schema import node_class
 
     cls = node_class(node)
@@ -210,7 +211,7 @@ def build_method(node: DictConfig, build=build, model=None):
             raise ValueError(f"method.then: {str(e).splitlines()[0]}") from None
         then = build(then_node, "method.then")
     try:
-        return wrap(method, switches, then)
+        return wrap_all(method, switches, then)
     except ValueError as e:
         raise ValueError(f"method: {e}") from None
 

@@ -11,7 +11,8 @@ from hydra.utils import instantiate
 
 import kvbench.methods  # noqa: F401
 from kvbench.engine.batching import generate
-from kvbench.methods.wrappers import Switches, wrap
+from kvbench.methods.quantize import wrap_all
+from kvbench.methods.wrappers import Switches
 from kvbench.models import AttentionCapture, ModelSpec, load
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR
@@ -56,7 +57,7 @@ def test_kivi_one_bit_is_tailorkvs_every_layer_quantized_row(smollm2, needle_ids
 
 def test_snapkv_128_at_two_bits_holds_the_bytes_worked_out_by_hand(smollm2, needle_ids):
     snapkv, _ = run(smollm2, METHODS["snapkv"](), needle_ids, 128, 1)
-    packed, _ = run(smollm2, wrap(METHODS["snapkv"](), Switches(quantize="kivi2", quantize_residual=32)),
+    packed, _ = run(smollm2, wrap_all(METHODS["snapkv"](), Switches(quantize="kivi2", quantize_residual=32)),
                     needle_ids, 128, 1)
     heads = LAYERS * KV_HEADS
     sixteen_bit = 128 * HEAD_DIM * 2 * 2 * heads  # SnapKV 128 at 16 bits: keys + values, 2 bytes each

@@ -15,7 +15,8 @@ from kvbench.cache.quantized_heads import QuantizedHeads
 from kvbench.cache.quantizer import quantize
 from kvbench.engine.batching import Decoding, Request, generate, generate_batched
 from kvbench.engine.generation import compress, prefill
-from kvbench.methods.wrappers import Switches, wrap
+from kvbench.methods.quantize import wrap_all
+from kvbench.methods.wrappers import Switches
 from kvbench.models import AttentionCapture
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, setup
@@ -30,7 +31,7 @@ def model():
 
 
 def quantized(name: str, residual: int = 32, **fields):
-    return wrap(METHODS[name](**fields), Switches(quantize="kivi2", quantize_residual=residual))
+    return wrap_all(METHODS[name](**fields), Switches(quantize="kivi2", quantize_residual=residual))
 
 
 def compressed(model, method, ids) -> KVCache:
