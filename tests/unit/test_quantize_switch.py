@@ -108,6 +108,36 @@ def test_a_fed_question_joins_the_residual(model):
     assert len(gen.token_ids) == 4 and gen.kept_per_head[0] == [BUDGET + 20] * 2
 
 
+def test_grid_shared_prefill_gives_each_quantized_configuration_its_own_logits(model):
+    """The grid launcher: one prefill shared by KIVI, SnapKV+kivi2 and Ada-KV+kivi2; each compresses and quantizes
+    its own copy (`KVCache.clone`) and decodes the logits of its own run."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from kvbench.runs.grid import ConfigRun, GridJob, share_prefill
+
+    ids, sample = prompt(N, seed=5), SimpleNamespace(id="s1", max_new_tokens=6)
+    methods = [METHODS["kivi"](residual=32), quantized("snapkv", window=8), quantized("adakv", window=8)]
+    configs = [ConfigRun(GridJob(OmegaConf.create({"seed": 0}), Path(str(i)), {"method": m.registry_name}), m, None,
+                         None) for i, m in enumerate(methods)]
+
+    def logits_of(method, prefilled=None):
+        seen = []
+        with AttentionCapture(model) as capture:
+            generate(model, None, method, capture, ids, BUDGET, 6, eos_ids=set(), prefilled=prefilled,
+                     on_logits=lambda t, x: seen.append(x.clone()))
+        return seen
+
+    own = [logits_of(m) for m in methods]
+    with AttentionCapture(model) as capture:
+        shared = share_prefill(model, capture, configs, [BUDGET] * 3, ids, sample)
+    assert len({id(p.cache) for p in shared}) == 1
+    for method, prefilled, expected in zip(methods, shared, own):
+        got = logits_of(method, prefilled)
+        assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(got, expected)), method.registry_name
+    assert not torch.equal(own[0][-1], own[1][-1])  # the configurations differ: the comparison can fail
+
+
 def run_setup(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny_llama", *overrides])
