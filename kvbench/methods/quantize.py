@@ -70,11 +70,6 @@ class Quantize(Wrapper):
     def takes_chunks(self) -> bool:
         return not self.press.own_storage  # a dense selection's store appends a chunk; per-head stores do not
 
-    @property
-    def prefill_needs(self) -> str | None:
-        return self.press.prefill_needs or "a dense layer to select from (+method.quantize stores what it keeps " \
-            "quantized, which nothing evicts from)"
-
     def stored_layer(self, layer: KVLayer) -> KVLayer:
         """The layer the selection left, quantized: dense -> `QuantizedLayer`, per-head -> `QuantizedHeads`."""
         layer = self.press.stored_layer(layer)

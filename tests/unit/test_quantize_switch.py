@@ -154,6 +154,7 @@ def run_setup(*overrides: str):
     (["method=snapkv", "+method.quantize=kivi2", "decode_compression.target=64"],
      "snapkv\\+kivi2 stores its layers quantized"),
     (["method=snapkv", "+method.quantize=kivi2", "positions=shift"], "positions=shift"),
+    (["method=snapkv", "method.key_channels=0.5", "+method.quantize=kivi2"], "prunes key channels"),
     (["method=adakv", "+method.quantize=kivi2", "query=agnostic"], "query=agnostic: adakv\\+kivi2"),
     (["method=kivi", "method.bits=3"], "kivi: method.bits=3 is not one of 1, 2, 4, 8"),
     (["method=kivi", "method.arithmetic=exact"], "arithmetic='exact' is not one of tailorkv, kivi"),
