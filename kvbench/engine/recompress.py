@@ -90,6 +90,8 @@ def why_not(method: Method) -> str | None:
         return "keeps every entry"
     if method.kind is Kind.EVICTOR:
         return "evicts at every decode step already (its budget holds while decoding)"
+    if getattr(method, "kv_bits", None) is not None:  # method=kivi, +method.quantize
+        return "stores its layers quantized, from which nothing is evicted"
     if method.kind is not Kind.SELECTOR or method.own_storage:
         return "keeps per-head variable or offloaded layers, which decode-time compression does not rebuild yet"
     if method.threshold_budget:

@@ -17,6 +17,7 @@ from kvbench.methods import kvcompose  # noqa: F401
 from kvbench.methods import kvgrad  # noqa: F401
 from kvbench.methods import cam  # noqa: F401
 from kvbench.methods import fastkvzip  # noqa: F401
+from kvbench.methods import kivi  # noqa: F401  (quantized caches, issue 45)
 
 from kvbench.methods.base import Kind, LayerView, Method
 

@@ -7,6 +7,7 @@ as switches on any selector: keys added to its method node, e.g.
     python -m kvbench.run method=knorm +method.block_size=128                  # block-wise, as keydiff's default
     python -m kvbench.run method=snapkv +method.then=knorm +method.first_ratio=0.5 ratio=0.75   # one, then another
     python -m kvbench.run method=knorm +method.merge=true ratio=0.5            # evicted values merged into kept ones
+    python -m kvbench.run method=snapkv budget=128 +method.quantize=kivi2      # what is kept stored at 2 bits (KIVI)
 
 `kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
 `block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
@@ -41,6 +42,10 @@ class Switches:
     merge: bool | None = None  # evicted values folded into the kept ones (kvpress MergingPress)
     merge_threshold: float | None = None  # with `merge`: the least key cosine at which an entry merges
     merge_fraction: float | None = None  # with `merge`: the share of the passing entries (best cosines) that merge
+    quantize: str | None = None  # what is kept stored KIVI-quantized: kivi1, kivi2, kivi4, kivi8 (methods/quantize.py,
+    #                              applied by its `wrap_all`, the outermost switch)
+    quantize_group: int | None = None  # with `quantize`: tokens per key group, channels per value group (32)
+    quantize_residual: int | None = None  # with `quantize`: most recent kept entries in full precision (128)
 
 
 def sub_view(view: LayerView, idx: Tensor) -> LayerView:
@@ -150,6 +155,9 @@ class Wrapper(Method):
 
     def merged_values(self, view: LayerView, kept: Tensor) -> Tensor | None:
         return self.press.merged_values(view, kept)
+
+    def stored_layer(self, layer):
+        return self.press.stored_layer(layer)
 
 
 @dataclass
@@ -393,7 +401,8 @@ def refusal(method: Method) -> str | None:
 
 def wrap(method: Method, switches: Switches, then: Method | None = None) -> Method:
     """The method with its switches applied, innermost first: chunk or block, then `then`, then per-layer budgets,
-    then merge (its merge acts on what all of them kept)."""
+    then merge (its merge acts on what all of them kept). `quantize` is applied last, around all of them, by
+    `kvbench.methods.quantize.wrap_all` (it stores what they left)."""
     if switches.chunk_length is not None and switches.block_size is not None:
         raise ValueError("chunk_length and block_size are two ways of cutting the prompt; set one")
     if switches.chunk_length is not None:

@@ -11,7 +11,8 @@ METHOD_NAMES = {"full": "FullKV", "pyramidkv": "PyramidKV", "snapkv": "SnapKV", 
                 "tailorkv": "TailorKV", "tailorkv-1": "TailorKV-1", "tailorkv-2": "TailorKV-2",
                 "tova": "TOVA", "knorm": "Knorm", "expected_attention": "ExpectedAttention",  # kvpress's spellings
                 "kvzip": "KVzip",
-                "quest": "Quest", "pqcache": "PQCache"}
+                "quest": "Quest", "pqcache": "PQCache",
+                "kivi-1": "KIVI-1", "kivi-2": "KIVI-2", "kivi-4": "KIVI-4", "kivi-8": "KIVI-8"}
 
 
 def method_label(name: str) -> str:

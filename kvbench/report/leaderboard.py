@@ -6,8 +6,9 @@ One row per run (a method at a compression ratio on one model and RULER length),
 (`SCHEMA`: dataset, data_dir, model, method, compression_ratio, score) followed by kvbench's own columns
 (`KVBENCH_COLUMNS`): `query_aware` (the question compressed with the context: the leaderboard's second loop,
 kvpress's `--query_aware`; false: the grid's question-agnostic runs), the score's standard error, the samples and
-tasks behind it, the KV bytes held after compression and their fraction of the full cache, and the mean time per
-sample. `score` is kvpress's: each task's
+tasks behind it, the KV bytes held after compression and their fraction of the full cache, the bits per stored
+code and the bytes per kept entry (kvbench.report.bits: one memory axis for quantized and evicting runs), and the mean
+time per sample. `score` is kvpress's: each task's
 string match (RULER's metric: string_match_part for qa_*, string_match_all otherwise; x 100, 2 decimals, as
 `evaluation/benchmarks/ruler/calculate_metrics.py`), averaged over the tasks (the leaderboard's average). `method`
 is kvpress's press name (`no_press`, `streaming_llm`, `observed_attention`, ...), and a run counts only when its
@@ -29,6 +30,7 @@ import yaml
 from kvbench.data.ruler.templates import task_metric
 from kvbench.metrics.ruler import postprocess, string_match_all, string_match_part, task_score
 from kvbench.metrics.stats import combine_se, mean_se
+from kvbench.report.bits import kv_bits
 from kvbench.report.escape import md_row
 from kvbench.report.records import is_failure, latest_per_id
 from kvbench.report.runs import PREDICTIONS, find_run_dirs, load_run, read_manifest, read_predictions
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = ("dataset", "data_dir", "model", "method", "compression_ratio", "score")
 KVBENCH_COLUMNS = ("query_aware", "score_se", "n_samples", "n_failed", "n_tasks", "kv_bytes", "kv_fraction",
-                   "time_s", "prefill_s", "compress_s", "question_s", "decode_s", "run_dir")
+                   "bits", "bytes_per_entry", "time_s", "prefill_s", "compress_s", "question_s", "decode_s", "run_dir")
 PUBLISHED = Path(__file__).parent / "published" / "kvpress_leaderboard.json"
 SAMPLE_METRIC = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
@@ -68,6 +70,14 @@ def press_name(method: str, settings: dict) -> tuple[str | None, str | None]:
     name, needed = KVPRESS[method]
     wrong = [f"method.{k}={settings.get(k)!r} (kvpress: {v!r})" for k, v in needed.items() if settings.get(k) != v]
     return (None, f"{method} ran with {', '.join(wrong)}") if wrong else (name, None)
+
+
+def bytes_per_entry(df: pd.DataFrame) -> float | None:
+    """The run's KV bytes over the entries it kept (kvbench.report.bits), or None where records lack them."""
+    if "kv_entries" not in df or "kv_bytes" not in df or not df["kv_entries"].notna().any():
+        return None
+    entries = df["kv_entries"].sum()
+    return float(df["kv_bytes"].sum() / entries) if entries else None
 
 
 def run_row(run_dir: Path) -> dict | None:
@@ -104,6 +114,7 @@ def run_row(run_dir: Path) -> dict | None:
             "score_se": combine_se(ses, [1 / len(ses)] * len(ses)), "n_samples": len(df), "n_failed": failed,
             "n_tasks": len(scores),
             "kv_bytes": kv, "kv_fraction": kv / full if kv is not None and full else None,
+            "bits": kv_bits(cfg), "bytes_per_entry": bytes_per_entry(df),
             "time_s": mean("e2e_s"), "prefill_s": mean("prefill_s"), "compress_s": mean("compress_s"),
             "question_s": mean("question_s"), "decode_s": mean("decode_s"), "run_dir": str(run_dir)}
 
@@ -145,7 +156,7 @@ def published_score(published: dict, row: dict) -> tuple[float | None, str | Non
 def markdown(rows: pd.DataFrame, published: dict) -> str:
     """The rows as a Markdown table, the published score and its source beside each, then the sources."""
     head = ["model", "data_dir", "method", "query", "compression_ratio", "score ± se", "published", "KV bytes", "KV %",
-            "s / sample", "n (failed)"]
+            "bits", "B / entry", "s / sample", "n (failed)"]
     lines = [md_row(head), md_row(["---"] * len(head))]
     for _, r in rows.iterrows():
         pub, source = published_score(published, r)
@@ -155,6 +166,8 @@ def markdown(rows: pd.DataFrame, published: dict) -> str:
                              f"{r['score']:.2f}{se}", "–" if pub is None else f"{pub:.2f} ({source})",
                              "–" if pd.isna(r["kv_bytes"]) else f"{r['kv_bytes']:.0f}",
                              "–" if pd.isna(r["kv_fraction"]) else f"{100 * r['kv_fraction']:.1f}",
+                             "–" if pd.isna(r["bits"]) else f"{r['bits']:.0f}",
+                             "–" if pd.isna(r["bytes_per_entry"]) else f"{r['bytes_per_entry']:.1f}",
                              "–" if pd.isna(r["time_s"]) else f"{r['time_s']:.2f}",
                              f"{r['n_samples']}" + (f" ({r['n_failed']} failed)" if r["n_failed"] else "")]))
     lines += ["", "score: RULER's string match per task (x 100), averaged over the tasks; ± its standard error over "

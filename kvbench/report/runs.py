@@ -13,6 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from kvbench.report.bits import kept_entries, run_bits
 from kvbench.report.records import is_failure, latest_per_id, scan, with_follow_up_work
 from kvbench.report.settings import ROW_KEYS, SETTING, setting_labels
 
@@ -135,6 +136,9 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
         df[col] = manifest.get(col)
     df["query"] = manifest.get("query") or "aware"  # runs from before `query` existed were question-aware
     df["run_dir"] = str(run_dir)
+    df["bits"] = run_bits(run_dir)  # the memory axis (kvbench.report.bits)
+    if "kept_per_head" in df:
+        df["kv_entries"] = df["kept_per_head"].map(kept_entries)
     return df
 
 

@@ -24,6 +24,7 @@ METRIC_LABELS = {"pyramidkv_recall": "Acc."}       # metric -> column header in 
 COLUMNS = {"model": ("Model", "{}"), "dataset": ("Dataset", "{}"), "method": ("Method", "{}"),
            "budget": ("KV Size", "{:d}"), "ratio": ("Ratio", "{:.2f}"), "metric": ("Metric", "{}"),
            "n": ("n", "{:d}"), "effective_budget": ("Eff. budget", "{:.1f}"), "kv_bytes_frac": ("KV/full", "{:.3f}"),
+           "bits": ("Bits", "{:.0f}"), "bytes_per_entry": ("B/entry", "{:.1f}"),
            "prefill_s": ("Prefill s", "{:.3f}"), "decode_tok_s": ("Decode tok/s", "{:.1f}"),
            "query": ("Query", "{}"), "turn_mode": ("Turns", "{}"), "setting": ("Setting", "{}"),
            "protocol": ("Protocol", "{}"), "mode": ("Mode", "{}"), "records": ("Records", "{:d}"),
@@ -73,10 +74,12 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
 
     The score column is named after the primary metric ("Acc." for pyramidkv_recall); when runs with different
     primary metrics are mixed it is named "score" and a "metric" column says which. kv_bytes_frac is the total KV
-    bytes held over the total a full cache would hold (the ratio of means, as in scores.json's kv_ratio).
+    bytes held over the total a full cache would hold (the ratio of means, as in scores.json's kv_ratio); `bits`
+    (per stored code) and `bytes_per_entry` (total KV bytes over total kept entries) put quantized and evicting runs
+    on one memory axis (kvbench.report.bits).
     """
     df = df.copy()
-    for col in ("score", "kv_bytes", "full_kv_bytes", *MEANS):
+    for col in ("score", "kv_bytes", "full_kv_bytes", "bits", "kv_entries", *MEANS):
         if col not in df:
             df[col] = math.nan
     df["primary_metric"] = df["primary_metric"].fillna("score") if "primary_metric" in df else "score"
@@ -93,6 +96,7 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     g = df.groupby([*keys, "primary_metric"], dropna=False, sort=False)
     df["_group"] = g.ngroup()
     out = g.agg(n=("score", "size"), kv_bytes=("kv_bytes", "sum"), full_kv_bytes=("full_kv_bytes", "sum"),
+                kv_entries=("kv_entries", "sum"), bits=("bits", "first"),
                 _group=("_group", "first"), **{c: (c, "mean") for c in MEANS}).reset_index()
     estimates = {k: unit_mean_se(x["score"].astype(float), sample_units(x)) for k, x in df.groupby("_group")}
     out["score"] = out["_group"].map(lambda k: estimates[k].mean).astype(float)
@@ -102,11 +106,12 @@ def summary_table(df: pd.DataFrame, compare=None) -> pd.DataFrame:
     if compare is not None:
         out = _add_differences(out, df, keys, scale, compare)
     out["kv_bytes_frac"] = out["kv_bytes"] / out["full_kv_bytes"].where(out["full_kv_bytes"] > 0)
+    out["bytes_per_entry"] = out["kv_bytes"] / out["kv_entries"].where(out["kv_entries"] > 0)  # (report/bits.py)
     metrics = out["primary_metric"].unique()
     label = METRIC_LABELS.get(metrics[0], metrics[0]) if len(metrics) == 1 else "score"
     out = out.rename(columns={"score": label, "primary_metric": "metric"})
     cols = [*keys, *(["metric"] if len(metrics) > 1 else []), "n", label, "se", "effective_budget", "kv_bytes_frac",
-            "prefill_s", "decode_tok_s", *(DIFF_COLUMNS if compare is not None else ())]
+            "bits", "bytes_per_entry", "prefill_s", "decode_tok_s", *(DIFF_COLUMNS if compare is not None else ())]
     out = sort_runs(out)[cols].reset_index(drop=True)
     out.attrs["score_column"] = label
     if compare is not None:

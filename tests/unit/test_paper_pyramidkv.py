@@ -148,8 +148,8 @@ def preset_runs(preset: str) -> tuple[dict, ...]:
                 composed[method] = {**pd.json_normalize(OmegaConf.to_container(cfg, resolve=False), sep=".")
                                     .iloc[0].to_dict(), "model": cfg.model.name, "dataset": cfg.dataset.name}
             run = {**composed[method], **job, "method": method}
-            if method == "tailorkv":  # the manifest names the variant (methods/tailorkv.py `label`): tailorkv-<bits>
-                run["method"] = f"tailorkv-{run['method.bits']}"
+            if method in ("tailorkv", "kivi"):  # the manifest names the variant (the method's `label`): <name>-<bits>
+                run["method"] = f"{method}-{run['method.bits']}"
             if run.get("method.whole_layers") is not None:  # a wrapped selector (methods/wrappers.py `label`)
                 run["method"] = f"{method}+per_layer"
             runs.append(run)

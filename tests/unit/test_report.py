@@ -95,7 +95,7 @@ def test_summary_table_matches_hand_computed_means(three_runs: Path):
     t = summary_table(load_runs([three_runs]))
     assert list(t["method"]) == ["full", "pyramidkv", "snapkv"]            # full first, then by budget
     assert list(t.columns) == ["model", "dataset", "method", "budget", "n", "Acc.", "se", "effective_budget",
-                               "kv_bytes_frac", "prefill_s", "decode_tok_s"]
+                               "kv_bytes_frac", "bits", "bytes_per_entry", "prefill_s", "decode_tok_s"]
     snap = t[t["method"] == "snapkv"].iloc[0]
     assert snap["n"] == 4 and snap["budget"] == 128
     assert snap["Acc."] == pytest.approx(100 * (1.0 + 0.0 + 1.0 + 0.5) / 4)
