@@ -220,6 +220,11 @@ RANGES: dict[str, Range] = {
     "gates": OWN,  # auto | random | a file (FastKVzip.__post_init__)
     "window_ratio": within(0, 1, "share of the context kept as the recent window", open_high=True),
     "window_size": at_least(1, "recent entries kept from 32k tokens on"),
+    # --- KVCache-Factory's 2026 additions (issue 45)
+    "random_budget": at_least(0, "entries per head kept by random eviction"),
+    "random_temperature": UNBOUNDED,  # <= 0: uniform draw
+    "history_window": Range(low=1, says="a positive number of query rows, or null for all"),
+    "decay": at_least(0, "share of earlier importance kept at each update"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
