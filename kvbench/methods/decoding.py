@@ -104,8 +104,8 @@ class EvictionState:
             row = key.new_zeros(b, h_kv, length, dtype=torch.float32)
         old = self.scores[layer_idx]
         if self.method.keeps_history and self.method.accumulates_attention:
-            row = self.method.accumulate(torch.cat([old, old.new_zeros(*old.shape[:2], length - old.shape[-1])], dim=-1),
-                                         row)
+            padded = torch.cat([old, old.new_zeros(*old.shape[:2], length - old.shape[-1])], dim=-1)
+            row = self.method.accumulate(padded, row)
         self.scores[layer_idx] = row
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, row, prefill=True))
 
