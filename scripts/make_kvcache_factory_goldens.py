@@ -5,8 +5,10 @@
 
 Runs the reference's pure-PyTorch functions (`pyramidkv/nacl.py`: `select_nacl_proxy_indices`,
 `select_nacl_tokens`; `pyramidkv/scissorhands.py`: `update_scissorhands_importance`, `select_scissorhands_tokens`;
-each file loaded by path) on seeded random keys and queries (one KV head per query head, the reference's layout),
+`pyramidkv/minicache.py`: `compress_minicache_pair`, `restore_minicache_pair`; each file loaded by path) on seeded random keys and queries (one KV head per query head, the reference's layout),
 with the attention computed here eagerly over the full causal n x n matrix (the reference takes attention as input).
+For MiniCache the JSON holds the retained indices and the restored states of both layers (two adjacent layers'
+states: seeded, the deeper one a perturbed copy of the other, as adjacent layers are similar).
 Nothing of the reference is copied into kvbench; the JSON holds the seeds, shapes, settings and the kept indices.
 """
 from __future__ import annotations
@@ -26,6 +28,9 @@ NACL_CASES = [(0, 64, 2, 16, 24, 8, 0, 0, 1.0), (1, 90, 3, 16, 40, 16, 4, 0, 1.0
 SCISSOR_CASES = [(0, 64, 2, 16, 24, None, 0, 0), (1, 90, 3, 16, 40, 16, 8, 4), (2, 100, 2, 8, 36, 30, 4, 0)]
 # Scissorhands decoding: (seed, n prompt, heads, head dim, budget, steps, decay, recent, sinks)
 SCISSOR_DECODE = [(5, 40, 2, 16, 24, 12, 0.5, 4, 2), (6, 50, 2, 8, 30, 10, 1.0, 0, 0)]
+
+# MiniCache: (seed, n, heads, head dim, interpolation, retention ratio, perturbation of the deeper layer)
+MINICACHE_CASES = [(0, 24, 2, 8, 0.6, 0.05, 0.3), (1, 40, 3, 16, 0.5, 0.2, 1.0), (2, 17, 2, 8, 0.6, 0.1, 0.05)]
 
 
 def inputs(seed: int, n: int, heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +110,27 @@ def scissor_decode_cases(ref: dict) -> list[dict]:
     return cases
 
 
+def pair_inputs(seed: int, n: int, heads: int, d: int, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two adjacent layers' states `[1, heads, n, d]`: the deeper one a perturbed, rescaled copy of the other."""
+    g = torch.Generator().manual_seed(seed)
+    previous = torch.randn(1, heads, n, d, generator=g)
+    current = 1.5 * previous + noise * torch.randn(1, heads, n, d, generator=g)
+    return previous, current
+
+
+def minicache_cases(ref: dict) -> list[dict]:
+    cases = []
+    for seed, n, heads, d, t, ratio, noise in MINICACHE_CASES:
+        previous, current = pair_inputs(seed, n, heads, d, noise)
+        direction, cur_mag, prev_mag, _, cur_kept, prev_kept, idx = ref["compress_minicache_pair"](
+            current, previous, interpolation=t, retention_ratio=ratio)
+        cur, prev = ref["restore_minicache_pair"](direction, cur_mag, prev_mag, current_retained=cur_kept,
+                                                  previous_retained=prev_kept, retained_indices=idx)
+        cases.append(dict(seed=seed, n=n, heads=heads, head_dim=d, interpolation=t, retention_ratio=ratio,
+                          noise=noise, retained=idx[0].tolist(), previous=prev[0].tolist(), current=cur[0].tolist()))
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--factory-repo", type=Path, required=True)
@@ -115,9 +141,14 @@ def main() -> None:
     commit = args.commit or subprocess.run(["git", "-C", str(args.factory_repo), "rev-parse", "HEAD"],
                                            capture_output=True, text=True).stdout.strip() or None
     nacl, scissor = load(args.factory_repo, "pyramidkv/nacl.py"), load(args.factory_repo, "pyramidkv/scissorhands.py")
+    minicache = load(args.factory_repo, "pyramidkv/minicache.py")
     out = dict(reference="Zefan-Cai/KVCache-Factory", commit=commit, nacl=nacl_cases(nacl),
-               scissorhands=scissor_cases(scissor), scissorhands_decode=scissor_decode_cases(scissor))
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+               scissorhands=scissor_cases(scissor), scissorhands_decode=scissor_decode_cases(scissor),
+               minicache=minicache_cases(minicache))
+    lines = [f"{json.dumps(key)}: " + (json.dumps(value) if not isinstance(value, list) else
+                                       "[\n  " + ",\n  ".join(json.dumps(case) for case in value) + "\n ]")
+             for key, value in out.items()]  # one case per line
+    args.out.write_text("{\n " + ",\n ".join(lines) + "\n}\n")
     print(f"wrote {args.out}")
 
 

@@ -225,6 +225,9 @@ RANGES: dict[str, Range] = {
     "random_temperature": UNBOUNDED,  # <= 0: uniform draw
     "history_window": Range(low=1, says="a positive number of query rows, or null for all"),
     "decay": at_least(0, "share of earlier importance kept at each update"),
+    "start_layer": Range(low=0, says="a layer index, or null for the middle layer"),
+    "interpolation": within(0, 1, "SLERP weight of the deeper layer"),
+    "retention_ratio": within(0, 1, "share of tokens kept unmerged"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
