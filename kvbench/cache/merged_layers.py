@@ -82,16 +82,19 @@ class MergedLayer(KVLayer):
         new.device, new.dtype, new.is_initialized = layer.keys.device, layer.keys.dtype, True
         new.merged_keys, new.merged_values, new.side = keys, values, side
         new.prompt_len = layer.keys.shape[2]
-        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, None
+        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, layer.positions.clone()
         new.keys = layer.keys[:, :, :0].clone()  # the dense part starts empty
         new.values = layer.values[:, :, :0].clone()
         return new
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append generated or fed tokens `[B, H_kv, q, D]` to the dense part; returns it."""
+        b, h, q = key_states.shape[:3]
+        new = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device).expand(b, h, q)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.seen_tokens += key_states.shape[-2]
+        self.positions = torch.cat([self.positions, new], dim=-1)  # (every token stays: position = slot)
+        self.seen_tokens += q
         return self.keys, self.values
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:

@@ -42,6 +42,8 @@ def configured(name: str):
         cfg.update(page_size=8, dense_layers=1)
     if name == "duo_attention":  # streaming heads keep 4 sinks + 8 recent (its pattern: 128 + 256)
         cfg.update(sink_size=4, recent_size=8)
+    if name == "minicache":  # layers 0 and 1 of 3 merged
+        cfg.update(start_layer=0)
     return instantiate(cfg)
 
 
@@ -67,6 +69,10 @@ def test_method_contract(name, family):
         per_entry = gen.full_kv_bytes / (N * model.config.num_key_value_heads * model.config.num_hidden_layers)
         heads = max(len(layer) for layer in gen.kept_per_head)
         mean_kept = gen.kv_bytes / per_entry / heads / model.config.num_hidden_layers
+        if name == "minicache":  # layers merged, not entries: every token stays, in fewer bytes
+            assert all(kept == [N] * len(kept) for kept in gen.kept_per_head)
+            assert gen.kv_bytes < gen.full_kv_bytes
+            continue
         if method.kind is Kind.STORAGE:  # storage: retrieval layers attend exactly `budget` prompt entries
             layers = model.config.num_hidden_layers
             sparse = gen.kept_per_head[method.dense_layers:] if name == "quest" else gen.kept_per_head[1:]

@@ -72,6 +72,8 @@ def configured(name: str):
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "duo_attention":  # every head streams (4 sinks + 8 recent), so that every layer shrinks
         cfg.update(sink_size=4, recent_size=8, head_ratio=1.0)
+    if name == "minicache":  # every layer paired, every token retained: the pairs read back exactly (the merge's own
+        cfg.update(start_layer=0, retention_ratio=1.0)  # read-back: tests/unit/test_minicache.py)
     return instantiate(cfg)
 
 
@@ -211,7 +213,8 @@ def check_contract(family: str, name: str):
         assert gen.kv_bytes == gen.full_kv_bytes
         return
     compressed = [i for i in range(LAYERS) if i not in window_layers
-                  and not (name == "quest" and i < method.dense_layers)]  # (Quest's dense layers attend all)
+                  and not (name == "quest" and i < method.dense_layers)  # (Quest's dense layers attend all)
+                  and name != "minicache"]  # (MiniCache merges layers, not entries: every token stays)
     for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
         assert max(len(p) for p in kept[i]) < N
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
