@@ -123,19 +123,21 @@ def test_a_generation_holds_the_budget_and_frees_the_rest(name, kwargs):
 
 
 def test_the_grid_launcher_equals_the_basic_one(tmp_path):
-    """NACL (the shared window queries) and Scissorhands with a history window and decay (its own prefill scorer)
-    decode together from one prefill per sample; every record equals the basic launcher's."""
+    """NACL (the shared window queries), Scissorhands with a history window and decay (its own prefill scorer) and
+    MiniCache (merging its copy of the shared prefill) decode together from one prefill per sample; every record
+    equals the basic launcher's."""
     from tests.unit.test_cli import grid_here, run_here
     from tests.unit.test_grid import outputs
 
     common = ["model=tiny_llama", "budget=40", "report=false", "dataset.context_lengths=[300]",
               "dataset.depth_percents=[50]", "dataset.metrics=[pyramidkv_recall]", "dataset.max_new_tokens=4"]
     methods = [["method=nacl", "method.window=8", "method.random_budget=4"],
-               ["method=scissorhands", "method.history_window=16", "method.decay=0.8", "method.recent_size=4"]]
+               ["method=scissorhands", "method.history_window=16", "method.decay=0.8", "method.recent_size=4"],
+               ["method=minicache", "method.start_layer=0"]]
     for overrides in methods:
         run_here(*common, *overrides, results=tmp_path / "basic")
-    grid_here([[*common, *overrides, "batch_size=2"] for overrides in methods], tmp_path / "grid")
+    grid_here([[*common, *overrides, "batch_size=3"] for overrides in methods], tmp_path / "grid")
     expected, got = outputs(tmp_path / "basic"), outputs(tmp_path / "grid")
-    assert len(expected) == 2 and all("error" not in r for recs, _ in expected.values() for r in recs)
+    assert len(expected) == 3 and all("error" not in r for recs, _ in expected.values() for r in recs)
     assert all(r["kv_bytes"] < r["full_kv_bytes"] for recs, _ in expected.values() for r in recs)
     assert got == expected
