@@ -176,9 +176,13 @@ EXTRA_tailorkv_t15_yi6b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16 := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi9b := $(TAILORKV_EXTRA)
 EXTRA_tailorkv_t16_yi6b := $(TAILORKV_EXTRA)
-EXTRA_tailorkv_t1 := "method=full"   # Table 1's 16-bit row; its sweep: every layer at 1 bit, layer 0 alone at 1 bit
+# Table 1: the 16-bit row, and the 1-bit (KIVI) row (every layer at 1 bit: method=kivi with TailorKV's group and
+# arithmetic, = method=tailorkv method.rest=quantized); its sweep: layer 0 alone at 1 bit
+EXTRA_tailorkv_t1 := "method=full" "method=kivi method.bits=1 method.group_size=64 method.arithmetic=tailorkv"
 SMOKE_tailorkv := tailorkv_smoke tailorkv_t15_smoke tailorkv_t16_smoke   # 14, 5, 8: LongBench; 15, 3: +IB; 16: RULER
-EXTRA_tailorkv_t1_smoke := $(EXTRA_tailorkv_t1)   # Table 1's smoke form: its own target (below), not in CI's smoke
+EXTRA_tailorkv_t1_smoke := "method=full" \
+	"method=kivi method.bits=1 method.group_size=32 method.residual=32 method.arithmetic=tailorkv"   # Table 1's smoke
+#                                                       form (the sweep's group and residual): its own target (below)
 EXTRA_keyformer_t3  := "method=full" "method=keyformer positions=shift" "method=keyformer method.score=shared"
 EXTRA_buzz_t2       := "-m method=buzz method.logn=true"
 PRESETS_keyformer_t2 := none   # no sweep: lm-eval runs (LM_EVAL_RUNS_keyformer_t2, below)

@@ -1,11 +1,9 @@
-"""KIVI-style static quantization for TailorKV's quantization-friendly layers (1 or 2 bits), pure PyTorch.
+"""KIVI's quantized cache layer (TailorKV's quantization-friendly layers, `method=kivi`, `+method.quantize`): 1 to 8
+bits, pure PyTorch.
 
-Quantizer: uniform asymmetric, per group of `group` consecutive elements along the last dimension: zero = min,
-scale = (max - min) / (2^b - 1), both stored in fp16 (as the paper says); codes = round(clamp((x - zero) / scale,
-0, 2^b - 1)) with torch's half-to-even rounding, computed from the fp16-rounded zero/scale so that dequantization
-(code * scale + zero) is consistent. A constant group (scale 0, where the official code divides by zero and gets NaN)
-gets codes 0 and dequantizes to its min. Codes are bit-packed into uint8 along the last dimension (8 / b codes per
-byte, the first code in the lowest bits), so `nbytes()` is the memory a packed kernel would hold.
+The quantizer is `kvbench.cache.quantizer` (uniform asymmetric per group, codes bit-packed into uint8, so `nbytes()`
+is the memory a packed kernel would hold); `arithmetic` picks TailorKV's rule (fp32 math, fp16 scale and zero: the
+default) or the KIVI authors' (every step in the cache's dtype).
 
 `QuantizedLayer` follows the official `TailorKVCache` (ydyhello/TailorKV @4e9fc81, `models/cache_utils.py`):
 - keys are quantized per channel: stored `[B, H, D, T]`, groups of `group` consecutive tokens; the last n mod
@@ -35,87 +33,12 @@ quantized by the steps before it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
-
-BITS = (1, 2, 4, 8)
-
-
-# --- the quantizer ----------------------------------------------------------------------------------------------
-@dataclass
-class Quantized:
-    """A tensor `[..., length]` quantized in groups along its last dim: packed codes `[..., length * bits / 8]`
-    (uint8), fp16 `scale` and `zero` `[..., length / group]`."""
-
-    packed: Tensor
-    scale: Tensor
-    zero: Tensor
-    bits: int
-    group: int
-    length: int
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """`[..., length]`: code * scale + zero, computed in fp32."""
-        codes = unpack(self.packed, self.bits, self.length).float()
-        codes = codes.unflatten(-1, (-1, self.group))
-        x = codes * self.scale.float()[..., None] + self.zero.float()[..., None]
-        return x.flatten(-2).to(dtype)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
-
-
-def quantize(x: Tensor, bits: int, group: int) -> Quantized:
-    """Quantize `x` `[..., L]` in groups of `group` consecutive elements of the last dim (L divisible by `group`)."""
-    if bits not in BITS:
-        raise ValueError(f"quantize: bits={bits} is not one of {BITS}")
-    length = x.shape[-1]
-    if length % group:
-        raise ValueError(f"quantize: the last dim ({length}) is not a multiple of group={group}")
-    g = x.float().unflatten(-1, (-1, group))  # [..., L / group, group]
-    mn, mx = g.amin(dim=-1), g.amax(dim=-1)
-    zero, scale = mn.half(), ((mx - mn) / (2**bits - 1)).half()
-    z, s = zero.float()[..., None], scale.float()[..., None]
-    safe = torch.where(s > 0, s, torch.ones_like(s))  # constant group: codes 0, dequantizes to zero
-    codes = ((g - z) / safe).clamp(0, 2**bits - 1).round()
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
-    return Quantized(pack(codes.flatten(-2).to(torch.uint8), bits), scale, zero, bits, group, length)
-
-
-def pack(codes: Tensor, bits: int) -> Tensor:
-    """uint8 codes `[..., L]` (each < 2^bits) -> `[..., L * bits / 8]` uint8; code j of a byte sits at bit j * bits."""
-    per = 8 // bits
-    if codes.shape[-1] % per:
-        raise ValueError(f"pack: the last dim ({codes.shape[-1]}) is not a multiple of {per} ({bits}-bit codes)")
-    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    return (codes.unflatten(-1, (-1, per)) << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: sum == or
-
-
-def unpack(packed: Tensor, bits: int, length: int) -> Tensor:
-    """Inverse of `pack`: `[..., L * bits / 8]` uint8 -> codes `[..., length]` uint8."""
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-    codes = (packed[..., None] >> shifts) & (2**bits - 1)
-    return codes.flatten(-2)[..., :length]
-
-
-def cat(a: Quantized | None, b: Quantized, dim: int) -> Quantized:
-    """Concatenate two quantized tensors along `dim` (`a` may be None). Along the last (packed) dim `a` must end on a
-    byte and a group boundary, which whole blocks of groups do; along any other dim the lengths must match."""
-    if a is None:
-        return b
-    if (a.bits, a.group) != (b.bits, b.group):
-        raise ValueError("quantize: cannot concatenate tensors with different bits or group")
-    last = dim % a.packed.dim() == a.packed.dim() - 1
-    if last and (a.length * a.bits % 8 or a.length % a.group):
-        raise ValueError(f"quantize: a block of length {a.length} does not end on a byte and group boundary")
-    if not last and a.length != b.length:
-        raise ValueError(f"quantize: lengths {a.length} and {b.length} differ")
-    parts = [torch.cat([x, y], dim=dim) for x, y in ((a.packed, b.packed), (a.scale, b.scale), (a.zero, b.zero))]
-    return Quantized(*parts, a.bits, a.group, a.length + b.length if last else a.length)
+from kvbench.cache.quantizer import BITS, Quantized, cat, pack, quantize, unpack  # noqa: F401 (re-exported)
 
 
 # --- the cache layer --------------------------------------------------------------------------------------------
@@ -128,7 +51,8 @@ class QuantizedLayer(KVLayer):
     own_storage = True
 
     @classmethod
-    def from_layer(cls, layer: KVLayer, bits: int, group: int = 64, residual: int = 128) -> QuantizedLayer:
+    def from_layer(cls, layer: KVLayer, bits: int, group: int = 64, residual: int = 128,
+                   arithmetic: str = "tailorkv") -> QuantizedLayer:
         """Quantize a filled prompt layer (n tokens). Values use groups of min(group, D) channels: the tiny test
         models have D = 16, real models 64 or 128. The new layer keeps no reference to `layer`'s tensors."""
         keys, values = layer.keys, layer.values
@@ -142,11 +66,12 @@ class QuantizedLayer(KVLayer):
         new = cls()
         new.device, new.dtype, new.is_initialized = keys.device, keys.dtype, True
         new.bits, new.group, new.group_v, new.residual = bits, group, group_v, residual
+        new.arithmetic = arithmetic  # the quantizer's rule: TailorKV's (fp32 math, fp16 scale/zero) or KIVI's
         new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, None
         n_kq, n_vq = n // residual * residual, max(n - residual, 0)
-        new.k_quant = quantize(keys[:, :, :n_kq].transpose(-1, -2), bits, group) if n_kq else None
+        new.k_quant = quantize(keys[:, :, :n_kq].mT, bits, group, arithmetic=arithmetic) if n_kq else None
         new.chunk_view = None  # set by `append_chunk` for the `decode_kv` of the chunk's own attention
-        new.v_quant = quantize(values[:, :, :n_vq], bits, group_v) if n_vq else None
+        new.v_quant = quantize(values[:, :, :n_vq], bits, group_v, arithmetic=arithmetic) if n_vq else None
         new.keys, new.values = keys[:, :, n_kq:].clone(), values[:, :, n_vq:].clone()  # clone: slices pin storage
         return new
 
@@ -198,12 +123,13 @@ class QuantizedLayer(KVLayer):
         several at once equals one by one) and all but the newest `values_left` fp values (per token)."""
         old_keys = self.keys.shape[-2] - keys_left
         if old_keys > 0:
-            block = quantize(self.keys[:, :, :old_keys].transpose(-1, -2), self.bits, self.group)
+            block = quantize(self.keys[:, :, :old_keys].mT, self.bits, self.group, arithmetic=self.arithmetic)
             self.k_quant = cat(self.k_quant, block, dim=-1)
             self.keys = self.keys[:, :, old_keys:].clone()
         old_values = self.values.shape[-2] - values_left
         if old_values > 0:
-            self.v_quant = cat(self.v_quant, quantize(self.values[:, :, :old_values], self.bits, self.group_v), dim=-2)
+            block = quantize(self.values[:, :, :old_values], self.bits, self.group_v, arithmetic=self.arithmetic)
+            self.v_quant = cat(self.v_quant, block, dim=-2)
             self.values = self.values[:, :, old_values:].clone()
 
     def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
@@ -215,7 +141,7 @@ class QuantizedLayer(KVLayer):
             return self._chunk_kv()
         keys, values = self.keys.float(), self.values.float()  # fp32 math
         if self.k_quant is not None:  # quantized keys are stored [B, H, D, T]
-            keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2), keys], dim=-2)
+            keys = torch.cat([self.k_quant.dequantize().mT, keys], dim=-2)
         if self.v_quant is not None:
             values = torch.cat([self.v_quant.dequantize(), values], dim=-2)
         return DecodeKV(keys, values)
@@ -227,7 +153,7 @@ class QuantizedLayer(KVLayer):
         self.chunk_view = None
         keys, values = keys.float(), values.float()
         if quantized_keys:  # (the blocks the chunk flushed come after: their tokens are in `keys` unquantized)
-            keys = torch.cat([self.k_quant.dequantize().transpose(-1, -2)[:, :, :quantized_keys], keys], dim=-2)
+            keys = torch.cat([self.k_quant.dequantize().mT[:, :, :quantized_keys], keys], dim=-2)
         if quantized_values:
             values = torch.cat([self.v_quant.dequantize()[:, :, :quantized_values], values], dim=-2)
         return DecodeKV(keys, values)

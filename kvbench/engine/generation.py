@@ -205,6 +205,11 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
             kept = cache.layers[layer_idx]
             cache.layers[layer_idx] = ChannelPrunedLayer(kept, method.channels_to_keep(view, kept.keys))
             cache.note_peak(extra=kept.nbytes())  # the reduced keys were made while the kept ones were held
+    kept = cache.layers[layer_idx]
+    stored = method.stored_layer(kept)  # `+method.quantize`: what the selection kept, stored quantized
+    if stored is not kept:
+        cache.layers[layer_idx] = stored
+        cache.note_peak(extra=kept.nbytes())  # the codes were made while the kept entries were held
 
 
 def apply_selection(method: Method, cache: KVCache, layer_idx: int, idx: Tensor | list[Tensor],

@@ -196,6 +196,12 @@ class Method:
         None: the kept values as they are. Called between `select` and the gather."""
         return None
 
+    def stored_layer(self, layer):
+        """The layer as this method stores it after its selection (`KVLayer` in, a cache layer out): the base keeps it
+        as it is; `+method.quantize` (kvbench.methods.quantize) stores it quantized. Called once per layer, after the
+        selection (and merge), inside `generation.compress_layer`."""
+        return layer
+
 
 # --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
 def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None,

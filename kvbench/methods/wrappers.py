@@ -7,6 +7,7 @@ as switches on any selector: keys added to its method node, e.g.
     python -m kvbench.run method=knorm +method.block_size=128                  # block-wise, as keydiff's default
     python -m kvbench.run method=snapkv +method.then=knorm +method.first_ratio=0.5 ratio=0.75   # one, then another
     python -m kvbench.run method=knorm +method.merge=true ratio=0.5            # evicted values merged into kept ones
+    python -m kvbench.run method=snapkv budget=128 +method.quantize=kivi2      # what is kept stored at 2 bits (KIVI)
 
 `kvbench.runs.config` takes these keys off the node (unless the method has a field of that name: keydiff's own
 `block_size`, chunkkv's `chunk_length`), builds the method, and wraps it here (`wrap`). A wrapper is the method for
@@ -41,6 +42,9 @@ class Switches:
     merge: bool | None = None  # evicted values folded into the kept ones (kvpress MergingPress)
     merge_threshold: float | None = None  # with `merge`: the least key cosine at which an entry merges
     merge_fraction: float | None = None  # with `merge`: the share of the passing entries (best cosines) that merge
+    quantize: str | None = None  # what is kept stored KIVI-quantized: kivi1, kivi2, kivi4, kivi8 (methods/quantize.py)
+    quantize_group: int | None = None  # with `quantize`: tokens per key group, channels per value group (32)
+    quantize_residual: int | None = None  # with `quantize`: most recent kept entries in full precision (128)
 
 
 def sub_view(view: LayerView, idx: Tensor) -> LayerView:
@@ -150,6 +154,9 @@ class Wrapper(Method):
 
     def merged_values(self, view: LayerView, kept: Tensor) -> Tensor | None:
         return self.press.merged_values(view, kept)
+
+    def stored_layer(self, layer):
+        return self.press.stored_layer(layer)
 
 
 @dataclass
@@ -393,7 +400,7 @@ def refusal(method: Method) -> str | None:
 
 def wrap(method: Method, switches: Switches, then: Method | None = None) -> Method:
     """The method with its switches applied, innermost first: chunk or block, then `then`, then per-layer budgets,
-    then merge (its merge acts on what all of them kept)."""
+    then merge (its merge acts on what all of them kept), then quantize (it stores what they all left)."""
     if switches.chunk_length is not None and switches.block_size is not None:
         raise ValueError("chunk_length and block_size are two ways of cutting the prompt; set one")
     if switches.chunk_length is not None:
@@ -412,4 +419,10 @@ def wrap(method: Method, switches: Switches, then: Method | None = None) -> Meth
     if switches.merge:
         method = Merge(method, 0.0 if switches.merge_threshold is None else switches.merge_threshold,
                        1.0 if switches.merge_fraction is None else switches.merge_fraction)
+    if switches.quantize is None and (switches.quantize_group is not None or switches.quantize_residual is not None):
+        raise ValueError("quantize_group and quantize_residual tune +method.quantize=kivi2 (or kivi1/4/8); add it")
+    if switches.quantize is not None:
+        from kvbench.methods.quantize import Quantize  # (a wrapper of this module's `Wrapper`)
+
+        method = Quantize(method, switches.quantize, switches.quantize_group or 32, switches.quantize_residual or 128)
     return method

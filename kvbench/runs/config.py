@@ -144,6 +144,7 @@ def setup(cfg: DictConfig):
     recompress.check(method, decode_compression(cfg), cfg.positions, cfg.generation.get("num_beams", 1),
                      getattr(dataset, "turns", 1))
     check_step(cfg, method, dataset, adapter)
+    check_quantized(cfg, method)
     if not method.compresses:  # `full` ignores the budget: its records say so, and a sweep shares its run dir
         cfg.budget = cfg.ratio = None
     if cfg.ratio is None:
@@ -228,6 +229,23 @@ def check_query(cfg: DictConfig, method, why: str | None = None) -> None:
                          "the compressed cache (quest, pqcache and tailorkv do); use query=aware and one turn")
     if cfg.generation.get("num_beams", 1) > 1:
         raise ValueError(f"{why} runs at generation.num_beams=1 (beam search prefills the whole prompt)")
+
+
+def check_quantized(cfg: DictConfig, method) -> None:
+    """What a quantized store (`method=kivi`, `+method.quantize=kivi2`) does not run with: its keys are stored
+    packed (nothing re-rotates them), and its layers are attended through `decode_kv` only."""
+    if getattr(method, "kv_bits", None) is None:
+        return
+    name = method.registry_name
+    if cfg.positions == "shift":
+        raise ValueError(f"positions=shift: {name} stores its keys quantized, which are never re-rotated to their "
+                         "slots; use positions=original")
+    if cfg.generation.get("num_beams", 1) > 1:
+        raise ValueError(f"generation.num_beams={cfg.generation.num_beams}: beam search reorders cache rows, which "
+                         f"{name}'s quantized layers cannot; use num_beams=1")
+    if cfg.get("step", "eager") != "eager":
+        raise ValueError(f"step={cfg.step}: {name} keeps quantized layers, which the static step does not hold; use "
+                         "step=eager (docs/throughput.md#the-static-step)")
 
 
 def check_feeding(cfg: DictConfig, method, dataset, adapter) -> None:

@@ -165,6 +165,8 @@ RANGES: dict[str, Range] = {
     "partitions": at_least(1),
     "PQCache.bits": within(1, 8, "codes are stored in one byte"),
     "TailorKV.bits": one_of(1, 2, 4, 8),
+    "KIVI.bits": one_of(1, 2, 4, 8),
+    "arithmetic": OWN,  # kivi | tailorkv (kvbench.cache.quantizer.ARITHMETIC)
     "kmeans_iters": at_least(0),
     "group_size": at_least(1),
     "residual": at_least(1),
@@ -192,6 +194,9 @@ RANGES: dict[str, Range] = {
     "merge_threshold": within(0, 1, "least key cosine at which an evicted entry merges (with merge=true)"),
     "merge_fraction": within(0, 1, "share of the passing evicted entries that merge (with merge=true)",
                              open_low=True),
+    "quantize": OWN,  # kivi1 | kivi2 | kivi4 | kivi8 (kvbench.methods.quantize.SCHEMES)
+    "quantize_group": at_least(1, "tokens per key group, channels per value group (with quantize)"),
+    "quantize_residual": at_least(1, "most recent kept entries in full precision (with quantize)"),
     # --- SimLayerKV
     "lazy_threshold": within(0, 1, "attention mass on sinks + recent above which a layer is lazy"),
     "n_last": at_least(1, "last prompt queries that judge a layer"),

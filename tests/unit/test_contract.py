@@ -28,6 +28,8 @@ def configured(name: str):
         cfg.window = 8
     if name == "tailorkv":  # 4 sinks + 12 recent; layer 0 quantized (its YAML reads the model config's set)
         cfg.update(start_size=4, recent_size=12, quant_layers=[0])
+    if name == "kivi":  # a residual of 32 of the 150 tokens, so that most of them are quantized
+        cfg.update(residual=32)
     if name == "pqcache":  # 4 sinks + 8 recent; 16 centroids (the 150-token prompt has 146 keys to cluster)
         cfg.update(sink_size=4, recent_size=8, bits=4)
     if "prompt_ids" in cfg:  # kvzip, kvgrad: prompts as token ids of the tiny vocabulary (no tokenizer); chunks of 64
@@ -72,6 +74,10 @@ def test_method_contract(name, family):
         if name == "minicache":  # layers merged, not entries: every token stays, in fewer bytes
             assert all(kept == [N] * len(kept) for kept in gen.kept_per_head)
             assert gen.kv_bytes < gen.full_kv_bytes
+            continue
+        if name == "kivi":  # every entry kept, packed: 2-bit codes + fp16 scales/zeros + the fp residual
+            assert all(kept == [N] * len(kept) for kept in gen.kept_per_head)
+            assert gen.kv_bytes < gen.full_kv_bytes / 2
             continue
         if method.kind is Kind.STORAGE:  # storage: retrieval layers attend exactly `budget` prompt entries
             layers = model.config.num_hidden_layers

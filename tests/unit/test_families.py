@@ -20,6 +20,7 @@ from kvbench.cache import KVCache
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.paged import PagedLayer
 from kvbench.cache.pq_offloaded import PQOffloadedLayer
+from kvbench.cache.quantized import QuantizedLayer
 from kvbench.engine.generation import prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
@@ -60,6 +61,8 @@ def configured(name: str):
         cfg.window = 8
     if name == "tailorkv":
         cfg.update(start_size=4, recent_size=8, quant_layers=[])
+    if name == "kivi":  # a residual above the prompt: nothing quantized, so that the attach path is checked exactly
+        cfg.update(residual=128)  # (its lossy storage against the reference: tests/unit/test_quantizer_kivi.py)
     if name == "simlayerkv":  # every layer lazy: a random model's attention is nowhere near a real threshold
         cfg.update(lazy_threshold=0.0)
     if name == "quest":  # pages of 8 (budget 32: 4 of the 16 pages), layer 0 dense
@@ -181,7 +184,8 @@ def check_contract(family: str, name: str):
         if t == 0:  # compressed, not yet decoded: what the first decode step will attend
             layers = capture.cache.layers if capture.cache is not None else None
             seen["kept"] = [None] * LAYERS if layers is None else [
-                None if isinstance(layer, RETRIEVING) else attended_positions(layer) for layer in layers]
+                None if isinstance(layer, (*RETRIEVING, QuantizedLayer)) else attended_positions(layer)
+                for layer in layers]
             for layer in layers or []:
                 if isinstance(layer, RETRIEVING):
                     layer.selections = []
@@ -211,6 +215,10 @@ def check_contract(family: str, name: str):
     window_layers = BY_FAMILY[family].window_layers(model.config)
     if name == "full":
         assert gen.kv_bytes == gen.full_kv_bytes
+        return
+    if name == "kivi":  # every token kept (here all in the full-precision residual), window layers untouched
+        assert all(isinstance(layer, QuantizedLayer) == (i not in window_layers)
+                   for i, layer in enumerate(seen["layers"]))
         return
     compressed = [i for i in range(LAYERS) if i not in window_layers
                   and not (name == "quest" and i < method.dense_layers)  # (Quest's dense layers attend all)
