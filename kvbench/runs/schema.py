@@ -233,6 +233,10 @@ RANGES: dict[str, Range] = {
     "start_layer": Range(low=0, says="a layer index, or null for the middle layer"),
     "interpolation": within(0, 1, "SLERP weight of the deeper layer"),
     "retention_ratio": within(0, 1, "share of tokens kept unmerged"),
+    "GEAR.bits": one_of(2, 4),
+    "sparsity": within(0, 1, "share of entries kept as outliers", open_high=True),
+    "rank": at_least(0, "rank of the low-rank part; 0: none"),
+    "loop": at_least(0, "power-iteration rounds"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,
