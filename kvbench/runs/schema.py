@@ -234,6 +234,8 @@ RANGES: dict[str, Range] = {
     "interpolation": within(0, 1, "SLERP weight of the deeper layer"),
     "retention_ratio": within(0, 1, "share of tokens kept unmerged"),
     "GEAR.bits": one_of(2, 4),
+    "KVQuant.bits": one_of(1, 2, 4, 8),
+    "outliers": within(0, 1, "share of each vector kept exactly", open_high=True),
     "sparsity": within(0, 1, "share of entries kept as outliers", open_high=True),
     "rank": at_least(0, "rank of the low-rank part; 0: none"),
     "loop": at_least(0, "power-iteration rounds"),
