@@ -90,7 +90,8 @@ class KVQuantLayer(KVLayer):
     own_storage = True
 
     @classmethod
-    def from_layer(cls, layer: KVLayer, rotary, bits: int, group: int, share: float) -> KVQuantLayer:
+    def from_layer(cls, layer: KVLayer, rotary, bits: int, group: int, share: float,
+                   quantize_values: bool = True) -> KVQuantLayer:
         new = cls()
         keys, values = layer.keys, layer.values
         n = keys.shape[2]
@@ -98,8 +99,12 @@ class KVQuantLayer(KVLayer):
         new.rotary, new.prompt_len = rotary, n
         pre_rope = rotary.unrotate(keys, torch.arange(n, device=keys.device))  # [B, H, n, D] fp32
         new.stored_keys = dense_and_sparse(pre_rope.transpose(-1, -2), bits, group, share, keys.dtype)  # per channel
-        new.stored_values = dense_and_sparse(values.float(), bits, min(group, values.shape[-1]), share,
-                                             values.dtype)  # per token, groups of min(group, D) channels
+        if quantize_values:  # per token, groups of min(group, D) channels
+            new.stored_values = dense_and_sparse(values.float(), bits, min(group, values.shape[-1]), share,
+                                                 values.dtype)
+        else:  # keys alone (the values kept as they are)
+            none = values.new_zeros(*values.shape[:-1], 0)
+            new.stored_values = DenseSparse(None, values.clone(), none.to(torch.int32), none)
         new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, layer.positions.clone()
         new.keys, new.values = keys[:, :, :0].clone(), values[:, :, :0].clone()
         return new

@@ -31,6 +31,7 @@ class KVQuant(Method):
     bits: int = 4  # code bits (uniform here; the paper's nuq3/nuq4 are non-uniform)
     group_size: int = 64  # tokens per key group (per channel); channels per value group (per token)
     outliers: float = 0.01  # share of each vector kept exactly (dense-and-sparse); 0: none
+    quantize_values: bool = True  # false: keys alone (KVQuant-style keys beside full-precision values)
 
     kind: ClassVar[Kind] = Kind.STORAGE
     own_storage: ClassVar[bool] = True
@@ -62,6 +63,6 @@ class KVQuant(Method):
                     raise NotImplementedError(f"kvquant: layer {i}'s rotary angles were not recorded at prefill, so "
                                               "its keys cannot be taken back before RoPE")
                 layers[i] = KVQuantLayer.from_layer(layer, capture.rotary[i], self.bits, self.group_size,
-                                                    self.outliers)
+                                                    self.outliers, self.quantize_values)
         capture.cache = cache
         return None
