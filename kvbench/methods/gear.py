@@ -23,7 +23,7 @@ import torch
 
 from kvbench.cache.gear import GEAR_BITS, GearLayer
 from kvbench.cache.kv_cache import KVCache
-from kvbench.methods.base import Kind, Method
+from kvbench.methods.base import Kind, Method, RefusedForModel
 from kvbench.registry import METHODS
 
 
@@ -70,7 +70,7 @@ class GEAR(Method):
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if (heads * head_dim) % self.group_size:
-            raise ValueError(f"gear: group_size={self.group_size} must divide a token's values across heads "
+            raise RefusedForModel(f"gear: group_size={self.group_size} must divide a token's values across heads "
                              f"({heads} KV heads x {head_dim} = {heads * head_dim}); pick a divisor of it")
         return None
 
