@@ -82,7 +82,7 @@ class BudgetRule:
     def __call__(self, layer_idx: int, rows: StaticRows, logits: Tensor) -> None:
         method, valid, order = self.method, rows.valid, rows.cache_order()
         row = reduce_groups(self.row_score(layer_idx, logits, order), valid.shape[1], method.gqa_reduce)
-        scores = (rows.scores + row if method.keeps_history else row).masked_fill(~valid, 0.0)
+        scores = (method.accumulate(rows.scores, row) if method.keeps_history else row).masked_fill(~valid, 0.0)
         kept, over = self.keep(layer_idx, scores.gather(-1, order), valid.sum(dim=-1))
         in_slots = torch.zeros_like(valid).scatter_(-1, order, kept)
         valid = torch.where(over, in_slots & valid, valid)

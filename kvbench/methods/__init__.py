@@ -16,6 +16,7 @@ from kvbench.methods import dms, kvzap  # noqa: F401
 from kvbench.methods import kvcompose  # noqa: F401
 from kvbench.methods import kvgrad  # noqa: F401
 from kvbench.methods import cam  # noqa: F401
+from kvbench.methods import gear, kvquant, minicache, nacl, scissorhands  # noqa: F401  (KVCache-Factory's 2026 additions, issue 45)
 from kvbench.methods import fastkvzip  # noqa: F401
 from kvbench.methods import kivi  # noqa: F401  (quantized caches, issue 45)
 

@@ -20,6 +20,11 @@ from torch import Tensor
 from kvbench.models.rotary import Rotary
 
 
+class RefusedForModel(ValueError):
+    """A method setting that the loaded model cannot take (GEAR's value groups across a token's heads): raised by
+    `Method.prepare`, once the model's shape is known and before any sample; the command line shows its one line."""
+
+
 class Kind(enum.Enum):
     """What a method is; the engine dispatches on it (never on which attributes a class happens to have)."""
 

@@ -76,7 +76,8 @@ class EvictionState:
         row = reduce_groups(self.method.row_score(logits, self, decoding=True)[:, :, 0], h_kv, self.method.gqa_reduce)
         if self.method.keeps_history:
             old = self.scores[layer_idx]
-            scores = torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1) + row
+            scores = self.method.accumulate(
+                torch.cat([old, old.new_zeros(*old.shape[:2], key.shape[2] - old.shape[2])], dim=-1), row)
         else:  # the step's own row replaces the scores (TOVA)
             scores = row
         self.scores[layer_idx] = scores
@@ -103,7 +104,8 @@ class EvictionState:
             row = key.new_zeros(b, h_kv, length, dtype=torch.float32)
         old = self.scores[layer_idx]
         if self.method.keeps_history and self.method.accumulates_attention:
-            row = torch.cat([old, old.new_zeros(*old.shape[:2], length - old.shape[-1])], dim=-1) + row
+            padded = torch.cat([old, old.new_zeros(*old.shape[:2], length - old.shape[-1])], dim=-1)
+            row = self.method.accumulate(padded, row)
         self.scores[layer_idx] = row
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, row, prefill=True))
 
@@ -132,7 +134,8 @@ class EvictionState:
             row = reduce_groups(method.row_score(stacked, first, decoding=True)[:, :, 0], h_kv, method.gqa_reduce)
             if method.keeps_history:
                 old = torch.cat([states[s].scores[layer_idx] for s in members])
-                row = torch.cat([old, old.new_zeros(*old.shape[:2], row.shape[-1] - old.shape[-1])], dim=-1) + row
+                row = method.accumulate(
+                    torch.cat([old, old.new_zeros(*old.shape[:2], row.shape[-1] - old.shape[-1])], dim=-1), row)
             idx = method.evict(first, layer_idx, row, prefill=False)
             for k, s in enumerate(members):
                 states[s].scores[layer_idx] = row[k:k + 1]
@@ -152,7 +155,7 @@ class EvictionState:
         row = reduce_groups(method.row_score(logits[:, :, None], first, decoding=True)[:, :, 0],
                             rows.keys.shape[1], method.gqa_reduce)
         if method.keeps_history:  # (the new entry's slot holds 0: `EvictingRows.append_all`)
-            rows.scores += row
+            rows.scores.copy_(method.accumulate(rows.scores, row))
         else:
             rows.scores.copy_(row)
         rows.keep_all(method.evict(first, layer_idx, rows.scores, prefill=False))
@@ -194,6 +197,11 @@ class DecodingMethod(Method):
     def row_score(self, logits: Tensor, state: EvictionState | None, decoding: bool) -> Tensor:
         """Masked fp32 logits `[B, H_q, rows, n]` -> the per-row score that accumulates (softmax: H2O, BUZZ)."""
         return logits.softmax(dim=-1)
+
+    def accumulate(self, old: Tensor, row: Tensor) -> Tensor:
+        """The scores after a step (or a fed chunk) whose row score is `row`, from `old` (zero-padded to its width):
+        their sum (H2O); Scissorhands decays `old` first."""
+        return old + row
 
     def causal_block(self, budget: int) -> int | None:
         """None: the prefill scores use the causal mask. w: only the trailing w x w block is masked, as

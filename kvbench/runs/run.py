@@ -370,9 +370,11 @@ def main(cfg: DictConfig) -> None:
     from kvbench.runs.failures import Stopped
     from kvbench.runs.store import RunDirError
 
+    from kvbench.methods.base import RefusedForModel
+
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
-    except RunDirError as e:  # busy, a damaged manifest, a link out of the run dir, a full disk
+    except (RunDirError, RefusedForModel) as e:  # busy, a damaged manifest, a full disk; a setting the model refuses
         sys.exit(f"kvbench: {e}")
     except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
         print(INTERRUPTED.replace("interrupted", str(e) or "interrupted"), file=sys.stderr)

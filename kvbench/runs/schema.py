@@ -199,6 +199,20 @@ RANGES: dict[str, Range] = {
     "gates": OWN,  # auto | random | a file (FastKVzip.__post_init__)
     "window_ratio": within(0, 1, "share of the context kept as the recent window", open_high=True),
     "window_size": at_least(1, "recent entries kept from 32k tokens on"),
+    # --- KVCache-Factory's 2026 additions (issue 45)
+    "random_budget": at_least(0, "entries per head kept by random eviction"),
+    "random_temperature": UNBOUNDED,  # <= 0: uniform draw
+    "history_window": Range(low=1, says="a positive number of query rows, or null for all"),
+    "decay": at_least(0, "share of earlier importance kept at each update"),
+    "start_layer": Range(low=0, says="a layer index, or null for the middle layer"),
+    "interpolation": within(0, 1, "SLERP weight of the deeper layer"),
+    "retention_ratio": within(0, 1, "share of tokens kept unmerged"),
+    "GEAR.bits": one_of(2, 4),
+    "KVQuant.bits": one_of(1, 2, 4, 8),
+    "outliers": within(0, 1, "share of each vector kept exactly", open_high=True),
+    "sparsity": within(0, 1, "share of entries kept as outliers", open_high=True),
+    "rank": at_least(0, "rank of the low-rank part; 0: none"),
+    "loop": at_least(0, "power-iteration rounds"),
     # --- datasets
     "version": TEXT,
     "Ruler.version": OWN,

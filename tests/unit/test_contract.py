@@ -44,6 +44,12 @@ def configured(name: str):
         cfg.update(page_size=8, dense_layers=1)
     if name == "duo_attention":  # streaming heads keep 4 sinks + 8 recent (its pattern: 128 + 256)
         cfg.update(sink_size=4, recent_size=8)
+    if name == "minicache":  # layers 0 and 1 of 3 merged
+        cfg.update(start_layer=0)
+    if name == "gear":  # value groups of 16 channels (a token's 2 KV heads x 16)
+        cfg.update(group_size=16)
+    if name == "kvquant":  # key groups of 16 of the 150 tokens
+        cfg.update(group_size=16)
     return instantiate(cfg)
 
 
@@ -69,6 +75,10 @@ def test_method_contract(name, family):
         per_entry = gen.full_kv_bytes / (N * model.config.num_key_value_heads * model.config.num_hidden_layers)
         heads = max(len(layer) for layer in gen.kept_per_head)
         mean_kept = gen.kv_bytes / per_entry / heads / model.config.num_hidden_layers
+        if name in ("minicache", "gear", "kvquant"):  # layers merged or compressed, not entries: every token stays
+            assert all(kept == [N] * len(kept) for kept in gen.kept_per_head)
+            assert gen.kv_bytes < gen.full_kv_bytes
+            continue
         if name == "kivi":  # every entry kept, packed: 2-bit codes + fp16 scales/zeros + the fp residual
             assert all(kept == [N] * len(kept) for kept in gen.kept_per_head)
             assert gen.kv_bytes < gen.full_kv_bytes / 2

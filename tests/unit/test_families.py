@@ -75,6 +75,12 @@ def configured(name: str):
         cfg.update(chat_template=False, chunk_size=64, prompt_ids=[[5, 6, 7], [8, 9, 10, 11], [12]])
     if name == "duo_attention":  # every head streams (4 sinks + 8 recent), so that every layer shrinks
         cfg.update(sink_size=4, recent_size=8, head_ratio=1.0)
+    if name == "minicache":  # every layer paired, every token retained: the pairs read back exactly (the merge's own
+        cfg.update(start_layer=0, retention_ratio=1.0)  # read-back: tests/unit/test_minicache.py)
+    if name == "gear":  # a full-rank low-rank part (rank = head_dim) gives the quantization error back: the layer
+        cfg.update(group_size=8, rank=16)  # reads back its states (its own read-back: tests/unit/test_gear.py)
+    if name == "kvquant":  # keys groups longer than the prompt, values unquantized: the keys go back before RoPE and
+        cfg.update(group_size=256, quantize_values=False)  # are rotated again: exact in every family's rotary layout
     return instantiate(cfg)
 
 
@@ -219,7 +225,8 @@ def check_contract(family: str, name: str):
                    for i, layer in enumerate(seen["layers"]))
         return
     compressed = [i for i in range(LAYERS) if i not in window_layers
-                  and not (name == "quest" and i < method.dense_layers)]  # (Quest's dense layers attend all)
+                  and not (name == "quest" and i < method.dense_layers)  # (Quest's dense layers attend all)
+                  and name not in ("minicache", "gear", "kvquant")]  # (they store every token, in fewer bytes)
     for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
         assert max(len(p) for p in kept[i]) < N
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
