@@ -223,3 +223,12 @@ def test_every_method_on_a_representative_type_of_each_kind(model_type, name):
         assert "\n" not in str(err.value)
         return
     check_contract(model_type, name)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "smollm3"])
+def test_batch_4_equals_batch_1_on_generic_types(model_type):
+    """The engine's batched step (rows shared across samples) gives each sample the records it gets alone."""
+    from tests.unit.test_batching import assert_same, batch_one_and_batched
+
+    for name in ("snapkv", "h2o"):
+        assert_same(*batch_one_and_batched(model_of(model_type), configured(name), 48, batch_size=4))
