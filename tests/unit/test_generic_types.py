@@ -41,9 +41,9 @@ REPRESENTATIVE = ("gemma4_text", "llama4_text")  # every generic kind between th
 # The spec's groups of the types kvbench refuses (shared/specs/models-transformers-5.23.md, sections 1 and 3), and
 # the words their refusal must start with or contain.
 REFUSED = {
-    "hybrid:": "qwen3_next qwen3_5_text qwen3_5_moe_text jamba zamba zamba2 bamba falcon_h1 lfm2 lfm2_moe lfm3 nemotron_h "
-               "granitemoehybrid minimax kimi_linear olmo_hybrid bailing_hybrid inkling_text inkling2_text zaya "
-               "recurrent_gemma qwen4_exp_text",
+    "hybrid:": "qwen3_next qwen3_5_text qwen3_5_moe_text jamba zamba zamba2 bamba falcon_h1 lfm2 lfm2_moe lfm3 "
+               "nemotron_h granitemoehybrid minimax kimi_linear olmo_hybrid bailing_hybrid inkling_text inkling2_text "
+               "zaya recurrent_gemma qwen4_exp_text",
     "MLA:": "deepseek_v2 deepseek_v3 glm4_moe_lite longcat_flash axk1 minicpm3 youtu deepseek_v32 axk2 dots3_note_text "
             "glm_moe_dsa hy_v4",
     "sinks:": "gpt_oss flint granite_swa granitemoe_swa mimo_v2_flash",
