@@ -232,3 +232,45 @@ def test_batch_4_equals_batch_1_on_generic_types(model_type):
 
     for name in ("snapkv", "h2o"):
         assert_same(*batch_one_and_batched(model_of(model_type), configured(name), 48, batch_size=4))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "seed_oss"])
+def test_position_shift_on_a_generic_type_equals_its_own_rope(model_type):
+    """StreamingLLM with positions=shift on a generic type: the next step equals a plain cache holding the kept
+    entries with keys re-rotated from position p to slot s by the type's own `apply_rotary_pos_emb`."""
+    import importlib
+
+    from kvbench.models.adapters import adapter_for
+
+    n, budget = 120, 32
+    model, ids = model_of(model_type), prompt(n)
+    method = configured("streamingllm")
+    seen = {}
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, method, capture, ids, budget, 2, eos_ids=set(), positions="shift",
+                       on_logits=lambda t, logits: seen.setdefault(t, logits.clone()))
+    keep = torch.cat([torch.arange(method.n_sink), torch.arange(n - (budget - method.n_sink), n)])
+    apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+    assert adapter_for(model).generic
+    with torch.no_grad():
+        full = DynamicCache()
+        model(ids, past_key_values=full, use_cache=True)
+        shifted = []
+        for layer in full.layers:
+            k, v = layer.keys[:, :, keep], layer.values[:, :, keep]
+            cos, sin = model.base_model.rotary_emb(v, (torch.arange(budget) - keep)[None])  # rotate by slot - p
+            shifted.append((apply_rope(k, k, cos, sin)[0], v))
+        cache = DynamicCache(ddp_cache_data=shifted)
+        expected = model(torch.tensor([gen.token_ids[:1]]), past_key_values=cache,
+                         position_ids=torch.tensor([[budget]])).logits[:, -1]
+    torch.testing.assert_close(seen[1], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["smollm3", "ernie4_5", "gemma4_text", "opt"])
+def test_position_shift_is_refused_where_it_has_no_meaning_on_generic_types(model_type):
+    """NoPE layers (SmolLM3), interleaved rotary (ERNIE 4.5), window layers (Gemma 4), learned positions (OPT)."""
+    from kvbench.models.adapters import adapter_for
+
+    with pytest.raises(ValueError, match="positions=shift: .* use positions=original") as err:
+        adapter_for(model_of(model_type)).check_shift()
+    assert "\n" not in str(err.value)
