@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
+from kvbench.models.adapters import BY_FAMILY, BY_MODEL_TYPE, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.placement import DEVICE_MAPS
@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
                    "falcon")
+RANDOM_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
+                  "falcon_h1", "lfm2", "lfm2_moe", "nemotron_h")  # by model_type (kvbench.models.tiny.HYBRID_TINY)
 
 
 @dataclass
@@ -60,9 +62,9 @@ class ModelSpec:
                                  f"{', '.join(attention)} (or a Hub kernel, org/name)")
         if self.device != "auto" and not is_device(self.device):
             raise ValueError(f"model: device={self.device!r} is not auto or a torch device (cpu, cuda, cuda:1, mps)")
-        if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES:
+        if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES + RANDOM_HYBRIDS:
             raise ValueError(f"model: unknown random family in path={self.path!r}; "
-                             f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES)}")
+                             f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES + RANDOM_HYBRIDS)}")
 
 
 def is_device(name: str) -> bool:
@@ -100,7 +102,8 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
     """Refuse, in one line and before any weights load, a model whose family kvbench has no adapter for. Reads
     only the config (a local config.json, or the Hub's); a GGUF file is checked once its config is converted."""
     if spec.path.startswith("random:"):
-        return BY_FAMILY[spec.path.split(":", 1)[1]]  # every random family is a supported one
+        name = spec.path.split(":", 1)[1]
+        return BY_FAMILY.get(name) or BY_MODEL_TYPE[name]  # every random family (or hybrid type) is supported
     if spec.path == "embedded":
         return check_config("llama")
     if spec.path.endswith(".gguf"):

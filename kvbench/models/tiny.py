@@ -34,6 +34,8 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family == "gpt_neox":  # multi-head, rotary on a quarter of each head (rotary_pct 0.25, like Pythia)
         return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     rotary_pct=0.25, **common)
+    if family in HYBRID_TINY:
+        return hybrid_config(family, common)
     kwargs = dict(TINY, **common)
     if family == "phi3":
         kwargs.update(partial_rotary_factor=0.5)
@@ -48,6 +50,46 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+# Hybrids (by model_type): one recurrent layer on each side of one attention layer (Falcon-H1: both in every layer;
+# Nemotron-H: and an MLP-only layer), so a test sees state before and after the attention it compresses.
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+               mamba_chunk_size=16)
+_DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_AROUND = ["linear_attention", "full_attention", "linear_attention"]
+HYBRID_TINY = {
+    "qwen3_next": dict(layer_types=_AROUND, **_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_5_text": dict(layer_types=_AROUND, **_DELTANET),
+    "qwen3_5_moe_text": dict(layer_types=_AROUND, **_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "olmo_hybrid": dict(layer_types=_AROUND, **_DELTANET),
+    "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=2,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+                  mamba_dt_rank=8, head_dim=None),
+    "bamba": dict(attn_layer_indices=[1], **_MAMBA2, head_dim=None),
+    "granitemoehybrid": dict(layers_block_type=["mamba", "attention", "mamba"], **_MAMBA2, num_local_experts=4,
+                             num_experts_per_tok=2, shared_intermediate_size=64, head_dim=None),
+    "falcon_h1": dict(mamba_d_ssm=64, **_MAMBA2, layers=2),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, head_dim=None),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
+                     head_dim=None),
+    "nemotron_h": dict(hybrid_override_pattern="M*-M", **_MAMBA2, layers=4),
+}
+
+
+def hybrid_config(model_type: str, common: dict):
+    """A tiny hybrid of `model_type` (a HYBRID_TINY entry); its layer count is the entry's, not the caller's."""
+    from transformers import AutoConfig
+
+    fields = dict(HYBRID_TINY[model_type])
+    layers = fields.pop("layers", 3)
+    kwargs = dict(TINY, **common, **fields)
+    kwargs["num_hidden_layers"] = layers
+    if kwargs["head_dim"] is None:  # (a config class without the field)
+        del kwargs["head_dim"]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
 def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed: int = 0, dtype=torch.float32,
                       attn: str = "sdpa", **config):
     """A tiny random model of `family` in eval mode (eager where the family refuses sdpa)."""
@@ -56,7 +98,7 @@ def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed:
     from kvbench.models.adapters import BY_MODEL_TYPE
 
     config = tiny_config(family, vocab_size, layers, **config)
-    if not BY_MODEL_TYPE[config.model_type].sdpa:
+    if config.model_type in BY_MODEL_TYPE and not BY_MODEL_TYPE[config.model_type].sdpa:
         attn = "eager"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
