@@ -73,7 +73,8 @@ HYBRID_TINY = {
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, head_dim=None),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
                      head_dim=None),
-    "nemotron_h": dict(hybrid_override_pattern="M*-M", **_MAMBA2, layers=4),
+    "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
+                       n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }
 
 
@@ -85,6 +86,8 @@ def hybrid_config(model_type: str, common: dict):
     layers = fields.pop("layers", 3)
     kwargs = dict(TINY, **common, **fields)
     kwargs["num_hidden_layers"] = layers
+    kwargs.update(initializer_range=0.2, tie_word_embeddings=False)  # (at 0.02 with tied embeddings a tiny hybrid
+    # repeats one token, and a generation equal to transformers' would show little)
     if kwargs["head_dim"] is None:  # (a config class without the field)
         del kwargs["head_dim"]
     return AutoConfig.for_model(model_type, **kwargs)
