@@ -29,7 +29,8 @@ from tests.unit.test_families import RETRIEVING, attended_positions, configured
 from tests.unit.tiny import prompt
 
 N, BUDGET = 120, 32
-CORE = ("full", "snapkv", "adakv", "h2o", "tailorkv", "pyramidkv", "streamingllm", "kvzip")  # every kind of method
+CORE = ("full", "snapkv", "adakv", "h2o", "tailorkv", "kvzip")  # a method of every kind (selector, per-head,
+# evictor, storage, reconstructor) on every hybrid; the rest of the registry on Qwen3.5
 _models: dict[str, torch.nn.Module] = {}
 
 
@@ -229,3 +230,27 @@ def test_nope_hybrid_refuses_position_shift():
     model, ids = model_of("jamba"), prompt(40)
     with AttentionCapture(model) as capture, pytest.raises(ValueError, match="positions=shift: jamba has none"):
         generate(model, None, configured("streamingllm"), capture, ids, BUDGET, 2, eos_ids=set(), positions="shift")
+
+
+def test_cli_runs_a_hybrid_and_batch_four_gives_batch_one_records(tmp_path):
+    """`python -m kvbench.run model.path=random:<hybrid>` (in this process, `run_here`): snapkv, adakv, h2o,
+    tailorkv and full on Qwen3.5 each write their records, the state apart from the attention K/V; Jamba at
+    batch_size=4 writes batch 1's records, timings aside."""
+    from tests.unit.test_cli import records, run_here
+
+    grid = ["dataset.context_lengths=[400]", "dataset.depth_percents=[0,50,100]"]
+    timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes")
+    for name in ("full", "snapkv", "adakv", "h2o", "tailorkv"):
+        run_dir = run_here("model.path=random:qwen3_5_text", f"method={name}", "budget=128", *grid, "report=false",
+                           results=tmp_path / name)
+        got = records(run_dir)
+        assert len(got) == 3 and not any(r.get("failed") for r in got)
+        assert all(r["state_bytes"] == 4096 and len(r["kept_per_layer"]) == 1 for r in got)  # one attention layer
+        if name != "full":
+            assert all(r["kv_bytes"] < r["full_kv_bytes"] for r in got)
+    runs = {}
+    for batch_size in (1, 4):
+        run_dir = run_here("model.path=random:jamba", "method=snapkv", "budget=128", *grid, "report=false",
+                           f"batch_size={batch_size}", results=tmp_path / f"b{batch_size}")
+        runs[batch_size] = {r["id"]: {k: v for k, v in r.items() if k not in timing} for r in records(run_dir)}
+    assert runs[4] == runs[1] and len(runs[1]) == 3
