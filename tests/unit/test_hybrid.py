@@ -254,3 +254,32 @@ def test_cli_runs_a_hybrid_and_batch_four_gives_batch_one_records(tmp_path):
                            f"batch_size={batch_size}", results=tmp_path / f"b{batch_size}")
         runs[batch_size] = {r["id"]: {k: v for k, v in r.items() if k not in timing} for r in records(run_dir)}
     assert runs[4] == runs[1] and len(runs[1]) == 3
+
+
+@pytest.mark.parametrize("model_type", RANDOM_HYBRIDS)
+def test_predicted_query_is_the_attention_layers_own_query(model_type):
+    """TailorKV's q̂ on a hybrid: the adapter's projection (the query half of Qwen3.5's gated `q_proj`, OLMo-hybrid's
+    whole-projection norm, LFM2's `q_layernorm`, NoPE or partial rotary) of the attention layer's decode input equals
+    the query the attention module itself forms from it."""
+    from tests.unit.tiny import attention_function
+
+    model, ids = model_of(model_type), prompt(40)
+    with AttentionCapture(model) as capture:
+        seen = {}
+        capture.input_hook = lambda i, hidden, pos: seen.setdefault(i, (hidden, pos))
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=cache, use_cache=True)
+            model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[40]]), use_cache=True)
+        hidden, pos = seen[0]
+        predicted = capture.predict_query(0, hidden, pos)
+        attn = capture.attention_modules[0]
+    grabbed = {}
+
+    def grab(module, q, k, v, mask, **kw):
+        grabbed["q"] = q
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
+
+    with attention_function(model, grab):
+        attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
+    torch.testing.assert_close(predicted, grabbed["q"])
