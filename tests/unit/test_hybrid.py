@@ -213,11 +213,11 @@ def test_beam_search_carries_the_state_with_its_beams():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("zamba2", "hybrid model_type 'zamba2' is not supported: shares its attention blocks"),
-    ("zamba", "hybrid model_type 'zamba' is not supported: shares one attention block"),
-    ("minimax", "hybrid model_type 'minimax' is not supported: needs its own MiniMaxCache"),
-    ("kimi_linear", "hybrid model_type 'kimi_linear' is not supported: its attention layers are MLA"),
-    ("recurrent_gemma", "keeps its cache inside the model"),
+    ("zamba2", "'zamba2' is not supported yet: hybrid: its attention blocks are shared across layers"),
+    ("zamba", "'zamba' is not supported yet: hybrid: one attention block is shared across layers"),
+    ("minimax", "'minimax' is not supported yet: hybrid: it needs its own MiniMaxCache"),
+    ("kimi_linear", "'kimi_linear' is not supported yet: hybrid: its attention layers are MLA"),
+    ("recurrent_gemma", "hybrid: it keeps its cache inside the model"),
     ("mamba", "state-space/recurrent model with no per-token KV"),
 ])
 def test_hybrids_that_cannot_run_are_refused_in_one_line(model_type, reason):
