@@ -17,6 +17,7 @@ import torch
 
 from kvbench.models.adapters import BY_FAMILY, BY_MODEL_TYPE, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
+from kvbench.models.composite import is_composite, load_text_decoder
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.placement import DEVICE_MAPS
 from kvbench.pathnames import check_name
@@ -145,6 +146,15 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
     return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)), config.to_dict())
 
 
+def _model_type(source, kwargs: dict) -> str | None:
+    """The checkpoint's model_type from its config alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source), revision=kwargs.get("revision"),
+                                        trust_remote_code=kwargs.get("trust_remote_code", False))
+    return config.model_type
+
+
 def load(spec: ModelSpec):
     """Return (model in eval mode on its device, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -179,6 +189,9 @@ def load(spec: ModelSpec):
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
     if spec.device_map is not None:  # accelerate places each layer; its hooks move activations between devices
         kwargs["device_map"] = spec.device_map
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    if is_composite(_model_type(source, kwargs)):  # a vision-language checkpoint: its text decoder
+        model = load_text_decoder(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
     adapter_for(model)  # a GGUF's converted config is known only now
     return (model if spec.device_map is not None else model.to(device)).eval(), tokenizer

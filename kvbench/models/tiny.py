@@ -128,12 +128,16 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
     fields = {k: [v[i] for i in picked] for k, v in per_layer.items()}
     known = set(vars(default)) | set(getattr(type(default), "__dataclass_fields__", ()))
     fields.update({k: v for k, v in SMALL.items() if k in known})
-    mixed = len(set(kinds)) > 1
-    for key in ("sliding_window", "attention_chunk_size"):
-        if vars(default).get(key) is not None:
-            fields[key] = WINDOW if mixed else None
-    fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions,
-                  bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None)
+    mixed = len(set(kinds) & {"sliding_attention", "chunked_attention"}) > 0 and len(set(kinds)) > 1
+    for key in ("sliding_window", "attention_chunk_size"):  # a window that bites in a short prompt where layers mix
+        if key in known and mixed:
+            fields[key] = WINDOW
+    fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions)
+    for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", None)):
+        if value is None:  # keep a default id the tiny vocabulary holds (some configs require an int)
+            value = vars(default).get(key)
+            value = value if value is None or isinstance(value, int) and value < vocab_size else 0
+        fields[key] = value
     fields = {k: v for k, v in fields.items() if k in known or k in ("num_hidden_layers", "vocab_size")}
     return cls(**fields)
 
