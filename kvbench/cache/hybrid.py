@@ -86,21 +86,6 @@ class RecurrentStates:
         for layer in self.layers.values():
             layer.reorder_cache(beam_idx)
 
-    def repeat_rows(self, n: int) -> None:
-        """Each row repeated `n` times (a beam search starts with `n` copies of the prompt's state)."""
-        for layer in self.layers.values():
-            for states in (layer.conv_states, layer.recurrent_states):
-                for k, t in states.items():
-                    if t is not None:
-                        states[k] = t.repeat_interleave(n, dim=0)
-
-
-def check_rollback(states: RecurrentStates, what: str) -> None:
-    """A recurrent state cannot forget tokens: refuse (one line) what would feed tokens and then drop them."""
-    if states:
-        raise NotImplementedError(f"{what}: a hybrid model's recurrent (linear attention / SSM / conv) state cannot "
-                                  "forget the tokens it was fed; run this method on an attention-only model")
-
 
 def batched(states: list[Tensor | None]) -> Tensor | None:
     """Several sequences' states as one batch `[N, ...]` (None if any has none yet)."""
