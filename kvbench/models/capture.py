@@ -274,7 +274,8 @@ class AttentionCapture:
             raise NotImplementedError(
                 f"capture: layer {layer_idx} of {self.adapter.family} forms its queries in a way kvbench could not "
                 "reproduce from its projection, norm and rotary (e.g. Llama 4's temperature-scaled NoPE queries, a "
-                "fused or gated projection), so a predicted query (TailorKV's q-hat) is unavailable; use another method")
+                "fused or gated projection), so a predicted query (TailorKV's q-hat) is unavailable; use another "
+                "method")
         if layer_idx not in self._placement:
             self._placement[layer_idx] = execution_device(module), offloads_weights(module)
         device, offloaded = self._placement[layer_idx]
@@ -329,7 +330,8 @@ class AttentionCapture:
             else:
                 window_mask = self._window_mask(layer_idx, key, query.shape[1], kwargs.get("sliding_window"))
                 if window_mask is None and layer_idx in self.layer_windows:  # generic: from the layer's kind
-                    window_mask = self._window_mask(layer_idx, key, query.shape[1], *self.layer_windows[layer_idx][::-1])
+                    kind, size = self.layer_windows[layer_idx]
+                    window_mask = self._window_mask(layer_idx, key, query.shape[1], size, kind)
                 if window_mask is not None or (attention_mask is not None
                                                and attention_mask.shape[-1] != key.shape[-2]):
                     # (see `_window_mask`; a mask sized for another layer is dropped)

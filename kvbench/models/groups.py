@@ -26,8 +26,8 @@ NOT_DECODER_LM = frozenset({
 
 # composite (vision-language) configs whose text decoder kvbench runs (`text_config`); their own type is not a
 # decoder of its own
-COMPOSITE = frozenset({"gemma3", "gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llama4", "mistral3",
-                       "dots3_note", "gemma3n"})
+COMPOSITE = frozenset({"gemma3", "gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llama4",
+                       "mistral3", "dots3_note", "gemma3n"})
 
 HYBRID = frozenset({
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "lfm2",
@@ -87,9 +87,9 @@ ODD = {  # attention through the interface, but not one call per layer over the 
 # both against the model's own queries at the first prefill (`kvbench.models.query_form`).
 INTERLEAVED_ROTARY = frozenset({"ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "cohere2_moe", "glm", "glm4",
                                 "llama4_text", "youtu", "deepseek_v2", "deepseek_v3"})
-NOPE_LAYERS = frozenset({"smollm3", "llama4_text", "exaone4", "exaone_moe", "cohere2", "cohere2_moe", "kolibri1", "beam",
-                         "granite_swa", "granitemoe_swa", "jamba", "nemotron_h", "granitemoehybrid", "kimi_linear",
-                         "olmo_hybrid"})
+NOPE_LAYERS = frozenset({"smollm3", "llama4_text", "exaone4", "exaone_moe", "cohere2", "cohere2_moe", "kolibri1",
+                         "beam", "granite_swa", "granitemoe_swa", "jamba", "nemotron_h", "granitemoehybrid",
+                         "kimi_linear", "olmo_hybrid"})
 QUERY_TEMPERATURE = frozenset({"llama4_text", "ministral3", "beam"})  # queries scaled by a position-dependent factor
 
 
