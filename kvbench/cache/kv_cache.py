@@ -13,6 +13,10 @@ offloaded layers (TailorKV) hold their own storage too. Every layer says what it
 `keep` again after any step; positions stay the original ones, so RoPE is never re-derived from cache length.
 Under pos-shift (`shift_inv_freq` set) the stored keys stay as computed and `update` returns them rotated to their
 cache slots (`kvbench.cache.rerotate.shifted_keys`), exactly, from the originals.
+
+Hybrid models (linear attention / SSM / conv layers beside attention): `layers` holds the attention layers only, in
+model order (`slot_of`: model layer index -> slot, found as the model first writes each layer), and the other
+layers' state sits in `states` (`kvbench.cache.hybrid`), kept by transformers' own rules.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvbench.cache.hybrid import RecurrentStates
 from kvbench.cache.rerotate import shifted_keys, slot_targets
 
 
@@ -176,7 +181,8 @@ class KVLayer(DynamicLayer):
 
 
 class KVCache(Cache):
-    """A list of `KVLayer`s, one per decoder layer (created lazily on first update)."""
+    """A list of `KVLayer`s, one per attention layer (created lazily on first update), and the recurrent state of a
+    hybrid model's other layers (`states`)."""
 
     def __init__(self):
         super().__init__(layer_class_to_replicate=KVLayer)
@@ -186,8 +192,11 @@ class KVCache(Cache):
         self.decode_sum_nbytes = 0
         self.ranked: dict[int, Tensor] = {}  # layer -> positions its last selection ranked best first, for a method
         # that `holds_ranked` (R-KV's reference stores its kept entries in that order)
+        self.slot_of: dict[int, int] = {}  # model layer index -> its slot in `layers` (identity without hybrids)
+        self.states = RecurrentStates()  # linear attention / SSM / conv layers' state (hybrid models)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        layer_idx = self.slot_of.setdefault(layer_idx, len(self.slot_of))
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] > 1:  # each prefill layer
             self.note_peak()
@@ -214,7 +223,31 @@ class KVCache(Cache):
             raise ValueError("cache: only an uncompressed (prefilled) cache can be cloned")
         twin = copy.copy(self)
         twin.layers, twin.ranked = [layer.clone() for layer in self.layers], dict(self.ranked)
+        twin.slot_of, twin.states = dict(self.slot_of), self.states.clone()
         return twin
+
+    # --- hybrid models: the non-attention layers' state (transformers' `Cache` API, by model layer index) --------
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self.states.get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self.states.get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        return self.states.update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self.states.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.states.has_previous_state(layer_idx, state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def state_nbytes(self) -> int:
+        """Bytes of the recurrent state (hybrid models; 0 otherwise): constant memory, not counted in `nbytes`."""
+        return self.states.nbytes()
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

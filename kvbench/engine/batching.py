@@ -58,6 +58,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
 from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
+from kvbench.cache.hybrid import batched
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
 from kvbench.cache.varlen import VarlenLayer, VarlenRows
@@ -144,16 +145,18 @@ class BatchedCache:
         self.slots = slots
         self.updated: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}  # layer -> sample -> its keys, values
         self.is_compileable = False
+        self.handed: dict[tuple[str, int, int], Tensor] = {}  # hybrids: the samples' states joined for the model
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: Tensor, value_states: Tensor, model_layer: int, *args, **kwargs):
         in_rows: dict[int, list[tuple[int, RowLayer]]] = {}
+        layer_idx = self.slots[0].run.cache.slot_of[model_layer]  # (a hybrid's attention layers: their slots)
         for i, slot in enumerate(self.slots):
             layer = slot.run.cache.layers[layer_idx]
             if isinstance(layer, RowLayer):
                 in_rows.setdefault(id(layer.rows), []).append((i, layer))
             else:
                 self.updated.setdefault(layer_idx, {})[i] = slot.run.cache.update(
-                    key_states[i:i + 1], value_states[i:i + 1], layer_idx)
+                    key_states[i:i + 1], value_states[i:i + 1], model_layer)
         for members in in_rows.values():
             rows = members[0][1].rows
             if isinstance(rows, EvictingRows):  # every row's token in one copy
@@ -172,6 +175,46 @@ class BatchedCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(slot.run.cache.get_seq_length(layer_idx) for slot in self.slots)
+
+    # --- hybrid models: every sample's recurrent state as one batch for the model's linear layers ---------------
+    def _joined(self, kind: str, layer_idx: int, state_idx: int) -> Tensor | None:
+        """The samples' `kind` state of a layer as one batch; handed tensors the model may update in place (the
+        conv state at a decode step) go back to the samples after the forward (`write_back`)."""
+        joined = batched([getattr(slot.run.cache.states, f"get_{kind}_state")(layer_idx, state_idx)
+                          for slot in self.slots])
+        if joined is not None:
+            self.handed[(kind, layer_idx, state_idx)] = joined
+        return joined
+
+    def _update(self, kind: str, states: Tensor, layer_idx: int, state_idx: int, **kwargs) -> Tensor:
+        self.handed.pop((kind, layer_idx, state_idx), None)  # (replaced: nothing to write back)
+        return torch.cat([getattr(slot.run.cache.states, f"update_{kind}_state")(
+            states[i:i + 1], layer_idx, state_idx, **kwargs) for i, slot in enumerate(self.slots)])
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._joined("conv", layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._joined("recurrent", layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        return self._update("conv", conv_states, layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._update("recurrent", recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return all(slot.run.cache.has_previous_state(layer_idx, state_idx) for slot in self.slots)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def write_back(self) -> None:
+        """After the forward: each sample's rows of the joined states it was handed, into its own state."""
+        for (kind, layer_idx, state_idx), joined in self.handed.items():
+            for i, slot in enumerate(self.slots):
+                getattr(slot.run.cache.states, f"get_{kind}_state")(layer_idx, state_idx).copy_(joined[i:i + 1])
+        self.handed.clear()
 
 
 class BatchedDecoder:
@@ -448,6 +491,8 @@ class BatchedDecoder:
             with without_cudnn_attention():
                 logits = self.model(input_ids=input_ids, past_key_values=past, position_ids=positions,
                                     use_cache=True).logits[:, -1]
+            if self.batch_size > 1:
+                past.write_back()
         finally:
             self.model.set_attn_implementation(capture_name)
             if self.batch_size > 1:
@@ -483,7 +528,7 @@ class BatchedDecoder:
         in them), and one call of the engine's decode attention for all the others (`_attend_together`); a lone
         other sample takes batch 1's path."""
         capture_fn = ALL_ATTENTION_FUNCTIONS[self.capture.name]
-        layer_idx, batch = module.layer_idx, query.shape[0]
+        layer_idx, batch = self.capture.slots[module.layer_idx], query.shape[0]
         outputs: list[Tensor | None] = [None] * batch
         shared: dict[int, tuple[Rows, list[tuple[int, int]]]] = {}
         for i, slot in enumerate(self.cache.slots):
@@ -526,7 +571,7 @@ class BatchedDecoder:
 
     def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
         batch, slot = query.shape[0], self.cache.slots[i]
-        keys, values = self.cache.updated[module.layer_idx][i]
+        keys, values = self.cache.updated[self.capture.slots[module.layer_idx]][i]
         self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
         self.capture.logit_scale = slot.logit_scale
         try:
@@ -540,7 +585,7 @@ class BatchedDecoder:
         """Samples `members` (not in shared rows) attend in one call of the engine's decode attention, whatever
         their layers hold (dense, per-head variable, quantized, offloaded) and however long; each sample's
         temperature scales its own logits, and a decode-time evictor scores the logits this call computed."""
-        layer_idx, window = module.layer_idx, kwargs.get("sliding_window")
+        layer_idx, window = self.capture.slots[module.layer_idx], kwargs.get("sliding_window")
         scaling = kwargs.get("scaling") or module.scaling
         queries = query if len(members) == query.shape[0] else rows_of(query, members)
         kvs: list[DecodeKV | None] = [None] * len(members)

@@ -43,6 +43,7 @@ def reorder(cache: KVCache, beam_idx: Tensor, state: EvictionState | None) -> No
         layer.keys = layer.keys.index_select(0, beam_idx)
         layer.values = layer.values.index_select(0, beam_idx)
         layer.positions = layer.positions.index_select(0, beam_idx)
+    cache.states.reorder(beam_idx)  # a hybrid's recurrent state follows its beam (transformers' reorder_cache)
     if state is not None:
         for i, scores in state.scores.items():
             state.scores[i] = scores.index_select(0, beam_idx)

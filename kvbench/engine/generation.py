@@ -73,6 +73,8 @@ class Generation:
     kv_bytes_decode_peak: int = 0  # the most K/V bytes held after a decode step (the compressed cache's if none)
     kv_bytes_decode_mean: float = 0.0  # their mean over the decode steps
     stop_reason: str = "max_new_tokens"  # eos, stop (a stop string or token), max_new_tokens
+    state_bytes: int = 0  # a hybrid model's recurrent state (linear attention / SSM / conv layers): constant, apart
+    # from the K/V bytes above, which count attention layers only
     step: str = "eager"  # the decode step that ran: eager, static or captured (kvbench.engine.static)
 
     @property
@@ -304,7 +306,8 @@ class Prepared:
                           self.ledger.summary() if self.ledger is not None else None,
                           self.cache.peak_nbytes + self.held_elsewhere,
                           cache.decode_peak_nbytes if steps else self.kv_bytes,
-                          cache.decode_sum_nbytes / steps if steps else float(self.kv_bytes), stop_reason)
+                          cache.decode_sum_nbytes / steps if steps else float(self.kv_bytes), stop_reason,
+                          cache.state_nbytes())
 
 
 @dataclass
@@ -478,12 +481,14 @@ def reconstruct(model, method: Method, capture: AttentionCapture, cache: KVCache
             scores[layer_idx][..., span[0]:span[1]] = method.chunk_scores(query, key, scaling, *span, softcap, **plus)
 
     window, capture.window, capture.prefill_hook = capture.window, 0, score
+    states = cache.states.clone()  # a hybrid's recurrent state cannot drop the input's tokens: restored instead
     try:
         for start, end, ids in method.reconstruction_inputs(context_ids):
             span = (start, end)
             prefill(model, ids, cache, start=n)
             for layer in cache.layers:
                 layer.truncate(n)
+            cache.states = states.clone()
     finally:
         capture.window, capture.prefill_hook = window, None
     capture.key_scores = scores

@@ -58,6 +58,7 @@ def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture,
         lambda m, a, out: outputs.__setitem__("last", output_of(out))))
     window, capture.window, capture.prefill_hook = capture.window, 0, keep
     embed = model.get_input_embeddings()
+    states = cache.states.clone()  # a hybrid's recurrent state cannot drop the input's tokens: restored instead
     try:
         for start, end, ids in method.reconstruction_inputs(context_ids):
             with torch.enable_grad():
@@ -70,6 +71,7 @@ def reconstruct_with_gradients(model, method: Method, capture: AttentionCapture,
             for layer in cache.layers:  # drop the input's K/V, and the graph it carried
                 layer.truncate(n)
                 layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+            cache.states = states.clone()
             with torch.no_grad():
                 for i, grad in zip(layer_ids, grads):
                     query, key, scaling, softcap = seen[i]

@@ -54,7 +54,7 @@ def compress_each_layer(capture, method: Method, cache: KVCache, budget: int | N
         sync = torch.cuda.synchronize if hidden.is_cuda else (lambda: None)
         sync()  # CUDA: the layer's queued kernels are prefill time, not the eviction's (it would wait for them)
         t0 = time.perf_counter()
-        idx = module.layer_idx
+        idx = capture.slots[module.layer_idx]
         stats.full_nbytes += cache.layers[idx].nbytes()
         compress_layer(method, cache, capture, idx, n_layers, budgets[idx], state)
         capture.window_queries.pop(idx, None)  # used: the later layers' peaks need not hold them

@@ -115,6 +115,9 @@ class StaticDecoder(BatchedDecoder):
             raise ValueError(f"step=static: {reason}; use step=eager")
         if self.capture is not None and (self.capture.adapter.replaces is not None or self.capture.window_layers):
             raise ValueError("step=static: attention outside transformers' AttentionInterface; use step=eager")
+        if self.capture is not None and self.capture.hybrid:
+            raise ValueError(f"step=static: {self.capture.adapter.family} is a hybrid model (recurrent state beside "
+                             "attention), which the static step does not carry; use step=eager")
         self.compile, self.backend = compile, backend
         self.static_name = f"{self.name}_static"
         self.cache_static: StaticCache | None = None

@@ -44,11 +44,14 @@ class Adapter:
     modeling: str  # transformers module name under transformers.models, e.g. "llama.modeling_llama"
     attention: str  # the family's attention class in that module
     query: str = "q_proj"  # the module producing queries (its own projection or a fused QKV projection)
-    query_layout: Literal["own", "leading", "per_head", "split"] = "own"  # fused: queries first, [q, k, v] per
-    # head, or whatever the module's own `_split_heads` does (Falcon's three layouts)
+    query_layout: Literal["own", "leading", "per_head", "split", "gated"] = "own"  # fused: queries first, [q, k, v]
+    # per head, or whatever the module's own `_split_heads` does (Falcon's three layouts); gated: [q, gate] per head
+    # (Qwen3-Next / Qwen3.5's output gate)
     query_norm: str | None = None  # per-head norm applied to queries before RoPE (Qwen3, Gemma 3)
-    positions: Literal["rope", "learned", "alibi"] = "rope"  # rope: rotated q/k; learned: added once at the
-    # embedding; alibi: a per-head bias by distance, from each key's recorded position
+    query_norm_scope: Literal["head", "projection"] = "head"  # projection: the norm spans all heads (OLMo-hybrid)
+    positions: Literal["rope", "learned", "alibi", "none"] = "rope"  # rope: rotated q/k; learned: added once at the
+    # embedding; alibi: a per-head bias by distance, from each key's recorded position; none: NoPE attention
+    # (Jamba, Nemotron-H: the recurrent layers carry order)
     rotary: str = "rotary_emb"  # the base model's rotary module (inverse frequencies for positions=shift)
     rotary_inv_freq: str = "inv_freq"
     has_window_layers: bool = False  # alternating sliding-window / global layers (config.layer_types)
@@ -74,9 +77,12 @@ class Adapter:
         return getattr(importlib.import_module(f"transformers.models.{self.modeling}"), self.attention)
 
     def attention_modules(self, model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-        """{layer index: attention module} of this family's attention class (vision towers etc. are skipped)."""
+        """{cache slot: attention module} of this family's attention class (vision towers etc. are skipped): a
+        module's slot is its rank in layer order, its layer index unless a hybrid's other layers come between
+        (`KVCache.slot_of`)."""
         cls = self.attention_class()
-        return {m.layer_idx: m for m in model.modules() if isinstance(m, cls)}
+        found = sorted((m for m in model.modules() if isinstance(m, cls)), key=lambda m: m.layer_idx)
+        return dict(enumerate(found))
 
     def output_weight(self, module: torch.nn.Module) -> Tensor:
         """The attention's output projection as `[hidden, H_q * D]` (nn.Linear's layout: column block h is query
@@ -105,14 +111,14 @@ class Adapter:
         return getattr(module, "eager_attention_forward", None) or ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def window_layers(self, config) -> frozenset[int]:
-        """Layers with their own sliding window (Gemma 2/3) or chunk (Llama 4): methods leave them to the model's
-        window semantics."""
+        """Layers with their own sliding window (Gemma 2/3) or chunk (Llama 4), as model layer indices: methods
+        leave them to the model's window semantics."""
         if self.generic:
             from kvbench.models.generic import layer_windows
 
             return frozenset(layer_windows(config))
         types = getattr(config, "layer_types", None) or []
-        return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+        return frozenset(i for i, t in enumerate(types) if t in ("sliding_attention", "hybrid_sliding"))
 
     # --- queries and positions --------------------------------------------------------------------------------
     def project_query(self, module: torch.nn.Module, hidden: Tensor) -> Tensor:
@@ -131,12 +137,16 @@ class Adapter:
             weight = weight.t()
         if self.query_layout == "leading":
             weight, bias = weight[: n_heads * head_dim], None if bias is None else bias[: n_heads * head_dim]
-        elif self.query_layout == "per_head":
-            rows = weight.view(n_heads, 3 * head_dim, -1)[:, :head_dim].reshape(n_heads * head_dim, -1)
-            bias = None if bias is None else bias.view(n_heads, 3 * head_dim)[:, :head_dim].reshape(-1)
+        elif self.query_layout in ("per_head", "gated"):
+            parts = 3 if self.query_layout == "per_head" else 2
+            rows = weight.view(n_heads, parts * head_dim, -1)[:, :head_dim].reshape(n_heads * head_dim, -1)
+            bias = None if bias is None else bias.view(n_heads, parts * head_dim)[:, :head_dim].reshape(-1)
             weight = rows
-        query = F.linear(hidden, weight, bias).view(*hidden.shape[:2], n_heads, head_dim)
-        if self.query_norm is not None:
+        query = F.linear(hidden, weight, bias)
+        if self.query_norm is not None and self.query_norm_scope == "projection":
+            query = getattr(module, self.query_norm)(query)
+        query = query.view(*hidden.shape[:2], n_heads, head_dim)
+        if self.query_norm is not None and self.query_norm_scope == "head":
             query = getattr(module, self.query_norm)(query)
         return query.transpose(1, 2)
 
@@ -151,8 +161,8 @@ class Adapter:
 
     def position_query(self, query: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
         """Apply the family's position encoding to queries `[B, H_q, q, D]` (rotate the first rotary dims: halves
-        swapped, or adjacent pairs for GPT-J's interleaved layout)."""
-        if self.positions != "rope":
+        swapped, or adjacent pairs for GPT-J's interleaved layout). No (cos, sin) handed over: a NoPE layer."""
+        if self.positions != "rope" or position_embeddings is None:
             return query
         cos, sin = (x.unsqueeze(1) for x in position_embeddings)
         if self.rotary_layout == "interleaved":
@@ -167,7 +177,7 @@ class Adapter:
 
     def check_shift(self) -> None:
         """Raise (one line) if `positions=shift` has no meaning for this family."""
-        if self.positions == "learned":
+        if self.positions in ("learned", "none"):
             raise ValueError(f"positions=shift: {self.family} has {self.positions} positions, no rotary keys to "
                              "re-rotate; use positions=original")
         if self.rotary_layout != "half":
@@ -234,6 +244,30 @@ ADAPTERS: tuple[Adapter, ...] = (
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
                positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False, output="out_proj"),
 )
+# Hybrids: attention layers beside linear attention / Mamba / short-conv layers, whose state the cache keeps as
+# transformers does (`kvbench.cache.hybrid`); methods compress the attention layers only.
+HYBRID_ADAPTERS: tuple[Adapter, ...] = (
+    _interface("qwen3_next", ["qwen3_next"], "qwen3_next.modeling_qwen3_next", "Qwen3NextAttention",
+               query_layout="gated", query_norm="q_norm"),
+    _interface("qwen3_5", ["qwen3_5_text"], "qwen3_5.modeling_qwen3_5", "Qwen3_5Attention", query_layout="gated",
+               query_norm="q_norm"),
+    _interface("qwen3_5_moe", ["qwen3_5_moe_text"], "qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention",
+               query_layout="gated", query_norm="q_norm"),
+    _interface("olmo_hybrid", ["olmo_hybrid"], "olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridAttention",
+               query_norm="q_norm", query_norm_scope="projection"),
+    _interface("jamba", ["jamba"], "jamba.modeling_jamba", "JambaAttention", positions="none"),
+    _interface("bamba", ["bamba"], "bamba.modeling_bamba", "BambaAttention"),
+    _interface("granitemoehybrid", ["granitemoehybrid"], "granitemoehybrid.modeling_granitemoehybrid",
+               "GraniteMoeHybridAttention"),  # RoPE optional: a NoPE config hands no (cos, sin) over
+    _interface("falcon_h1", ["falcon_h1"], "falcon_h1.modeling_falcon_h1", "FalconH1Attention"),
+    _interface("lfm2", ["lfm2"], "lfm2.modeling_lfm2", "Lfm2Attention", query_norm="q_layernorm",
+               output="out_proj"),
+    _interface("lfm2_moe", ["lfm2_moe"], "lfm2_moe.modeling_lfm2_moe", "Lfm2MoeAttention",
+               query_norm="q_layernorm", output="out_proj"),
+    _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
+               positions="none"),
+)
+ADAPTERS = ADAPTERS + HYBRID_ADAPTERS
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}
 

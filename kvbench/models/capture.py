@@ -61,6 +61,14 @@ from kvbench.models.query_form import QueryForm, discover, last_rows, rotary_of,
 from kvbench.models.rotary import Rotary
 
 _ids = itertools.count()
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"})
+
+
+def is_hybrid(config, n_attention_layers: int) -> bool:
+    """Whether a model has layers that keep a recurrent state (linear attention, SSM, short conv) or no cache at
+    all (MLP-only) beside its attention layers: found from its layer types and attention modules, not listed."""
+    types = set(getattr(config, "layer_types", None) or ())
+    return bool(types & RECURRENT_LAYER_TYPES) or n_attention_layers < config.num_hidden_layers
 
 
 class AttentionCapture:
@@ -103,10 +111,14 @@ class AttentionCapture:
         self.name = f"kvbench_capture_{next(_ids)}"
         self._original: str | None = None
         self.adapter = adapter_for(model)
-        self.attention_modules = self.adapter.attention_modules(model)
-        self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
-        self.layer_windows: dict[int, tuple[str, int]] = layer_windows(model.config) if self.adapter.generic else {}
-        # {layer: (sliding_attention | chunked_attention, size)} of a generic model (a hand-written family's window
+        self.attention_modules = self.adapter.attention_modules(model)  # by cache slot (`KVCache.slot_of`)
+        self.slots = {m.layer_idx: slot for slot, m in self.attention_modules.items()}  # model layer -> slot
+        self.window_layers = frozenset(self.slots[i] for i in self.adapter.window_layers(model.config)
+                                       if i in self.slots)  # methods leave these layers as they are
+        self.hybrid = is_hybrid(model.config.get_text_config(), len(self.attention_modules))  # (`cache.hybrid`)
+        self.layer_windows: dict[int, tuple[str, int]] = {self.slots[i]: w for i, w in layer_windows(
+            model.config).items() if i in self.slots} if self.adapter.generic else {}
+        # {slot: (sliding_attention | chunked_attention, size)} of a generic model (a hand-written family's window
         # is its attention module's `sliding_window`)
         self.query_forms: dict[int, QueryForm | None] = {}  # generic: each layer's query form, found at its first
         # prefill (`models.query_form`); a model constant, so `reset` keeps it
@@ -183,41 +195,44 @@ class AttentionCapture:
     # --- before each attention module ------------------------------------------------------------------------------
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if self.adapter.generic and hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in (
-                self.query_forms):  # found once the attention function sees this row's query
-            self._form_inputs[module.layer_idx] = (hidden[:, -1:], kwargs.get("position_embeddings"))
-        elif hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary:
+        slot = self.slots[module.layer_idx]
+        if self.adapter.generic and hidden is not None and hidden.shape[1] > 1 and slot not in self.query_forms:
+            self._form_inputs[slot] = (hidden[:, -1:], kwargs.get("position_embeddings"))  # (found once the
+            # attention function sees this row's query)
+        elif hidden is not None and hidden.shape[1] > 1 and slot not in self.rotary:
             self._record_rotary(module, kwargs)
         if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
             if self.prefill_hook is not None:
-                self._prefill_inputs[module.layer_idx] = hidden
+                self._prefill_inputs[slot] = hidden
             if self.input_scorer is not None:
-                self.input_scores[module.layer_idx] = self.input_scorer(module.layer_idx, hidden)
+                self.input_scores[slot] = self.input_scorer(slot, hidden)
             for name, scorer in self.input_scorers.items():
-                self.named_input_scores.setdefault(name, {})[module.layer_idx] = scorer(module.layer_idx, hidden)
+                self.named_input_scores.setdefault(name, {})[slot] = scorer(slot, hidden)
         if self.input_hook is not None and hidden is not None and hidden.shape[1] == 1:
-            self.input_hook(module.layer_idx, hidden, self.adapter.position_embeddings(module, kwargs))
+            self.input_hook(slot, hidden, self.adapter.position_embeddings(module, kwargs))
 
     def _record_rotary(self, module, kwargs) -> None:
         """The layer's rotary angles from the (cos, sin) its prefill rotates with (none for learned/ALiBi)."""
         if self.adapter.positions != "rope":
-            self.rotary[module.layer_idx] = Rotary.none()
+            self.rotary[self.slots[module.layer_idx]] = Rotary.none()
             return
         embeddings = self.adapter.position_embeddings(module, kwargs) if (
             "position_ids" in kwargs or self.adapter.rotary_layout == "half") else None
         if embeddings is not None:  # (absent: a method that needs it says so)
-            self.rotary[module.layer_idx] = Rotary.from_embeddings(*embeddings, self.adapter.rotary_layout)
+            self.rotary[self.slots[module.layer_idx]] = Rotary.from_embeddings(*embeddings,
+                                                                               self.adapter.rotary_layout)
 
     def _find_query_form(self, module, query: Tensor) -> None:
         """Generic path: the layer's query form (and from it its rotary angles) from its first prefill's last row."""
-        hidden, position_embeddings = self._form_inputs.pop(module.layer_idx)
+        slot = self.slots[module.layer_idx]
+        hidden, position_embeddings = self._form_inputs.pop(slot)
         form = discover(module, hidden, last_rows(position_embeddings, 1), query[:, :, -1:])
         if self.adapter.query_temperature:  # scaled by position only past a threshold: a short prompt hides it
             form = None
-        self.query_forms[module.layer_idx] = form
+        self.query_forms[slot] = form
         rotary = rotary_of(form, position_embeddings)
         if rotary is not None:
-            self.rotary[module.layer_idx] = rotary
+            self.rotary[slot] = rotary
 
     def output_weight(self, layer_idx: int) -> Tensor | None:
         """The layer's attention output projection `[hidden, H_q * D]` (W_o; `Adapter.output_weight`), or None."""
@@ -228,9 +243,12 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
+        if layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
+            return False
         if self.adapter.generic and not (self.query_forms.get(layer_idx) and self.query_forms.get(layer_idx - 1)):
             return False  # (a form kvbench could not reproduce: `predict_query` refuses)
-        return layer_idx in self.attention_modules and (not types or types[layer_idx] == types[layer_idx - 1])
+        this, before = (self.attention_modules[i].layer_idx for i in (layer_idx, layer_idx - 1))
+        return not types or types[this] == types[before]
 
     @torch.no_grad()
     def predict_query(self, layer_idx: int, hidden: Tensor,
@@ -267,7 +285,7 @@ class AttentionCapture:
     # --- the attention function -------------------------------------------------------------------------------
     def _wrap(self, inner: Callable) -> Callable:
         def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-            layer_idx = module.layer_idx
+            layer_idx = self.slots[module.layer_idx]
             q_len = query.shape[2]
             if q_len > 1 and layer_idx in self._form_inputs:
                 self._find_query_form(module, query)

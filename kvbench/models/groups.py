@@ -33,6 +33,26 @@ HYBRID = frozenset({
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "lfm2",
     "lfm2_moe", "lfm3", "nemotron_h", "granitemoehybrid", "minimax", "kimi_linear", "olmo_hybrid", "bailing_hybrid",
     "inkling_text", "inkling2_text", "zaya", "recurrent_gemma", "qwen4_exp_text"})
+# the hybrids kvbench runs have a row in adapters.HYBRID_ADAPTERS (checked before this table); the others, and why
+HYBRID_REASONS = {
+    "zamba": "one attention block is shared across layers (layer_idx None): no per-layer cache slot to compress",
+    "zamba2": "its attention blocks are shared across layers (layer_idx -1, a LoRA per use): no per-layer cache slot",
+    "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
+    "kimi_linear": "its attention layers are MLA (a shared latent, not per-head K/V), which kvbench does not "
+                   "compress yet (its KDA linear layers alone would run)",
+    "bailing_hybrid": "its attention layers are MLA (a shared latent, not per-head K/V), which kvbench does not "
+                      "compress yet",
+    "recurrent_gemma": "it keeps its cache inside the model (no past_key_values to compress)",
+    "inkling_text": "its attention adds a hidden-state-conditioned relative logit bias (no RoPE) that kvbench's "
+                    "scoring and decode attention do not reproduce",
+    "inkling2_text": "its attention adds a hidden-state-conditioned relative logit bias and learned sinks that "
+                     "kvbench's scoring and decode attention do not reproduce",
+    "zaya": "its compressed convolutional attention mixes a conv state into q/k in every layer; not checked by "
+            "kvbench yet (tests/unit/test_hybrid.py)",
+    "lfm3": "its short-conv layers beside sliding-window and global attention are not checked by kvbench yet "
+            "(tests/unit/test_hybrid.py)",
+    "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
+}
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",
                  "deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})
 SINKS = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"})
@@ -77,15 +97,16 @@ def group_refusal(model_type: str, layer_kinds: list[str] | None = None, mla: bo
                   sinks: bool = False) -> str | None:
     """Why `model_type` cannot run yet, its group first; None when the generic path can run it. `layer_kinds`
     (transformers' per-layer cache kinds), `mla` and `sinks` are what was found from its config and code."""
-    hybrid = ("hybrid: its linear-attention/state-space/conv layers keep recurrent state beside the attention "
-              "layers' per-token K/V, and kvbench's cache has no slot for that state yet")
+    hybrid = ("hybrid: a hybrid type kvbench has not checked (its recurrent layers' state calls and a tiny config "
+              "are covered by tests/unit/test_hybrid.py only for the types in adapters.HYBRID_ADAPTERS)")
     latent = ("MLA: its cache holds a shared latent (c_kv, k_rope), not per-head K/V, so scores, eviction and bytes "
               "need the latent path, which is not implemented yet")
     sink = ("sinks: its attention adds learned sink logits (s_aux) that kvbench's scoring and own-storage decode "
             "attention do not include yet")
     own = ("its attention does not go through transformers' AttentionInterface (its own kernel), so kvbench cannot "
            "capture it without a hand-written replacement")
-    known = {**NO_KV, **ODD, **dict.fromkeys(HYBRID, hybrid), **dict.fromkeys(MLA, latent),
+    known = {**NO_KV, **ODD, **dict.fromkeys(HYBRID, hybrid),
+             **{t: f"hybrid: {reason}" for t, reason in HYBRID_REASONS.items()}, **dict.fromkeys(MLA, latent),
              **dict.fromkeys(SINKS, sink), **dict.fromkeys(OWN_ATTENTION, own)}
     if model_type in known:
         return known[model_type]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
+from kvbench.models.adapters import BY_FAMILY, BY_MODEL_TYPE, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
 from kvbench.models.composite import is_composite, load_text_decoder
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
                    "falcon")
+RANDOM_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
+                  "falcon_h1", "lfm2", "lfm2_moe", "nemotron_h")  # hybrid types with a hand-sized tiny config
+# (kvbench.models.tiny.HYBRID_TINY) and an adapter row (adapters.HYBRID_ADAPTERS), each covered by test_hybrid.py
 
 
 @dataclass

@@ -54,6 +54,49 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+# Hybrids (by model_type): one recurrent layer on each side of one attention layer (Falcon-H1: both in every layer;
+# Nemotron-H: and an MLP-only layer), so a test sees state before and after the attention it compresses.
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+               mamba_chunk_size=16)
+_DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_AROUND = ["linear_attention", "full_attention", "linear_attention"]
+HYBRID_TINY = {
+    "qwen3_next": dict(layer_types=_AROUND, **_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_5_text": dict(layer_types=_AROUND, **_DELTANET),
+    "qwen3_5_moe_text": dict(layer_types=_AROUND, **_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "olmo_hybrid": dict(layer_types=_AROUND, **_DELTANET),
+    "jamba": dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=2,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
+                  mamba_dt_rank=8, head_dim=None),
+    "bamba": dict(attn_layer_indices=[1], **_MAMBA2, head_dim=None),
+    "granitemoehybrid": dict(layers_block_type=["mamba", "attention", "mamba"], **_MAMBA2, num_local_experts=4,
+                             num_experts_per_tok=2, shared_intermediate_size=64, head_dim=None),
+    "falcon_h1": dict(mamba_d_ssm=64, **_MAMBA2, layers=2),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, head_dim=None),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
+                     head_dim=None),
+    "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
+                       n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
+}
+
+
+def hybrid_config(model_type: str, common: dict):
+    """A tiny hybrid of `model_type` (a HYBRID_TINY entry); its layer count is the entry's, not the caller's."""
+    from transformers import AutoConfig
+
+    fields = dict(HYBRID_TINY[model_type])
+    layers = fields.pop("layers", 3)
+    kwargs = dict(TINY, **common, **fields)
+    kwargs["num_hidden_layers"] = layers
+    kwargs.update(initializer_range=0.2, tie_word_embeddings=False)  # (at 0.02 with tied embeddings a tiny hybrid
+    # repeats one token, and a generation equal to transformers' would show little)
+    if kwargs["head_dim"] is None:  # (a config class without the field)
+        del kwargs["head_dim"]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
@@ -66,6 +109,10 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
     """A config of any decoder `model_type` at tiny scale, from transformers' own config class (see module doc)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if model_type in HYBRID_TINY:  # (sized by hand: one attention layer between recurrent ones)
+        return hybrid_config(model_type, dict(vocab_size=vocab_size, max_position_embeddings=max_positions,
+                                              bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                                              pad_token_id=None))
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     if default.get_text_config(decoder=True) is not default:  # composite: its text decoder's own type

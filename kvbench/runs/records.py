@@ -99,6 +99,7 @@ def sample_record(dataset, sample, ids: list[int], budget, gen, query: str = "aw
         "peak_kv_bytes": gen.peak_kv_bytes, "kv_bytes_peak": gen.kv_bytes_decode_peak,
         "kv_bytes_mean": gen.kv_bytes_decode_mean, "stop_reason": gen.stop_reason, "step": gen.step,
         **({"transfers": gen.transfers} if gen.transfers is not None else {}),
+        **({"state_bytes": gen.state_bytes} if gen.state_bytes else {}),  # a hybrid's recurrent state (constant)
     }
 
 
