@@ -57,6 +57,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
+from kvbench.attention.sinks import sinks_of
 from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
 from kvbench.cache.rows import RowLayer, Rows, append
@@ -497,12 +498,14 @@ class BatchedDecoder:
             if isinstance(rows, EvictingRows):  # one engine call over the rows as they lie, then one eviction
                 out, logits = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
                                                [DecodeKV(rows.keys, rows.values)], kwargs.get("scaling") or
-                                               module.scaling, softcap=kwargs.get("softcap"), return_logits=True)
+                                               module.scaling, softcap=kwargs.get("softcap"), sinks=sinks_of(kwargs),
+                                               return_logits=True)
                 EvictionState.decode_rows(rows, layer_idx, logits)
             elif rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
                 scale = kwargs.get("scaling") or module.scaling
                 out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
-                                       [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
+                                       [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"),
+                                       sinks=sinks_of(kwargs))[0]
             elif in_order:
                 out = capture_fn(module, query, *rows.attention_inputs(), **kwargs)[0]
             else:
@@ -563,7 +566,7 @@ class BatchedDecoder:
             scales.append(scaling * slot.logit_scale(n_keys) if slot.logit_scale is not None else scaling)
         hooked = [j for j, i in enumerate(members) if self.cache.slots[i].decode_hook is not None]
         out, logits = decode_attention(queries, kvs, scales, softcap=kwargs.get("softcap"), window=window,
-                                       return_logits=bool(hooked))
+                                       sinks=sinks_of(kwargs), return_logits=bool(hooked))
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
         groups: dict = {}  # (they may evict: this step already attended)

@@ -134,7 +134,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
     if state is not None and method.evicts_while_decoding:
-        capture.decode_hook = EvictionHook(state, cache, capture.window_layers, dict(capture.softcap))
+        capture.decode_hook = EvictionHook(state, cache, capture.window_layers, dict(capture.softcap),
+                                           dict(capture.sinks))
     capture.trim_window_layers(cache)
     enable_shift(cache, inv_freq)
     return None
@@ -149,16 +150,19 @@ class EvictionHook:
     cache: KVCache
     fixed: frozenset[int]  # sliding-window layers keep the model's own window semantics
     softcap: dict[int, float]
+    sinks: dict[int, Tensor] = field(default_factory=dict)  # learned sink logits per layer (gpt-oss), in each row
 
     def __call__(self, i: int, query: Tensor, key: Tensor, scaling: float, bias: Tensor | None = None,
                  logits: Tensor | None = None) -> None:
         if i not in self.fixed:
-            self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits)
+            self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits,
+                              sinks=self.sinks.get(i))
 
     def chunk(self, i: int, query: Tensor, key: Tensor, scaling: float) -> None:
         """After layer `i`'s attention of a fed chunk (`feed`): the state scores the chunk's rows and evicts."""
         if i not in self.fixed:
-            self.state.chunk(i, self.cache.layers[i], query, key, scaling, self.softcap.get(i))
+            self.state.chunk(i, self.cache.layers[i], query, key, scaling, self.softcap.get(i),
+                             sinks=self.sinks.get(i))
 
     @staticmethod
     def together(hooks: list[EvictionHook], i: int, keys: list[Tensor], logits: list[Tensor]) -> None:
@@ -189,7 +193,8 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
                          capture.rotary.get(layer_idx), capture.output_weight(layer_idx),
-                         question_len=capture.question_len, input_scores=input_scores)
+                         question_len=capture.question_len, input_scores=input_scores,
+                         sinks=capture.sinks.get(layer_idx))
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None

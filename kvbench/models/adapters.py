@@ -215,6 +215,12 @@ ADAPTERS: tuple[Adapter, ...] = (
                if c.get("alibi") else None),
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
                positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False, output="out_proj"),
+    # learned attention sinks (s_aux, read from each call: kvbench.attention.sinks) and MLA latent caches
+    # (kvbench.models.mla); rows until the generic path finds them
+    _interface("gpt_oss", ["gpt_oss"], "gpt_oss.modeling_gpt_oss", "GptOssAttention", sdpa=False,
+               has_window_layers=True),
+    _interface("deepseek_v3", ["deepseek_v3"], "deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention"),
+    _interface("deepseek_v32", ["deepseek_v32"], "deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention"),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}

@@ -51,6 +51,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.columns import causal_column_sums
 from kvbench.attention.decode import attend, chunk_attention
+from kvbench.attention.sinks import sinks_of
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
 from kvbench.models.mlp import lean_mlp_forward
@@ -90,6 +91,8 @@ class AttentionCapture:
         self.decode_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
+        self.sinks: dict[int, Tensor] = {}  # learned sink logits `[H_q]` per layer (gpt-oss's `s_aux`), from each
+        # call: a model constant, so `reset` keeps them; every softmax kvbench computes for the layer includes them
         self.column_sums: dict[int, Tensor] = {}
         self.key_scores: dict[int, Tensor] = {}  # per-entry scores a reconstruction left, `[B, H_kv, n]` (KVzip)
         self.column_scores: dict[str, Callable[[Tensor], Tensor]] = {}  # more named scorers, one prefill (grid)
@@ -232,11 +235,15 @@ class AttentionCapture:
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
             alibi_slopes = kwargs.pop("alibi_slopes", None)  # [H_q]: the same ALiBi, for layers with own storage
             softcap = kwargs.get("softcap")
+            sinks = sinks_of(kwargs)
+            if sinks is not None:
+                self.sinks[layer_idx] = sinks
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
-                out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs)
+                out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs,
+                                  sinks)
                 self._hold_decode_queries(layer_idx, query)
                 if hasattr(self.decode_hook, "chunk"):  # a decode-time evictor scores the chunk's rows, evicts
                     self.decode_hook.chunk(layer_idx, query, key, scaling)
@@ -261,7 +268,7 @@ class AttentionCapture:
                 if self.column_score is not None:  # the run's own method
                     scorers[None] = self.column_score
                 if scorers:
-                    sums = self._column_sums(query, key, scaling, scorers, score_bias, softcap)
+                    sums = self._column_sums(query, key, scaling, scorers, score_bias, softcap, sinks)
                     if None in sums:
                         self.column_sums[layer_idx] = sums.pop(None)
                     for name, total in sums.items():
@@ -284,18 +291,20 @@ class AttentionCapture:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "own_storage", False):  # varlen, quantized, offloaded: the engine's attention
                     refuse_window(layer, kwargs.get("sliding_window"))
-                    return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes), None
+                    return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  sinks=sinks), None
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
                 module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),
-                                         layer_idx=layer_idx, scaling=module.scaling, training=module.training)
+                                         layer_idx=layer_idx, scaling=module.scaling, training=module.training,
+                                         sinks=getattr(module, "sinks", None))  # (gpt-oss's kernel reads them)
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
 
     @staticmethod
     def _chunk(layer, query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None, score_bias,
-               alibi_slopes, kwargs: dict) -> Tensor:
+               alibi_slopes, kwargs: dict, sinks: Tensor | None = None) -> Tensor:
         """Several tokens on top of this layer's (compressed) entries (`generation.feed`): the model's mask is sized
         for the first layer only, and a layer with its own storage returns only its dense part from `update`, so
         the layer is attended here as it is (`attention.decode.chunk_attention`)."""
@@ -303,7 +312,7 @@ class AttentionCapture:
             raise NotImplementedError("capture: several tokens on top of a compressed cache (query=agnostic, turns) "
                                       "are not supported with sliding-window or ALiBi attention")
         kv = layer.decode_kv(query) if getattr(layer, "own_storage", False) else DecodeKV(key, value)
-        return chunk_attention(query, kv, scaling, softcap)
+        return chunk_attention(query, kv, scaling, softcap, sinks)
 
     def _hold_decode_queries(self, layer_idx: int, query: Tensor) -> None:
         """The sequence's last `decode_window` queries so far, across the prefill and fed chunks."""
@@ -340,12 +349,12 @@ class AttentionCapture:
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 
     def _column_sums(self, query: Tensor, key: Tensor, scaling: float, scorers: dict, score_bias=None,
-                     softcap: float | None = None) -> dict:
+                     softcap: float | None = None, sinks: Tensor | None = None) -> dict:
         """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows
         (`attention.columns.causal_column_sums`, the helper fed chunks are scored with too). The logits are shaped as
         the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
         return causal_column_sums(query, key, scaling, scorers, softcap=softcap, score_bias=score_bias,
-                                  block=self.column_block, chunk=self.chunk)
+                                  block=self.column_block, chunk=self.chunk, sinks=sinks)
 
 
 def refuse_window(layer, window: int | None) -> None:

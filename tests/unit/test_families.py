@@ -98,6 +98,10 @@ def masked_reference(model, ids, token, kept, n_heads):
         allowed[:, -1] = True  # the new token
         if sliding_window:  # Gemma: a key is visible while q_pos - k_pos < window
             allowed &= torch.arange(k.shape[2]) > k.shape[2] - 1 - sliding_window
+        if family_of(model) in OWN_KERNEL:  # the model's own eager kernel (sinks, latents expanded), masked
+            additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, :, None, :]
+            return BY_FAMILY[family_of(model)].eager_function()(module, q, k, v, additive, scaling=scaling,
+                                                                 sliding_window=sliding_window, **kw)
         k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
         logits = (q @ k.transpose(-1, -2)) * scaling
         if softcap is not None:  # Gemma 2
@@ -141,6 +145,9 @@ def masked_by_module_mask(model, reference, token, kept, n_heads):
     finally:
         for handle in handles:
             handle.remove()
+
+
+OWN_KERNEL = ("gpt_oss", "deepseek_v3", "deepseek_v32")  # references through the model's own attention function
 
 
 def family_of(model) -> str:
