@@ -94,6 +94,9 @@ class Method:
     # selection in that order (R-KV): the engine calls `select_ranked` with the ranking the layer's last one left
     may_keep_whole: ClassVar[bool] = False  # True: `select` may return None (SimLayerKV's non-lazy layers), so
     # a layer compressed while decoding can grow with every token: no fixed bound, no fixed-capacity rows
+    reads_per_head: ClassVar[frozenset[str]] = frozenset()  # per-head parts of a layer it reads beyond keys and
+    # queries ("rotary angles", "output projection W_o", "KV-head pattern"): an MLA layer has none (methods/latent.py)
+    writes_values: ClassVar[bool] = False  # True: it rewrites cached values (CaM, `+method.merge`)
     prefill_needs: ClassVar[str | None] = None  # what `select` needs that only a prefill's view holds (every prompt
     # query, W_o): `decode_compression` refuses the method before weights load; None: it scores a decoding layer too
 

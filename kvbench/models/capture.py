@@ -54,6 +54,7 @@ from kvbench.attention.decode import attend, chunk_attention
 from kvbench.attention.sinks import sinks_of
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
+from kvbench.models.mla import absorb_query, latent_keys, latent_layers
 from kvbench.models.mlp import lean_mlp_forward
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
 from kvbench.models.release import LayerInputRelease
@@ -106,6 +107,8 @@ class AttentionCapture:
         self.adapter = adapter_for(model)
         self.attention_modules = self.adapter.attention_modules(model)
         self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
+        self.latent_layers = latent_layers(self.attention_modules)  # MLA: one latent per token (`models.mla`)
+        self._latent_cache = None  # the cache an MLA layer's forward writes its latents into (its kwargs)
         self._handles: list = []
         self._lean_mlps: list[torch.nn.Module] = []
         self._release: LayerInputRelease | None = None
@@ -177,6 +180,8 @@ class AttentionCapture:
     # --- before each attention module ------------------------------------------------------------------------------
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if module.layer_idx in self.latent_layers:  # its call sees expanded K/V; scores need the latents
+            self._latent_cache = kwargs.get("past_key_values")
         if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary:
             self._record_rotary(module, kwargs)
         if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
@@ -249,10 +254,13 @@ class AttentionCapture:
                     self.decode_hook.chunk(layer_idx, query, key, scaling)
                 return out, None
             if q_len > 1:  # prefill: keep only what scoring needs
+                scored = self._latent_query(module, query)  # what scores multiply with the stored keys
                 if self.prefill_hook is not None:  # a scorer of these rows over every key (KVzip's reconstruction)
                     if score_bias is not None:
                         raise NotImplementedError("capture: reconstruction scoring (kvzip) does not support ALiBi")
-                    self.prefill_hook(layer_idx, query, key, scaling, softcap, value=value,
+                    rows_key, rows_value = (key, value) if scored is query else self.view_kv(
+                        layer_idx, self._latent_cache.layers[layer_idx])
+                    self.prefill_hook(layer_idx, scored, rows_key, scaling, softcap, value=rows_value,
                                       hidden=self._prefill_inputs.pop(layer_idx, None))
                 if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
                     score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
@@ -261,7 +269,7 @@ class AttentionCapture:
                     self.softcap[layer_idx] = softcap
                 self._hold_decode_queries(layer_idx, query)
                 if self.window:
-                    self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
+                    self.window_queries[layer_idx] = scored[:, :, -self.window:].detach().clone()
                     if score_bias is not None:
                         self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
                 scorers = dict(self.column_scores)
@@ -301,6 +309,17 @@ class AttentionCapture:
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
+
+    def _latent_query(self, module, query: Tensor) -> Tensor:
+        """The queries scores use: as the call sees them, or absorbed into an MLA layer's latent space."""
+        return absorb_query(module, query) if module.layer_idx in self.latent_layers else query
+
+    def view_kv(self, layer_idx: int, layer) -> tuple[Tensor, Tensor]:
+        """The keys and values a method scores a layer's entries with (`LayerView`): the stored ones, or for an MLA
+        layer its one latent key head `[c_kv, k_rope]` and the latent `c_kv` its values are expanded from."""
+        if layer_idx in self.latent_layers:
+            return latent_keys(layer.keys, layer.values), layer.keys
+        return layer.keys, layer.values
 
     @staticmethod
     def _chunk(layer, query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None, score_bias,

@@ -23,6 +23,8 @@ from kvbench.cache.pq_offloaded import PQOffloadedLayer
 from kvbench.engine.generation import prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
+from kvbench.methods.latent import latent_refusal
+from kvbench.models.mla import is_latent
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir
 from kvbench.models.loader import RANDOM_FAMILIES
@@ -148,6 +150,7 @@ def masked_by_module_mask(model, reference, token, kept, n_heads):
 
 
 OWN_KERNEL = ("gpt_oss", "deepseek_v3", "deepseek_v32")  # references through the model's own attention function
+LATENT = ("deepseek_v3", "deepseek_v32")  # MLA: no q-hat (TailorKV is refused) and no positions=shift
 
 
 def family_of(model) -> str:
@@ -178,6 +181,11 @@ def check_contract(family: str, name: str):
     if method.kind is Kind.RECONSTRUCTOR and not method.scores_inputs and family == "mpt":  # ALiBi: no replay scores
         with pytest.raises(NotImplementedError, match="ALiBi"):
             with AttentionCapture(model) as capture:
+                generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
+        return
+    if latent_refusal(method) and any(is_latent(m) for m in model.modules()):  # MLA: refused in one line
+        with pytest.raises(ValueError, match=f"^MLA: method={name} .*; on this model use one of: "):
+            with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
                 generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
         return
     seen: dict = {}
@@ -224,12 +232,13 @@ def check_contract(family: str, name: str):
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
         window = model.config.sliding_window
         assert kept[i] is not None and all(p.tolist() == list(range(N - window + 1, N)) for p in kept[i])
-    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
-        head_dim = seen["layers"][0].keys.shape[-1]
-        assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * 2 * head_dim * 4
+    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V widths) x 4 bytes (fp32); an MLA
+        first = seen["layers"][0]  # entry is one latent + its rotary key for all heads
+        entry = (first.keys.shape[-1] + first.values.shape[-1]) * 4
+        assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * entry
 
 
-@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in LATENT])
 def test_predicted_query_is_the_next_layers_own_query(family):
     """TailorKV's q̂: the adapter's projection (query slice of a fused QKV, Conv1D, per-head layout, q-norm,
     partial rotary) of a hidden state equals the query the attention module itself forms from it."""
@@ -254,6 +263,8 @@ def test_predicted_query_is_the_next_layers_own_query(family):
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
 
     replaces = BY_FAMILY[family].replaces
+    if BY_FAMILY[family].rotary_halves:  # the model's own form of what the adapter handed over repeated (gpt-oss)
+        pos = tuple(x[..., :x.shape[-1] // 2] for x in pos)
     if replaces is None:
         with attention_function(model, grab):
             attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
@@ -271,7 +282,7 @@ def test_predicted_query_is_the_next_layers_own_query(family):
 
 def rope_families():
     return [f for f in RANDOM_FAMILIES if BY_FAMILY[f].positions == "rope" and not BY_FAMILY[f].has_window_layers
-            and BY_FAMILY[f].rotary_layout == "half"]
+            and BY_FAMILY[f].rotary_layout == "half" and f not in LATENT]
 
 
 @pytest.mark.parametrize("family", rope_families())
@@ -347,8 +358,8 @@ def test_alibi_bias_uses_each_kept_keys_original_distance():
     torch.testing.assert_close(masks[0][0, :, 0], slopes[:, None] * distances[None].float())
 
 
-@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES
-                                    if f not in rope_families() and BY_FAMILY[f].positions != "alibi"])
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in rope_families() + list(LATENT)
+                                    and BY_FAMILY[f].positions != "alibi"])
 def test_position_shift_is_refused_where_it_has_no_meaning(family):
     with pytest.raises(ValueError, match="positions=shift: .* use positions=original"):
         BY_FAMILY[family].check_shift()
