@@ -229,7 +229,10 @@ ADAPTERS: tuple[Adapter, ...] = (
     _interface("gpt_oss", ["gpt_oss"], "gpt_oss.modeling_gpt_oss", "GptOssAttention", sdpa=False,
                has_window_layers=True, rotary_halves=True),
     _interface("deepseek_v3", ["deepseek_v3"], "deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention"),
-    _interface("deepseek_v32", ["deepseek_v32"], "deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention"),
+    _interface("deepseek_v32", ["deepseek_v32"], "deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention",
+               refuse=lambda c: "MLA: its sparse-attention indexer (DSA) masks each query to its top-k keys through "
+               "a mask sized for the uncompressed cache, which kvbench's compressed layers do not match yet (the "
+               "indexer keys themselves are evicted in lockstep: KVLayer.update_indexer)"),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}

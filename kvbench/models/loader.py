@@ -23,7 +23,7 @@ from kvbench.pathnames import check_name
 logger = logging.getLogger(__name__)
 
 RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
-                   "falcon", "gpt_oss", "deepseek_v3", "deepseek_v32")
+                   "falcon", "gpt_oss", "deepseek_v3")
 
 
 @dataclass

@@ -38,13 +38,11 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     if family == "gpt_oss":  # learned sinks, a sliding (window 32) and a global layer, 4 experts
         pattern = ["sliding_attention", "full_attention"] * layers
         kwargs.update(sliding_window=32, layer_types=pattern[:layers], num_local_experts=4, num_experts_per_tok=2)
-    if family in ("deepseek_v3", "deepseek_v32"):  # MLA: a 32-wide latent (not the 16-wide per-head key), rope 8
+    if family == "deepseek_v3":  # MLA: a 32-wide latent (not the 16-wide per-head key), rope 8
         kwargs.update(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
                       qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                       first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1)
         kwargs.pop("head_dim")
-    if family == "deepseek_v32":  # the DSA indexer: 2 heads of 16, top 64 of the cache
-        kwargs.update(index_n_heads=2, index_head_dim=16, index_topk=64)
     if family == "phi3":
         kwargs.update(partial_rotary_factor=0.5)
     if family == "mistral":
