@@ -172,3 +172,14 @@ def test_shift_and_dsa_are_refused_before_weights_load(deepseek):
     with pytest.raises(ValueError, match="MLA: its sparse-attention indexer"):
         check_config("deepseek_v32", config={"model_type": "deepseek_v32"})
     assert importlib.import_module("kvbench.models.mla").path_is_latent("random:deepseek_v3")
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "h2o", "full"])
+def test_mla_batch_4_equals_batch_1(deepseek, name):
+    """Batched decoding expands each latent row per head as the model does: batch 4 gives batch 1's tokens, bytes
+    and kept entries (prompts of 5 lengths, samples leaving and joining; Ada-KV as one dense set per layer, H2O's
+    evicting rows)."""
+    from tests.unit.test_batching import assert_same, batch_one_and_batched
+
+    method = configured(name)
+    assert_same(*batch_one_and_batched(deepseek, method, None if name == "full" else 48, batch_size=4))
