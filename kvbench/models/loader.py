@@ -8,6 +8,7 @@ the config alone, before any weights load (`check_architecture`).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
+from kvbench.models.mla import config_is_latent
 from kvbench.models.placement import DEVICE_MAPS
 from kvbench.pathnames import check_name
 
@@ -115,6 +117,17 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
     except (OSError, ValueError):
         return None  # unreachable or unknown here: loading the weights reports it
     return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)), config.to_dict())
+
+
+def is_latent_model(spec: ModelSpec) -> bool:
+    """Whether `model.path` names an MLA model (`kvbench.models.mla`), from its config alone (a random model's, a
+    local config.json); False when it cannot tell without loading (a Hub id, GGUF): the engine refuses there."""
+    if spec.path.startswith("random:"):
+        from kvbench.models.tiny import tiny_config
+
+        return config_is_latent(tiny_config(spec.path.split(":", 1)[1]).to_dict())
+    config = Path(spec.path).expanduser() / "config.json"
+    return config.is_file() and config_is_latent(json.loads(config.read_text()))
 
 
 def load(spec: ModelSpec):

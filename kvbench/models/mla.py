@@ -17,9 +17,6 @@ all heads, which is what per-token eviction needs. A layer is latent when its at
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
@@ -57,16 +54,3 @@ def config_is_latent(config: dict) -> bool:
     text = config.get("text_config") or config
     return bool(text.get("kv_lora_rank"))
 
-
-def path_is_latent(path: str) -> bool:
-    """Whether `model.path` names an MLA model, from its config alone (a random model's, a local config.json);
-    False when it cannot tell without loading (a Hub id, GGUF): the engine's own check refuses at compression."""
-    if path.startswith("random:"):
-        from kvbench.models.tiny import tiny_config
-
-        try:
-            return config_is_latent(tiny_config(path.split(":", 1)[1]).to_dict())
-        except Exception:  # (an unknown family is refused elsewhere, with its own message)
-            return False
-    config = Path(path).expanduser() / "config.json"
-    return config.is_file() and config_is_latent(json.loads(config.read_text()))

@@ -171,7 +171,9 @@ def test_shift_and_dsa_are_refused_before_weights_load(deepseek):
         adapter_for(deepseek).inv_freq(deepseek)
     with pytest.raises(ValueError, match="MLA: its sparse-attention indexer"):
         check_config("deepseek_v32", config={"model_type": "deepseek_v32"})
-    assert importlib.import_module("kvbench.models.mla").path_is_latent("random:deepseek_v3")
+    loader = importlib.import_module("kvbench.models.loader")
+    assert loader.is_latent_model(loader.ModelSpec("tiny", "random:deepseek_v3"))
+    assert not loader.is_latent_model(loader.ModelSpec("tiny", "random:gpt_oss"))
 
 
 @pytest.mark.parametrize("name", ["snapkv", "adakv", "h2o", "full"])
