@@ -182,8 +182,9 @@ class AttentionCapture:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if module.layer_idx in self.latent_layers:  # its call sees expanded K/V; scores need the latents
             self._latent_cache = kwargs.get("past_key_values")
-        if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary:
-            self._record_rotary(module, kwargs)
+        if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary \
+                and module.layer_idx not in self.latent_layers:
+            self._record_rotary(module, kwargs)  # (an MLA layer's rotary part is not a head's: none recorded)
         if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
             if self.prefill_hook is not None:
                 self._prefill_inputs[module.layer_idx] = hidden
