@@ -66,6 +66,11 @@ class Adapter:
     refuse: Callable[[dict], str | None] | None = None  # config.json -> a reason to refuse this variant, or None
     mlp: str | None = None  # the family's gated MLP class, computed in place under the capture (`models.mlp`)
     mlp_layout: Literal["gated", "fused"] = "gated"  # gate_proj and up_proj, or Phi-3's fused gate_up_proj
+    generic: bool = False  # found by the generic path (`models.generic`): windows from transformers' layer kinds,
+    # the query form found from the model's own queries (`models.query_form`)
+    nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
+    query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
+    chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -79,7 +84,12 @@ class Adapter:
     def output_weight(self, module: torch.nn.Module) -> Tensor:
         """The attention's output projection as `[hidden, H_q * D]` (nn.Linear's layout: column block h is query
         head h's share of W_o)."""
-        weight = getattr(module, self.output).weight
+        output = getattr(module, self.output, None)
+        if output is None and self.generic:  # the linear child taking the heads' outputs back to the hidden size
+            width = module.config.num_attention_heads * _head_dim(module)
+            output = [c for c in module.children() if isinstance(c, torch.nn.Linear) and c.in_features == width
+                      and c.out_features == module.config.hidden_size][-1]
+        weight = output.weight
         return weight.t() if self.output_transposed else weight
 
     def mlp_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -98,7 +108,12 @@ class Adapter:
         return getattr(module, "eager_attention_forward", None) or ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def window_layers(self, config) -> frozenset[int]:
-        """Layers with their own sliding window (Gemma 2/3): methods leave them to the model's window semantics."""
+        """Layers with their own sliding window (Gemma 2/3) or chunk (Llama 4): methods leave them to the model's
+        window semantics."""
+        if self.generic:
+            from kvbench.models.generic import layer_windows
+
+            return frozenset(layer_windows(config))
         types = getattr(config, "layer_types", None) or []
         return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
 
@@ -131,7 +146,7 @@ class Adapter:
     def position_embeddings(self, module: torch.nn.Module, kwargs: dict) -> tuple[Tensor, Tensor] | None:
         """The (cos, sin) an attention module rotates with, from its forward's kwargs: the model hands them over
         (`position_embeddings`), or GPT-J's module looks them up in its own sinusoid table by `position_ids`."""
-        if self.rotary_layout == "interleaved":
+        if self.rotary_layout == "interleaved" and not self.generic:
             ids = kwargs["position_ids"]
             sin, cos = module.embed_positions.to(ids.device)[ids].chunk(2, dim=-1)  # [B, q, rotary_dim / 2] each
             return cos, sin
@@ -164,6 +179,9 @@ class Adapter:
         if self.rotary_layout != "half":
             raise ValueError(f"positions=shift: re-rotating {self.family}'s interleaved rotary keys is not "
                              "implemented; use positions=original")
+        if self.nope_layers:
+            raise ValueError(f"positions=shift: {self.family} has NoPE layers (no rotary) beside rotary ones, whose "
+                             "keys must not be re-rotated; use positions=original")
         if self.has_window_layers:
             raise ValueError(f"positions=shift: {self.family} mixes sliding-window and global layers, whose slots "
                              "would disagree; use positions=original")
@@ -229,46 +247,68 @@ ADAPTERS: tuple[Adapter, ...] = (
     _interface("gpt_oss", ["gpt_oss"], "gpt_oss.modeling_gpt_oss", "GptOssAttention", sdpa=False,
                has_window_layers=True, rotary_halves=True),
     _interface("deepseek_v3", ["deepseek_v3"], "deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention"),
-    _interface("deepseek_v32", ["deepseek_v32"], "deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention",
-               refuse=lambda c: "MLA: its sparse-attention indexer (DSA) masks each query to its top-k keys through "
-               "a mask sized for the uncompressed cache, which kvbench's compressed layers do not match yet (the "
-               "indexer keys themselves are evicted in lockstep: KVLayer.update_indexer)"),
 )
 BY_MODEL_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
 BY_FAMILY = {a.family: a for a in ADAPTERS}
-STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "jamba", "zamba", "zamba2",
-               "bamba", "falcon_h1", "lfm2", "nemotron_h", "granitemoehybrid", "minimax", "qwen3_next")
 
 
 def supported() -> str:
-    return ", ".join(t for a in ADAPTERS for t in a.model_types)
+    return (", ".join(t for a in ADAPTERS for t in a.model_types) + ", and any decoder whose attention goes through "
+            "transformers' AttentionInterface (docs/methods.md, architecture table)")
 
 
-def check_config(model_type: str | None, is_encoder_decoder: bool = False, config: dict | None = None) -> Adapter:
+def check_config(model_type: str | None, is_encoder_decoder: bool = False, config=None) -> Adapter:
     """The adapter for `model_type`, or a one-line ValueError naming what is missing (call before weights load).
-    `config` (the config.json fields) lets an adapter refuse a variant of its family (ALiBi Falcon)."""
+    `config` (the config.json fields, or a config object) lets an adapter refuse a variant of its family (ALiBi
+    Falcon), and the generic path find a type's layer kinds (`kvbench.models.generic`)."""
     if is_encoder_decoder:
         raise ValueError(f"model: model_type {model_type!r} is an encoder-decoder model; kvbench compresses "
                          f"decoder-only self-attention caches (supported: {supported()})")
-    if model_type in STATE_SPACE:
-        raise ValueError(f"model: model_type {model_type!r} is a state-space/recurrent model with no per-token KV "
-                         f"cache to compress (supported: {supported()})")
+    fields = config.to_dict() if hasattr(config, "to_dict") else config
     adapter = BY_MODEL_TYPE.get(model_type)
     if adapter is None:
-        raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in "
-                         f"kvbench/models/adapters.py (supported: {supported()})")
-    missing = adapter.refuse(config) if adapter.refuse and config is not None else None
+        return _generic(model_type, config)
+    missing = adapter.refuse(fields) if adapter.refuse and fields is not None else None
     if missing:
         raise ValueError(f"model: {adapter.family} (model_type {model_type!r}) is not supported: {missing} "
                          f"(supported: {supported()})")
     return adapter
 
 
+def _generic(model_type: str | None, config) -> Adapter:
+    """A type without a hand-written row: its composite wrapper's text decoder, a refusal naming its group, or the
+    generic path's adapter (`kvbench.models.generic`)."""
+    from kvbench.models import generic
+    from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, group_refusal
+
+    if model_type in COMPOSITE:  # a vision-language checkpoint: kvbench runs its text decoder
+        text = generic.text_config(config if hasattr(config, "to_dict") else generic.config_object(model_type, config))
+        return check_config(text.model_type, False, text)
+    if model_type in NO_KV:
+        raise ValueError(f"model: model_type {model_type!r} cannot be compressed: {NO_KV[model_type]} "
+                         f"(supported: {supported()})")
+    if model_type not in generic.causal_lm_types() or model_type in NOT_DECODER_LM:
+        raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in kvbench/models/adapters.py "
+                         f"and is not a decoder-only text model transformers knows (supported: {supported()})")
+    reason = group_refusal(model_type)  # the survey's table decides without a config
+    if reason is not None:
+        raise ValueError(f"model: model_type {model_type!r} is not supported yet: {reason} (supported: {supported()})")
+    try:
+        obj = config if hasattr(config, "to_dict") else generic.config_object(model_type, config)
+    except Exception as e:  # noqa: BLE001 (transformers' validators raise their own error classes)
+        raise ValueError(f"model: model_type {model_type!r}: transformers cannot read its config "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    reason = generic.generic_refusal(model_type, obj)
+    if reason is not None:
+        raise ValueError(f"model: model_type {model_type!r} is not supported yet: {reason} (supported: {supported()})")
+    return generic.generic_adapter(model_type, obj)
+
+
 def adapter_for(model: torch.nn.Module) -> Adapter:
     """The adapter of a loaded model (its config's model_type)."""
     config = model.config
     return check_config(getattr(config, "model_type", None), bool(getattr(config, "is_encoder_decoder", False)),
-                        config.to_dict())
+                        config)
 
 
 def check_model_dir(path: str | Path) -> Adapter | None:

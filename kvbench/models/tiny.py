@@ -5,11 +5,17 @@ scale so tests exercise them: Phi-3, GPT-NeoX and GPT-J rotate only part of each
 interleaved), Gemma 2/3 alternate a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its
 logits), GPT-2 adds learned absolute positions at the embedding, MPT biases scores by ALiBi distance, Falcon is
 multi-query.
+
+Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
+(`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
+of 8 where layers mix them), 4 experts, small MLA ranks; every per-layer list of the config is cut to those layers.
 """
 from __future__ import annotations
 
 import torch
 
+BY_FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
+                   "falcon")  # the hand-written families' tiny configs (`tiny_config`)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
@@ -56,15 +62,56 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0)
+WINDOW = 8  # sliding window / attention chunk of the tiny models where layers mix window and global attention
+
+
+def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int = 4096,
+                     bos_token_id: int | None = None, eos_token_id: int | None = None):
+    """A config of any decoder `model_type` at tiny scale, from transformers' own config class (see module doc)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    if default.get_text_config(decoder=True) is not default:  # composite: its text decoder's own type
+        return tiny_type_config(default.get_text_config(decoder=True).model_type, vocab_size, max_positions,
+                                bos_token_id, eos_token_id)
+    layers = default.num_hidden_layers
+    kinds = list(getattr(default, "layer_types", None) or [])
+    per_layer = {k: v for k, v in vars(default).items()  # layer_types, no_rope_layers: few values, each a kind
+                 if isinstance(v, list) and len(v) == layers and not k.startswith("_") and len(set(map(repr, v))) <= 3}
+    rows = [tuple(repr(v[i]) for v in per_layer.values()) for i in range(layers)]
+    picked = [rows.index(r) for r in dict.fromkeys(rows)]  # one layer of each kind (a NoPE layer is a kind too)
+    picked = picked if len(picked) > 1 else [0, 1]
+    fields = {k: [v[i] for i in picked] for k, v in per_layer.items()}
+    known = set(vars(default)) | set(getattr(type(default), "__dataclass_fields__", ()))
+    fields.update({k: v for k, v in SMALL.items() if k in known})
+    mixed = len(set(kinds)) > 1
+    for key in ("sliding_window", "attention_chunk_size"):
+        if vars(default).get(key) is not None:
+            fields[key] = WINDOW if mixed else None
+    fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions,
+                  bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None)
+    fields = {k: v for k, v in fields.items() if k in known or k in ("num_hidden_layers", "vocab_size")}
+    return cls(**fields)
+
+
 def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed: int = 0, dtype=torch.float32,
                       attn: str = "sdpa", **config):
     """A tiny random model of `family` in eval mode (eager where the family refuses sdpa)."""
     from transformers import AutoModelForCausalLM
 
-    from kvbench.models.adapters import BY_MODEL_TYPE
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = tiny_config(family, vocab_size, layers, **config)
-    if not BY_MODEL_TYPE[config.model_type].sdpa:
-        attn = "eager"
+    if family in BY_FAMILY_NAMES:
+        config = tiny_config(family, vocab_size, layers, **config)
+    else:  # any other model type (random:<model_type>), runnable by kvbench or not (the loader refuses those)
+        config = tiny_type_config(family, vocab_size, **config)
+    if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]), "_supports_sdpa", True):
+        attn = "eager"  # (Gemma 2, GPT-J, MPT, gpt-oss: transformers refuses sdpa for them)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()

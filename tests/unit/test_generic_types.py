@@ -1,0 +1,175 @@
+"""The survey: every decoder-only text type of the installed transformers (142 in 5.23), built with `random:<type>`,
+either runs or is refused in one line before weights load, naming its group.
+
+For every type that runs (the generic path, `kvbench.models.generic`):
+- the full cache generates the same greedy tokens as transformers' own `generate` on the same model;
+- a cheap set of methods (full, snapkv, h2o, adakv, streamingllm: a selector, an accumulated-attention evictor, the
+  per-head variable storage and a fixed pattern) gives, at the first decode step after compression, the logits of
+  the model run over a plain uncompressed cache with **the model's own attention function** (sdpa or its eager
+  kernel, its own window/chunk mask included) restricted to the kept positions, and holds exactly the kept entries'
+  bytes (layer by layer, per-layer head sizes included).
+Every registered method runs that contract on one representative type of each generic kind (plain GQA + MoE,
+sliding/global mix with per-layer head sizes, chunked + NoPE + complex rotary, NoPE every 4th layer): the full cross
+product over ~80 types would cost ~40 x more for no new code path (the generic path is per kind, not per type).
+The count of types that run is printed (`-s`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvbench.engine.batching import generate
+from kvbench.methods.base import Kind
+from kvbench.models import AttentionCapture, ModelSpec
+from kvbench.models.generic import decoder_types
+from kvbench.models.loader import check_architecture
+from kvbench.models.tiny import tiny_random_model
+from kvbench.registry import METHODS
+from tests.unit.test_families import RETRIEVING, attended_positions, configured
+from tests.unit.tiny import attention_function, prompt
+
+N, BUDGET = 24, 12
+CHEAP = ("full", "snapkv", "h2o", "adakv", "streamingllm")
+REPRESENTATIVE = ("qwen3_moe", "gemma4_text", "llama4_text", "smollm3")
+
+# The spec's groups of the types kvbench refuses (shared/specs/models-transformers-5.23.md, sections 1 and 3), and
+# the words their refusal must start with or contain.
+REFUSED = {
+    "hybrid:": "qwen3_next qwen3_5_text qwen3_5_moe_text jamba zamba zamba2 bamba falcon_h1 lfm2 lfm2_moe lfm3 nemotron_h "
+               "granitemoehybrid minimax kimi_linear olmo_hybrid bailing_hybrid inkling_text inkling2_text zaya "
+               "recurrent_gemma qwen4_exp_text",
+    "MLA: its sparse-attention indexer": "deepseek_v32 axk2 dots3_note_text glm_moe_dsa hy_v4",  # (other MLA and
+    # sink types run: tests/unit/test_sinks_mla.py)
+    "AttentionInterface": "bloom codegen cpmant gpt_neo gpt_neox_japanese xglm",
+    "no per-token KV cache": "mamba mamba2 falcon_mamba rwkv xlstm",
+    "no KV": "gemma4_assistant gemma4_unified_assistant openai-gpt",
+    "across layers": "gemma3n_text",
+    "compressed KV": "deepseek_v4",
+    "twice per layer": "diffllama",
+    "mixture-of-attention": "jetmoe",
+    "cycle": "hrm_text",
+    "dynamic-mask": "doge",
+    "cross-attention": "mllama blt",
+}
+REFUSAL = {t: words for words, types in REFUSED.items() for t in types.split()}
+HAND_WRITTEN = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3_text", "gemma2", "gptj",
+                "falcon", "mpt", "gpt_oss", "deepseek_v3"}  # test_families.py runs every method on these
+_models: dict[str, torch.nn.Module] = {}
+
+
+def model_of(model_type: str) -> torch.nn.Module:
+    if model_type not in _models:
+        _models[model_type] = tiny_random_model(model_type)
+    return _models[model_type]
+
+
+def generic_types() -> list[str]:
+    return [t for t in decoder_types() if t not in REFUSAL and t not in HAND_WRITTEN]
+
+
+def test_survey_every_decoder_type_runs_or_is_refused_in_one_line(capsys):
+    """Each type's `random:<type>` is checked from its config alone (no weights); a refused one names its group,
+    every other one gets an adapter. Prints the count."""
+    runs, refused, wrong = [], [], []
+    for model_type in decoder_types():
+        spec = ModelSpec(name="m", path=f"random:{model_type}")
+        try:
+            check_architecture(spec)
+            runs.append(model_type)
+        except ValueError as err:
+            refused.append(model_type)
+            if REFUSAL.get(model_type) not in str(err) or "\n" in str(err):
+                wrong.append(f"{model_type}: {err}")
+    assert not wrong and set(refused) == set(REFUSAL), (wrong, set(REFUSAL) - set(refused))
+    assert len(decoder_types()) == 142
+    with capsys.disabled():
+        print(f"\nsurvey: {len(runs)} of {len(decoder_types())} decoder types run, {len(refused)} refused")
+    assert len(runs) >= 80
+
+
+def first_step(model, method, ids) -> tuple[torch.Tensor, list, list, object]:
+    """kvbench's logits at the first decode step after compression, the positions each layer kept, the layers."""
+    seen = {}
+
+    def on_logits(t, logits):
+        if t == 0:  # (no cache handed to the capture: nothing compressed, every position kept)
+            layers = capture.cache.layers if capture.cache is not None else [None] * model.config.num_hidden_layers
+            seen["kept"] = [None if layer is None or isinstance(layer, RETRIEVING) else attended_positions(layer)
+                            for layer in layers]
+            seen["layers"] = list(layers)
+        elif t == 1:
+            seen["logits"] = logits.clone()
+
+    with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
+        gen = generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set(), on_logits=on_logits)
+    return seen["logits"], seen["kept"], seen["layers"], gen
+
+
+def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
+    """One decode step at position N over a plain full-prompt cache through the model's own attention function, with
+    -inf on the positions a layer's stored head did not keep and, in a sliding or chunked layer, outside the window
+    or chunk its config gives (a plain cache's layers are not sliding, so the model's own mask does not say)."""
+    own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, None)
+    if own is None:  # eager: the type's own eager kernel
+        import importlib
+
+        own = importlib.import_module(type(model).__module__).eager_attention_forward
+    n_heads = model.config.num_attention_heads
+
+    def masked(module, q, k, v, mask, **kw):
+        per_head = kept[module.layer_idx]
+        allowed = torch.zeros(1, n_heads, 1, k.shape[2], dtype=torch.bool)
+        for hq in range(n_heads):
+            allowed[0, hq, 0, slice(None) if per_head is None else per_head[hq * len(per_head) // n_heads]] = True
+        allowed[..., -1] = True  # the new token
+        kind = (getattr(model.config, "layer_types", None) or ["full_attention"] * 99)[module.layer_idx]
+        position = torch.arange(k.shape[2])
+        if kind == "sliding_attention":  # the key is visible while N - position < window
+            allowed &= position > N - model.config.sliding_window
+        elif kind == "chunked_attention":  # Llama 4: the keys of the query's own chunk
+            allowed &= position // model.config.attention_chunk_size == N // model.config.attention_chunk_size
+        extra = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        if mask is not None:
+            mask = mask[..., : k.shape[2]]
+            mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask
+        return own(module, q, k, v, extra if mask is None else mask + extra, **kw)
+
+    with torch.no_grad():
+        reference = DynamicCache()
+        model(ids, past_key_values=reference, use_cache=True)
+    with attention_function(model, masked):
+        return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+
+
+def check_contract(model_type: str, name: str) -> None:
+    model, ids = model_of(model_type), prompt(N)
+    method = configured(name)
+    logits, kept, layers, gen = first_step(model, method, ids)
+    expected = masked_by_own_attention(model, ids, torch.tensor([gen.token_ids[:1]]), kept)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    if name == "full":
+        assert gen.kv_bytes == gen.full_kv_bytes
+    elif method.kind is not Kind.STORAGE:  # bytes held = kept entries x (K + V widths) x 4 (fp32; MLA: latent + rope)
+        assert gen.kv_bytes == sum(len(p) * (layer.keys.shape[-1] + layer.values.shape[-1]) * 4
+                                   for p_layer, layer in zip(kept, layers) for p in p_layer)
+        assert gen.kv_bytes < gen.full_kv_bytes
+
+
+@pytest.mark.parametrize("model_type", generic_types())
+def test_generic_type_keeps_the_contract(model_type):
+    """Full cache = transformers' own greedy generate; the cheap methods = masked dense recompute (module doc)."""
+    model, ids = model_of(model_type), prompt(N)
+    with torch.no_grad():
+        own = model.generate(ids, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids))
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, configured("full"), capture, ids, None, 4, eos_ids=set())
+    assert gen.token_ids == own[0, N:].tolist()
+    for name in CHEAP:
+        check_contract(model_type, name)
+
+
+@pytest.mark.parametrize("name", METHODS.names())
+@pytest.mark.parametrize("model_type", REPRESENTATIVE)
+def test_every_method_on_a_representative_type_of_each_kind(model_type, name):
+    check_contract(model_type, name)
