@@ -89,6 +89,10 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
     fields = {k: [v[i] for i in picked] for k, v in per_layer.items()}
     known = set(vars(default)) | set(getattr(type(default), "__dataclass_fields__", ()))
     fields.update({k: v for k, v in SMALL.items() if k in known})
+    if "kv_lora_rank" in fields:  # MLA: a latent wider than a head's key (16, so scores cannot mix them up), every
+        fields.update(kv_lora_rank=32, num_key_value_heads=SMALL["num_attention_heads"])  # head reads it, and the
+        if "head_dim" in fields:  # rotary tables sized by head_dim cover the rotary part (DeepSeek-V2, YoutU)
+            fields["head_dim"] = SMALL["qk_rope_head_dim"]
     mixed = len(set(kinds)) > 1
     for key in ("sliding_window", "attention_chunk_size"):
         if vars(default).get(key) is not None:
