@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 BY_FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
-                   "falcon")  # the hand-written families' tiny configs (`tiny_config`)
+                   "falcon", "gpt_oss", "deepseek_v3")  # the hand-written families' tiny configs (`tiny_config`)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
