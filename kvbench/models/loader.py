@@ -18,6 +18,7 @@ import torch
 
 from kvbench.models.adapters import BY_FAMILY, Adapter, adapter_for, check_config, check_model_dir
 from kvbench.models.checks import check_source
+from kvbench.models.composite import is_composite, load_text_decoder
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
 from kvbench.models.mla import config_is_latent
 from kvbench.models.placement import DEVICE_MAPS
@@ -148,11 +149,22 @@ def is_latent_model(spec: ModelSpec) -> bool:
     """Whether `model.path` names an MLA model (`kvbench.models.mla`), from its config alone (a random model's, a
     local config.json); False when it cannot tell without loading (a Hub id, GGUF): the engine refuses there."""
     if spec.path.startswith("random:"):
-        from kvbench.models.tiny import tiny_config
+        from kvbench.models.tiny import BY_FAMILY_NAMES, tiny_config
 
-        return config_is_latent(tiny_config(spec.path.split(":", 1)[1]).to_dict())
+        name = spec.path.split(":", 1)[1]
+        config = tiny_config(name) if name in BY_FAMILY_NAMES else random_config(name)
+        return config is not None and config_is_latent(config.to_dict())
     config = Path(spec.path).expanduser() / "config.json"
     return config.is_file() and config_is_latent(json.loads(config.read_text()))
+
+
+def _model_type(source, kwargs: dict) -> str | None:
+    """The checkpoint's model_type from its config alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source), revision=kwargs.get("revision"),
+                                        trust_remote_code=kwargs.get("trust_remote_code", False))
+    return config.model_type
 
 
 def load(spec: ModelSpec):
@@ -189,6 +201,9 @@ def load(spec: ModelSpec):
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
     if spec.device_map is not None:  # accelerate places each layer; its hooks move activations between devices
         kwargs["device_map"] = spec.device_map
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    if is_composite(_model_type(source, kwargs)):  # a vision-language checkpoint: its text decoder
+        model = load_text_decoder(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn, **kwargs)
     adapter_for(model)  # a GGUF's converted config is known only now
     return (model if spec.device_map is not None else model.to(device)).eval(), tokenizer

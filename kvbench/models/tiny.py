@@ -93,12 +93,16 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
         fields.update(kv_lora_rank=32, num_key_value_heads=SMALL["num_attention_heads"])  # head reads it, and the
         if "head_dim" in fields:  # rotary tables sized by head_dim cover the rotary part (DeepSeek-V2, YoutU)
             fields["head_dim"] = SMALL["qk_rope_head_dim"]
-    mixed = len(set(kinds)) > 1
-    for key in ("sliding_window", "attention_chunk_size"):
-        if vars(default).get(key) is not None:
-            fields[key] = WINDOW if mixed else None
-    fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions,
-                  bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None)
+    mixed = len(set(kinds) & {"sliding_attention", "chunked_attention"}) > 0 and len(set(kinds)) > 1
+    for key in ("sliding_window", "attention_chunk_size"):  # a window that bites in a short prompt where layers mix
+        if key in known and mixed:
+            fields[key] = WINDOW
+    fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions)
+    for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", None)):
+        if value is None:  # keep a default id the tiny vocabulary holds (some configs require an int)
+            value = vars(default).get(key)
+            value = value if value is None or isinstance(value, int) and value < vocab_size else 0
+        fields[key] = value
     fields = {k: v for k, v in fields.items() if k in known or k in ("num_hidden_layers", "vocab_size")}
     return cls(**fields)
 
