@@ -141,7 +141,8 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, p
             scale: Tensor, softcap: float | None, alibi_slopes: Tensor | None, window: int | None,
             sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The math over one `[S, H_kv, L, D]` block: logits, soft cap, ALiBi and window by position, mask, softmax
-    (with the sink logits `[H_q]` in its denominator), values. fp32. Returns the output `[S, 1, H_q, D]` and the masked logits `[S, H_q, L]`."""
+    (with the sink logits `[H_q]` in its denominator), values. fp32. Returns the output `[S, 1, H_q, D]` and the
+    masked logits `[S, H_q, L]`."""
     s, h_kv, length, d = keys.shape  # (bmm on 3-d views: what `@` runs on 4-d tensors, in fewer dispatched ops)
     q = query.float().reshape(s * h_kv, -1, d)  # [S * H_kv, G, D]
     logits = torch.bmm(q, keys.float().reshape(s * h_kv, length, d).transpose(1, 2))

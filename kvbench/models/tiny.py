@@ -4,11 +4,12 @@ Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the 
 scale so tests exercise them: Phi-3, GPT-NeoX and GPT-J rotate only part of each head (partial rotary; GPT-J
 interleaved), Gemma 2/3 alternate a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its
 logits), GPT-2 adds learned absolute positions at the embedding, MPT biases scores by ALiBi distance, Falcon is
-multi-query.
+multi-query, gpt-oss adds learned sinks beside a window-32 and a global layer, DeepSeek-V3 caches an MLA latent (32
+wide, wider than a head's 16-wide key, so scores cannot silently mix the two up).
 
 Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
-of 8 where layers mix them), 4 experts, small MLA ranks; every per-layer list of the config is cut to those layers.
+of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is cut to those layers.
 """
 from __future__ import annotations
 
