@@ -278,30 +278,30 @@ def check_config(model_type: str | None, is_encoder_decoder: bool = False, confi
 def _generic(model_type: str | None, config) -> Adapter:
     """A type without a hand-written row: its composite wrapper's text decoder, a refusal naming its group, or the
     generic path's adapter (`kvbench.models.generic`)."""
-    from kvbench.models import generic
+    from kvbench.models.generic import causal_lm_types, config_object, generic_fields, generic_refusal, text_config
     from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, group_refusal
 
     if model_type in COMPOSITE:  # a vision-language checkpoint: kvbench runs its text decoder
-        text = generic.text_config(config if hasattr(config, "to_dict") else generic.config_object(model_type, config))
+        text = text_config(config if hasattr(config, "to_dict") else config_object(model_type, config))
         return check_config(text.model_type, False, text)
     if model_type in NO_KV:
         raise ValueError(f"model: model_type {model_type!r} cannot be compressed: {NO_KV[model_type]} "
                          f"(supported: {supported()})")
-    if model_type not in generic.causal_lm_types() or model_type in NOT_DECODER_LM:
+    if model_type not in causal_lm_types() or model_type in NOT_DECODER_LM:
         raise ValueError(f"model: model_type {model_type!r} has no architecture adapter in kvbench/models/adapters.py "
                          f"and is not a decoder-only text model transformers knows (supported: {supported()})")
     reason = group_refusal(model_type)  # the survey's table decides without a config
     if reason is not None:
         raise ValueError(f"model: model_type {model_type!r} is not supported yet: {reason} (supported: {supported()})")
     try:
-        obj = config if hasattr(config, "to_dict") else generic.config_object(model_type, config)
+        obj = config if hasattr(config, "to_dict") else config_object(model_type, config)
     except Exception as e:  # noqa: BLE001 (transformers' validators raise their own error classes)
         raise ValueError(f"model: model_type {model_type!r}: transformers cannot read its config "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    reason = generic.generic_refusal(model_type, obj)
+    reason = generic_refusal(model_type, obj)
     if reason is not None:
         raise ValueError(f"model: model_type {model_type!r} is not supported yet: {reason} (supported: {supported()})")
-    return generic.generic_adapter(model_type, obj)
+    return Adapter(**generic_fields(model_type, obj))
 
 
 def adapter_for(model: torch.nn.Module) -> Adapter:

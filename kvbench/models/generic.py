@@ -157,17 +157,16 @@ def generic_refusal(model_type: str, config) -> str | None:
     return None
 
 
-def generic_adapter(model_type: str, config):
-    """The adapter of a type the generic path runs (check `generic_refusal` first)."""
-    from kvbench.models.adapters import Adapter
-
+def generic_fields(model_type: str, config) -> dict:
+    """The adapter fields (`kvbench.models.adapters.Adapter`) of a type the generic path runs (check
+    `generic_refusal` first)."""
     text = text_config(config)
     modeling = modeling_module(model_type)
     (attention,) = decoder_attention_classes(modeling, config)
     kinds = layer_kinds(config)
     lm_class = getattr(_import(modeling), causal_lm_types()[model_type], None)
     rope = getattr(text, "rope_parameters", None) is not None or getattr(text, "rope_theta", None) is not None
-    return Adapter(
+    return dict(
         family=model_type, model_types=(model_type,), modeling=modeling, attention=attention.__name__,
         positions="rope" if rope else "learned",
         rotary_layout="interleaved" if model_type in INTERLEAVED_ROTARY else "half",
@@ -177,5 +176,5 @@ def generic_adapter(model_type: str, config):
         chunked_layers="chunked_attention" in kinds)
 
 
-__all__ = ["ATTENTION_KINDS", "config_object", "decoder_types", "generic_adapter", "generic_refusal", "layer_kinds",
+__all__ = ["ATTENTION_KINDS", "config_object", "decoder_types", "generic_fields", "generic_refusal", "layer_kinds",
            "layer_windows", "modeling_module"]

@@ -1,0 +1,36 @@
+"""The command line on `model.path=random:<model_type>` (issue 43's flagship types): snapkv, adakv, h2o, tailorkv and
+full run and write records on Qwen3-MoE, Gemma 4 and Llama 4 (generic path: plain, window layers, chunked + NoPE);
+Qwen3.5, gpt-oss, DeepSeek-V3 and Jamba are refused in one line before any weights load, naming their group."""
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_cli import records, refusal, run_here
+
+NIAH = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", "dataset.max_new_tokens=3"]
+METHODS = {"full": ["method=full"], "snapkv": ["method=snapkv", "method.window=8", "budget=32"],
+           "adakv": ["method=adakv", "method.window=8", "budget=32"], "h2o": ["method=h2o", "budget=32"],
+           "tailorkv": ["method=tailorkv", "budget=96"]}
+
+
+@pytest.mark.parametrize("model_type,names", [("qwen3_moe", list(METHODS)), ("gemma4_text", ["snapkv", "tailorkv"]),
+                                              ("llama4_text", ["adakv", "tailorkv"])])
+def test_methods_run_from_the_command_line(model_type, names, tmp_path):
+    """(A run costs ~10 s of set-up here: the five methods on one type, two on each of the others.)"""
+    for method in (METHODS[name] for name in names):
+        run_dir = run_here("model=hf", f"model.path=random:{model_type}", "model.name=tiny", "model.device=cpu",
+                           *method, *NIAH, results=tmp_path)
+        (record,) = records(run_dir)
+        assert "error" not in record, record
+        if method[0] == "method=full":
+            assert record["kv_bytes"] == record["full_kv_bytes"]
+        else:
+            assert record["kv_bytes"] < record["full_kv_bytes"], (model_type, method)
+
+
+@pytest.mark.parametrize("model_type,group", [("qwen3_5_text", "hybrid:"), ("gpt_oss", "sinks:"),
+                                              ("deepseek_v3", "MLA:"), ("jamba", "hybrid:")])
+def test_other_groups_are_refused_in_one_line(model_type, group, tmp_path):
+    line = refusal("model=hf", f"model.path=random:{model_type}", "model.name=tiny", "method=snapkv",
+                   *NIAH, results=tmp_path / "results")
+    assert group in line
