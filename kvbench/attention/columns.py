@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
+from kvbench.attention.sinks import sink_scorer
+
 
 def grouped_logits(query: Tensor, key: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
     """fp32 logits `[B, H_q, q, k]` of queries `[B, H_q, q, D]` over a layer's keys `[B, H_kv, k, D]` (each KV head
@@ -28,19 +30,22 @@ def grouped_logits(query: Tensor, key: Tensor, scaling: float, softcap: float | 
 @torch.no_grad()
 def causal_column_sums(query: Tensor, key: Tensor, scaling: float, scorers: dict[Hashable, Callable[[Tensor], Tensor]],
                        offset: int = 0, softcap: float | None = None, score_bias: Callable | None = None,
-                       block: int | None = None, chunk: int = 512) -> dict[Hashable, Tensor]:
+                       block: int | None = None, chunk: int = 512,
+                       sinks: Tensor | None = None) -> dict[Hashable, Tensor]:
     """Per scorer, the sum over the query rows of `scorer(masked logits [B, H_q, rows, k])`: `[B, H_q, k]`, fp32.
 
     `query` `[B, H_q, q, D]` holds the rows at positions `offset`..`offset + q - 1`, `key` `[B, H_kv, offset + q, D]`
     every key they may see (row r sees keys 0..r). The logits are shaped as the model shapes them: `softcap`
     (Gemma 2), then `score_bias(rows)` (ALiBi; `rows` a slice of the query rows) added, then future keys set to -inf.
-    `block` w (KVCache-Factory's H2O): only the last w rows (positions >= offset + q - w) are masked causally."""
+    `block` w (KVCache-Factory's H2O): only the last w rows (positions >= offset + q - w) are masked causally.
+    `sinks` `[H_q]` (gpt-oss's learned sinks): each scorer sees them as one more column, dropped from its scores."""
     b, h_q, q, _ = query.shape
     n_keys = key.shape[2]
     if n_keys != offset + q:
         raise ValueError(f"causal_column_sums: {q} rows at offset {offset} need {offset + q} keys, got {n_keys}")
     keys = key.float()  # once, not per block
     totals = {name: query.new_zeros(b, h_q, n_keys, dtype=torch.float32) for name in scorers}
+    scorers = {name: sink_scorer(score, sinks) for name, score in scorers.items()}
     for start in range(0, q, chunk):
         rows = query[:, :, start:start + chunk]
         c = rows.shape[2]

@@ -23,11 +23,12 @@ What shapes the logits is applied inside, per sequence and per head, as the mode
 (a per-sequence temperature such as BUZZ's log n included), Gemma 2's soft cap `cap * tanh(logits / cap)`, ALiBi
 `slope_h * (key position - query position)` over each key's position as attention sees it (original, or its slot
 under pos-shift) and a sliding window by position. With `return_logits` the masked fp32 logits come back too, so a
-decode-time evictor (H2O, Keyformer, BUZZ) scores the very logits the step attended with.
+decode-time evictor (H2O, Keyformer, BUZZ) scores the very logits the step attended with. Learned sinks (gpt-oss's
+`s_aux`: one more logit per query head in each softmax, with no value; `kvbench.attention.sinks`) join the softmax.
 
 Flash-attn takes the soft cap itself and the per-sequence scale through the query; ALiBi over original positions
-after eviction is not a slot distance, which is all its `alibi_slopes` knows, so ALiBi (and a window, and evictors'
-logits) take the padded path. Query head `h * G + g` reads KV head h (GQA).
+after eviction is not a slot distance, which is all its `alibi_slopes` knows, so ALiBi (and a window, sinks, and
+evictors' logits) take the padded path. Query head `h * G + g` reads KV head h (GQA).
 """
 from __future__ import annotations
 
@@ -40,14 +41,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvbench.attention.sinks import sink_softmax
 from kvbench.cache.kv_cache import DecodeKV
 
 
 def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Sequence[float], *,
                      softcap: float | None = None, alibi_slopes: Tensor | None = None, window: int | None = None,
-                     return_logits: bool = False, padded: bool | None = None) -> tuple[Tensor, Tensor | None]:
+                     sinks: Tensor | None = None, return_logits: bool = False,
+                     padded: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of one new token per sequence. `query` `[S, H_q, 1, D]` with S = the rows of all `kvs` together
-    (each `DecodeKV` may hold several rows: beams); `scaling` one float or one per row; `alibi_slopes` `[H_q]`.
+    (each `DecodeKV` may hold several rows: beams); `scaling` one float or one per row; `alibi_slopes` `[H_q]`;
+    `sinks` `[H_q]` the learned sink logits (they join every softmax; the returned logits are the keys' only).
     Returns the output `[S, 1, H_q, D]` in the query's dtype (transformers' attention-function layout) and, with
     `return_logits`, the masked fp32 logits `[S, H_q, L]` over each row's entries padded to the longest (row i's
     first `kvs`-length entries are its own, in its cache order; the rest are -inf).
@@ -57,14 +61,14 @@ def decode_attention(query: Tensor, kvs: Sequence[DecodeKV], scaling: float | Se
     if query.shape[0] != rows or query.shape[2] != 1:
         raise ValueError(f"decode attention: query {tuple(query.shape)} must be [{rows}, H_q, 1, D]")
     scale = _scales(scaling, kvs, query.device)
-    shaping = dict(softcap=softcap, alibi_slopes=alibi_slopes, window=window)
+    shaping = dict(softcap=softcap, alibi_slopes=alibi_slopes, window=window, sinks=sinks)
     padded = padded if padded is not None else query.is_cuda
     if (padded or use_flash(query)) and len({kv.keys.shape[1] for kv in kvs}) > 1:
         return _by_layout(query, kvs, scale, return_logits, padded, shaping)
-    if use_flash(query) and alibi_slopes is None and window is None and not return_logits:
+    if use_flash(query) and alibi_slopes is None and window is None and sinks is None and not return_logits:
         return _flash(query, kvs, scale, softcap), None
     positions = alibi_slopes is not None or window is not None
-    if padded and query.is_cuda and not (return_logits or positions or softcap is not None):
+    if padded and query.is_cuda and not (return_logits or positions or softcap is not None or sinks is not None):
         return _sdpa(query, *pad(kvs, positions=False)[:3], scale, _uniform(scaling)), None
     if padded:
         return _attend(query, *pad(kvs, positions=positions), scale, **shaping)
@@ -134,10 +138,11 @@ def _by_layout(query: Tensor, kvs: Sequence[DecodeKV], scale: Tensor, return_log
 
 
 def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, positions: Tensor | None,
-            scale: Tensor, softcap: float | None, alibi_slopes: Tensor | None, window: int | None
-            ) -> tuple[Tensor, Tensor]:
-    """The math over one `[S, H_kv, L, D]` block: logits, soft cap, ALiBi and window by position, mask, softmax,
-    values. fp32. Returns the output `[S, 1, H_q, D]` and the masked logits `[S, H_q, L]`."""
+            scale: Tensor, softcap: float | None, alibi_slopes: Tensor | None, window: int | None,
+            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The math over one `[S, H_kv, L, D]` block: logits, soft cap, ALiBi and window by position, mask, softmax
+    (with the sink logits `[H_q]` in its denominator), values. fp32. Returns the output `[S, 1, H_q, D]` and the
+    masked logits `[S, H_q, L]`."""
     s, h_kv, length, d = keys.shape  # (bmm on 3-d views: what `@` runs on 4-d tensors, in fewer dispatched ops)
     q = query.float().reshape(s * h_kv, -1, d)  # [S * H_kv, G, D]
     logits = torch.bmm(q, keys.float().reshape(s * h_kv, length, d).transpose(1, 2))
@@ -155,7 +160,8 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, p
             valid = inside if valid is None else valid & inside
     if valid is not None:
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    probs = logits.softmax(dim=-1).view(s * h_kv, -1, length)
+    sink = None if sinks is None else sinks.view(1, h_kv, -1, 1)  # query head h * G + g: KV head h, row g
+    probs = sink_softmax(logits, sink).view(s * h_kv, -1, length)
     out = torch.bmm(probs, values.float().reshape(s * h_kv, length, -1))  # [S * H_kv, G, D]
     return out.view(s, 1, -1, d).to(query.dtype), logits.view(s, -1, length)
 
@@ -196,15 +202,16 @@ def _uniform(scaling: float | Sequence[float]) -> float | None:
 
 def attend(layer, query: Tensor, scaling: float, **shaping) -> Tensor:
     """One layer's decode attention `[B, 1, H_q, D]` for its query `[B, H_q, 1, D]` (batch 1's path; `shaping`:
-    `softcap`, `alibi_slopes`, `window` as in `decode_attention`)."""
+    `softcap`, `alibi_slopes`, `window`, `sinks` as in `decode_attention`)."""
     return decode_attention(query, [layer.decode_kv(query)], scaling, **shaping)[0]
 
 
-def chunk_attention(query: Tensor, kv: DecodeKV, scaling: float, softcap: float | None = None) -> Tensor:
+def chunk_attention(query: Tensor, kv: DecodeKV, scaling: float, softcap: float | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
     """A chunk of q tokens `[B, H_q, q, D]` over a layer whose last q entries are those tokens (causal among them)
     and whose other entries (a compressed past: any length, per-head padding masked by `valid`) are all visible:
     the output `[B, q, H_q, D]` in the query's dtype. The prefill of a question on top of a compressed cache
-    (`generation.feed`); fp32 masked math, q x L logits (the chunk is short)."""
+    (`generation.feed`); fp32 masked math, q x L logits (the chunk is short); `sinks` `[H_q]` join each softmax."""
     b, h_q, q_len, d = query.shape
     h_kv, length = kv.keys.shape[1], kv.keys.shape[-2]
     q = query.float().reshape(b, h_kv, h_q // h_kv, q_len, d)
@@ -214,7 +221,8 @@ def chunk_attention(query: Tensor, kv: DecodeKV, scaling: float, softcap: float 
     visible = torch.ones(q_len, length, dtype=torch.bool, device=query.device)
     visible[:, length - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
     visible = visible if kv.valid is None else visible & kv.valid[:, :, None, None, :]
-    probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    sink = None if sinks is None else sinks.view(1, h_kv, -1, 1, 1)
+    probs = sink_softmax(logits.masked_fill(~visible, float("-inf")), sink)
     out = (probs @ kv.values.float()[:, :, None]).reshape(b, h_q, q_len, -1)
     return out.transpose(1, 2).to(query.dtype)
 

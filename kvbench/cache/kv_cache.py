@@ -80,6 +80,8 @@ class KVLayer(DynamicLayer):
         self.repeat = 1  # >1 once the layer holds one copy per query head
         self.next_position: int | None = None  # set for position shift: where the next appended token sits
         self.shift_inv_freq: Tensor | None = None  # set for position shift: attention sees keys at cache slots
+        self.indexer_keys: Tensor | None = None  # DSA models (DeepSeek-V3.2): the sparse-attention indexer's key
+        # per entry `[B, T, D_index]`, kept and evicted with the entries (the latent's one head)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append new entries `[B, H_kv, q_len, D]` and return the whole layer (what attention reads)."""
@@ -103,6 +105,13 @@ class KVLayer(DynamicLayer):
         if self.shift_inv_freq is not None:  # pos-shift: rotated from the stored originals, never rewritten
             return shifted_keys(self.keys, self.positions, self.shift_inv_freq), self.values
         return self.keys, self.values
+
+    def update_indexer(self, indexer_keys: Tensor) -> Tensor:
+        """Append a DSA indexer's keys `[B, q_len, D_index]` (transformers' `DynamicIndexedLayer` API) and return
+        every entry's; they follow the entries through `keep` and `truncate`."""
+        held = self.indexer_keys
+        self.indexer_keys = indexer_keys if held is None else torch.cat([held, indexer_keys], dim=1)
+        return self.indexer_keys
 
     def attention_positions(self) -> Tensor:
         """Positions as attention sees the keys `[B, H, T]`: the recorded ones, or their slots under pos-shift
@@ -137,6 +146,7 @@ class KVLayer(DynamicLayer):
             self.keys = gather_rows(self.keys, idx, flat)
             self.values = gather_rows(self.values, idx, flat)
             self.positions = self.positions.gather(2, idx)
+            self._keep_indexer(idx)
             return
         batch = torch.arange(b, device=idx.device)[:, None, None]
         head = (torch.arange(h_sel, device=idx.device) // rep)[None, :, None]
@@ -144,6 +154,13 @@ class KVLayer(DynamicLayer):
         self.values = self.values[batch, head, idx].contiguous()
         self.positions = self.positions[batch, head, idx].contiguous()
         self.repeat *= rep
+        self._keep_indexer(idx)
+
+    def _keep_indexer(self, idx: Tensor) -> None:
+        """The indexer keys of the kept entries (a DSA layer holds one latent head: `idx[:, 0]`)."""
+        if self.indexer_keys is not None:
+            rows = idx[:, 0, :, None].expand(-1, -1, self.indexer_keys.shape[-1])
+            self.indexer_keys = self.indexer_keys.gather(1, rows)
 
     def truncate(self, max_length: int) -> None:
         """Keep the first `max_length` entries (slot order) and forget the rest, as if they were never appended:
@@ -153,6 +170,8 @@ class KVLayer(DynamicLayer):
         self.keys = self.keys[:, :, :max_length].contiguous()  # a copy: the longer storage is released
         self.values = self.values[:, :, :max_length].contiguous()
         self.positions = self.positions[..., :max_length].contiguous()
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, :max_length].contiguous()
         self.seen_tokens = max_length
 
     def clone(self) -> "KVLayer":
@@ -160,14 +179,18 @@ class KVLayer(DynamicLayer):
         twin = copy.copy(self)
         if self.is_initialized:
             twin.keys, twin.values, twin.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+            if self.indexer_keys is not None:
+                twin.indexer_keys = self.indexer_keys.clone()
         return twin
 
     # --- accounting -------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes of K and V physically held (positions are bookkeeping and reported separately)."""
+        """Bytes of K and V physically held, a DSA indexer's keys included (positions are bookkeeping and reported
+        separately)."""
         if not self.is_initialized:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        indexer = 0 if self.indexer_keys is None else self.indexer_keys.numel() * self.indexer_keys.element_size()
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size() + indexer
 
     def host_nbytes(self) -> int:
         """Bytes this layer keeps in host memory (offloading layers); 0 for a device-resident layer."""

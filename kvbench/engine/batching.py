@@ -57,6 +57,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.decode import decode_attention, without_cudnn_attention
+from kvbench.attention.sinks import sinks_of
 from kvbench.cache.evicting_rows import EvictingLayer, EvictingRows
 from kvbench.cache.hybrid import batched
 from kvbench.cache.kv_cache import DecodeKV, KVLayer
@@ -68,6 +69,7 @@ from kvbench.engine.generation import (EvictionHook, Generation, Prefilled, Prep
 from kvbench.methods.base import Method
 from kvbench.methods.decoding import EvictionState
 from kvbench.models.capture import AttentionCapture, refuse_window
+from kvbench.models.mla import is_latent
 
 _ids = itertools.count()
 
@@ -135,6 +137,14 @@ class Slot:
     stopped: bool = False  # a stop string appeared: `text` is already cut before it
     stop_reason: str = "max_new_tokens"  # why it ended: eos, stop (a stop string or token), max_new_tokens
     decode_s: float = 0.0  # wall time of the batched forwards this sample took part in (not others' prefills)
+
+
+def attended(module, keys: Tensor, values: Tensor, *rest) -> tuple:
+    """What an attention call takes of a layer's stored keys and values (and a mask, passed on): an MLA layer's
+    latents expanded per head by the module itself, as its forward does (`kvbench.models.mla`)."""
+    if is_latent(module):
+        keys, values = module.expand_kv(keys, values)
+    return (keys, values, *rest)
 
 
 class BatchedCache:
@@ -541,17 +551,21 @@ class BatchedDecoder:
             in_order = slot_idx == row_idx == list(range(batch)) and n_rows == batch  # the batch is the rows
             if isinstance(rows, EvictingRows):  # one engine call over the rows as they lie, then one eviction
                 out, logits = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
-                                               [DecodeKV(rows.keys, rows.values)], kwargs.get("scaling") or
-                                               module.scaling, softcap=kwargs.get("softcap"), return_logits=True)
+                                               [DecodeKV(*attended(module, rows.keys, rows.values))],
+                                               kwargs.get("scaling") or
+                                               module.scaling, softcap=kwargs.get("softcap"), sinks=sinks_of(kwargs),
+                                               return_logits=True)
                 EvictionState.decode_rows(rows, layer_idx, logits)
             elif rows.pool is not None:  # per-head variable layers: one engine call over the pool's padded block
                 scale = kwargs.get("scaling") or module.scaling
                 out = decode_attention(query if in_order else scattered(query, slot_idx, row_idx, n_rows),
-                                       [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"))[0]
+                                       [rows.pool.decode_kv()], scale, softcap=kwargs.get("softcap"),
+                                       sinks=sinks_of(kwargs))[0]
             elif in_order:
-                out = capture_fn(module, query, *rows.attention_inputs(), **kwargs)[0]
+                out = capture_fn(module, query, *attended(module, *rows.attention_inputs()), **kwargs)[0]
             else:
-                out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows), *rows.attention_inputs(),
+                out = capture_fn(module, scattered(query, slot_idx, row_idx, n_rows),
+                                 *attended(module, *rows.attention_inputs()),
                                  **{k: scattered(v, slot_idx, row_idx, n_rows) if per_row(v, batch) else v
                                     for k, v in kwargs.items()})[0]
             for i in slot_idx:  # compression while decoding: after this step's attention, in the row's place
@@ -571,7 +585,7 @@ class BatchedDecoder:
 
     def _attend_alone(self, capture_fn, module, query: Tensor, i: int, kwargs: dict) -> Tensor:
         batch, slot = query.shape[0], self.cache.slots[i]
-        keys, values = self.cache.updated[self.capture.slots[module.layer_idx]][i]
+        keys, values = attended(module, *self.cache.updated[self.capture.slots[module.layer_idx]][i])
         self.capture.cache, self.capture.decode_hook = slot.run.cache, slot.decode_hook
         self.capture.logit_scale = slot.logit_scale
         try:
@@ -596,7 +610,8 @@ class BatchedDecoder:
                 refuse_window(layer, window)
                 by_type.setdefault(type(layer), []).append(j)
             else:  # what its update returned (keys at their slots under pos-shift)
-                kvs[j] = DecodeKV(*self.cache.updated[layer_idx][i], None, layer.attention_positions())
+                kvs[j] = DecodeKV(*attended(module, *self.cache.updated[layer_idx][i]), None,
+                                  layer.attention_positions())
         for kind, js in by_type.items():
             layers = [self.cache.slots[members[j]].run.cache.layers[layer_idx] for j in js]
             for j, kv in zip(js, kind.decode_kv_many(layers, rows_of(queries, js))):
@@ -608,7 +623,7 @@ class BatchedDecoder:
             scales.append(scaling * slot.logit_scale(n_keys) if slot.logit_scale is not None else scaling)
         hooked = [j for j, i in enumerate(members) if self.cache.slots[i].decode_hook is not None]
         out, logits = decode_attention(queries, kvs, scales, softcap=kwargs.get("softcap"), window=window,
-                                       return_logits=bool(hooked))
+                                       sinks=sinks_of(kwargs), return_logits=bool(hooked))
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
         groups: dict = {}  # (they may evict: this step already attended)

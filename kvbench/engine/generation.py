@@ -29,6 +29,7 @@ from kvbench.cache.varlen import VarlenLayer
 from kvbench.methods.base import Kind, LayerView, Method
 from kvbench.methods.contract import check_selection, layer_budgets, name_of
 from kvbench.methods.decoding import EvictionState
+from kvbench.methods.latent import as_latent_selection, check_latent
 
 if TYPE_CHECKING:  # annotations only: the config checks import Sampling without transformers' attention registries
     from kvbench.models.capture import AttentionCapture
@@ -119,12 +120,16 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     `layers_done`: each layer was already evicted inside the prefill forward (`kvbench.engine.layerwise`)."""
     if not method.compresses:
         return None
+    if capture.latent_layers:  # (the command line refused it before weights load; this is the Python API's check)
+        check_latent(method)
     if method.kind is Kind.STORAGE:
         ledger = method.attach(cache, capture, budget)
         capture.trim_window_layers(cache)  # sliding-window layers keep what the model's window still shows
         return ledger
     if method.kind is Kind.RECONSTRUCTOR:  # one selection across all layers and heads from the reconstruction
         for layer_idx, idx in method.select_all(capture.key_scores, budget).items():
+            if layer_idx in capture.latent_layers and isinstance(idx, list):
+                idx = as_latent_selection(idx)
             apply_selection(method, cache, layer_idx, idx, source="select_all")
     elif not layers_done:
         n_layers = len(cache.layers)
@@ -136,7 +141,8 @@ def compress(method: Method, cache: KVCache, capture: AttentionCapture, budget: 
     capture.reset()  # the window queries are no longer needed
     capture.cache = cache
     if state is not None and method.evicts_while_decoding:
-        capture.decode_hook = EvictionHook(state, cache, capture.window_layers, dict(capture.softcap))
+        capture.decode_hook = EvictionHook(state, cache, capture.window_layers, dict(capture.softcap),
+                                           dict(capture.sinks))
     capture.trim_window_layers(cache)
     enable_shift(cache, inv_freq)
     return None
@@ -151,16 +157,19 @@ class EvictionHook:
     cache: KVCache
     fixed: frozenset[int]  # sliding-window layers keep the model's own window semantics
     softcap: dict[int, float]
+    sinks: dict[int, Tensor] = field(default_factory=dict)  # learned sink logits per layer (gpt-oss), in each row
 
     def __call__(self, i: int, query: Tensor, key: Tensor, scaling: float, bias: Tensor | None = None,
                  logits: Tensor | None = None) -> None:
         if i not in self.fixed:
-            self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits)
+            self.state.decode(i, self.cache.layers[i], query, key, scaling, bias, self.softcap.get(i), logits,
+                              sinks=self.sinks.get(i))
 
     def chunk(self, i: int, query: Tensor, key: Tensor, scaling: float) -> None:
         """After layer `i`'s attention of a fed chunk (`feed`): the state scores the chunk's rows and evicts."""
         if i not in self.fixed:
-            self.state.chunk(i, self.cache.layers[i], query, key, scaling, self.softcap.get(i))
+            self.state.chunk(i, self.cache.layers[i], query, key, scaling, self.softcap.get(i),
+                             sinks=self.sinks.get(i))
 
     @staticmethod
     def together(hooks: list[EvictionHook], i: int, keys: list[Tensor], logits: list[Tensor]) -> None:
@@ -179,6 +188,8 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
     eviction from its column sums. Needs only this layer's K/V and capture, so it can run inside the forward."""
     if layer_idx in capture.window_layers:  # sliding-window layers keep the model's own window semantics
         return
+    if layer_idx in capture.latent_layers:
+        check_latent(method)
     layer = cache.layers[layer_idx]
     input_scores = capture.input_scores.pop(layer_idx, None)  # (KVzap's; dropped even where nothing is evicted)
     if state is not None:
@@ -187,15 +198,20 @@ def compress_layer(method: Method, cache: KVCache, capture: AttentionCapture, la
         if cache.layers[layer_idx].nbytes() != held:
             cache.note_peak(extra=held)  # the gather held the layer's old and new tensors at once
     elif n_keep < layer.keys.shape[-2] or method.prunes_channels:
-        view = LayerView(layer_idx, n_layers, layer.keys, layer.values,
+        latent = layer_idx in capture.latent_layers  # MLA: scored as one latent KV head (`models.mla`)
+        view = LayerView(layer_idx, n_layers, *capture.view_kv(layer_idx, layer),
                          capture.window_queries.get(layer_idx), capture.scaling.get(layer_idx, 1.0),
                          capture.window_bias.get(layer_idx), capture.softcap.get(layer_idx),
-                         capture.rotary.get(layer_idx), capture.output_weight(layer_idx),
-                         question_len=capture.question_len, input_scores=input_scores)
+                         None if latent else capture.rotary.get(layer_idx),
+                         None if latent else capture.output_weight(layer_idx),
+                         question_len=capture.question_len, input_scores=input_scores,
+                         sinks=capture.sinks.get(layer_idx))
         if n_keep < layer.keys.shape[-2]:
             heads = capture.model.config.get_text_config().num_attention_heads if method.selects_per_query_head \
                 else None
             idx = select(method, view, n_keep, cache)
+            if latent and isinstance(idx, list):  # one latent head: a per-head selection is one dense set, of the
+                idx, n_keep = as_latent_selection(idx), None  # length its rule gave (Ada-KV's, DMS's)
             if idx is not None:  # None: the method keeps this layer whole (SimLayerKV's non-lazy layers)
                 merged = method.merged_values(view, idx)  # (`+method.merge=true`: evicted values folded in)
                 if merged is not None:

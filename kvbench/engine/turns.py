@@ -176,7 +176,7 @@ def _attach(capture: AttentionCapture, method: Method, run: Prepared, hook, inpu
     """Point the capture at `run`'s cache: its decode-time evictor's hook (rebuilt on a copy's cache and state), a
     storage method's step hook (rebuilt on a copy's layers and ledger), the method's attention temperature."""
     if isinstance(hook, EvictionHook):
-        hook = EvictionHook(run.state, run.cache, hook.fixed, hook.softcap)
+        hook = EvictionHook(run.state, run.cache, hook.fixed, hook.softcap, hook.sinks)
     if hasattr(inputs, "rebind"):  # StepStart, TailorKV's Prefetch
         inputs = inputs.rebind(run.cache.layers, run.ledger)
     capture.cache, capture.decode_hook, capture.input_hook = run.cache, hook, inputs

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvbench.attention.sinks import sink_softmax
 from kvbench.models.rotary import Rotary
 
 
@@ -52,6 +53,9 @@ class LayerView:
     input_scores: `[B, H_kv, n]`, what the method's `input_scores` gave the layer's prefill input (KVzap), or None.
     positions: `[B, H_kv, n]` each entry's original position where they are not 0..n-1 (a layer compressed again
     while decoding, a wrapper's subset), for scorers that rotate keys back (leverage_score); None: 0..n-1.
+    sinks: `[H_q]` the layer's learned sink logits (gpt-oss's `s_aux`), which join each softmax row, or None.
+    An MLA layer (DeepSeek) is seen as one latent KV head: keys = [latent, rotary key], window queries absorbed
+    into that space (`kvbench.models.mla`), so q . k is the model's own logit; values = the latent.
     """
 
     layer_idx: int
@@ -67,6 +71,7 @@ class LayerView:
     question_len: int = 0  # the prompt's last entries that are its question, for `window_is_question` (0: unknown)
     input_scores: Tensor | None = None  # `[B, H_kv, n]` from the layer's attention input (`Method.input_scores`)
     positions: Tensor | None = None  # `[B, H_kv, n]` the entries' original positions; None: 0..n-1 (a prefill)
+    sinks: Tensor | None = None  # `[H_q]` learned sink logits (gpt-oss), in every softmax row; None: no sinks
 
     @property
     def prompt_len(self) -> int:
@@ -94,6 +99,9 @@ class Method:
     # selection in that order (R-KV): the engine calls `select_ranked` with the ranking the layer's last one left
     may_keep_whole: ClassVar[bool] = False  # True: `select` may return None (SimLayerKV's non-lazy layers), so
     # a layer compressed while decoding can grow with every token: no fixed bound, no fixed-capacity rows
+    reads_per_head: ClassVar[frozenset[str]] = frozenset()  # per-head parts of a layer it reads beyond keys and
+    # queries ("rotary angles", "output projection W_o", "KV-head pattern"): an MLA layer has none (methods/latent.py)
+    writes_values: ClassVar[bool] = False  # True: it rewrites cached values (CaM, `+method.merge`)
     prefill_needs: ClassVar[str | None] = None  # what `select` needs that only a prefill's view holds (every prompt
     # query, W_o): `decode_compression` refuses the method before weights load; None: it scores a decoding layer too
 
@@ -210,12 +218,12 @@ class Method:
 
 # --- helpers shared by the window-scoring methods (SnapKV, PyramidKV, Ada-KV) ----------------------------------
 def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias: Tensor | None = None,
-                     softcap: float | None = None) -> Tensor:
+                     softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Softmax attention of the last w queries over all n keys: `[B, H_q, w, n]`, fp32.
 
     The causal mask applies only inside the trailing w x w block (every prefix key precedes every window query).
     `softcap` and `bias` (`[B, H_q, w, n]`, the model's position bias such as ALiBi) shape the logits as the model
-    does: soft cap first, then the bias.
+    does: soft cap first, then the bias; learned `sinks` `[H_q]` (gpt-oss) join each row's softmax.
     Costs w x n per head; the n x n matrix is never built.
     """
     b, h_q, w, d = window_queries.shape
@@ -229,7 +237,7 @@ def window_attention(window_queries: Tensor, keys: Tensor, scaling: float, bias:
         logits = logits + bias[:, :, -w:].float()
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
     logits[..., n - w:] = logits[..., n - w:].masked_fill(future, float("-inf"))
-    return logits.softmax(dim=-1)
+    return sink_softmax(logits, None if sinks is None else sinks.view(1, h_q, 1, 1))
 
 
 def reduce_groups(scores: Tensor, n_kv_heads: int, how: Literal["mean", "max", "sum"]) -> Tensor:

@@ -34,6 +34,7 @@ from kvbench.registry import METHODS
 @METHODS.register("cam")
 @dataclass
 class CaM(DecodingMethod):
+    writes_values: ClassVar[bool] = True  # (MLA: refused)
     n_sink: int | None = None  # start entries kept; None: half the budget (the authors' start_ratio = recent_ratio)
     merge_budget: int = 32  # entries after a leaving one that share its value (the authors' constant)
 

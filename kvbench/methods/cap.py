@@ -59,6 +59,7 @@ def capacity_scores(anchor: Tensor, keys: Tensor, values: Tensor, tau: float, ep
 @METHODS.register("cap")
 @dataclass
 class Cap(Method):
+    reads_per_head: ClassVar[frozenset[str]] = frozenset({"rotary angles"})  # (MLA: refused)
     prefill_needs: ClassVar[str | None] = "every prompt query"  # (its anchor averages them)
     tau: float = 5.0  # temperature of the query-key alignment weights
     n_future_positions: int = 512  # future positions averaged into the anchor's RoPE rotation

@@ -37,7 +37,7 @@ def kvpress_snapkv_scores(view: LayerView, window: int, kernel: int, pooling: st
     KV group; the window's own entries at each batch row's maximum + 1). Shared with CriticalKV."""
     n = view.prompt_len
     attn = window_attention(view.window_queries[:, :, -window:], view.keys, view.scaling, view.window_bias,
-                            view.softcap)
+                            view.softcap, view.sinks)
     prefix = pool1d(attn[..., : n - window].mean(dim=2), kernel, pooling)  # [B, H_q, n - w]
     prefix = reduce_groups(prefix, view.keys.shape[1], "mean")
     top = prefix.amax(dim=(1, 2), keepdim=True) + 1

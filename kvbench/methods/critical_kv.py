@@ -42,6 +42,7 @@ def output_l1_norms(values: Tensor, weight: Tensor) -> Tensor:
 @METHODS.register("critical_kv")
 @dataclass
 class CriticalKV(KvpressWindowScorer):
+    reads_per_head: ClassVar[frozenset[str]] = frozenset({"output projection W_o"})  # (MLA: refused)
     prefill_needs: ClassVar[str | None] = "the layer's output projection W_o"  # (for its value weights)
     epsilon: float = 1e-4  # added to the first scores before weighing by the output norm
     first_stage_ratio: float = 0.5  # share of the budget kept by the first scores alone

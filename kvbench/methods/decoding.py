@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvbench.attention.columns import causal_column_sums, grouped_logits
+from kvbench.attention.sinks import sink_scorer
 from kvbench.cache.evicting_rows import EvictingRows
 from kvbench.cache.kv_cache import KVLayer
 from kvbench.methods.base import Kind, Method, reduce_groups
@@ -61,19 +62,23 @@ class EvictionState:
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=True))
 
     def decode(self, layer_idx: int, layer: KVLayer, query: Tensor, key: Tensor, scaling: float,
-               bias: Tensor | None = None, softcap: float | None = None, logits: Tensor | None = None) -> None:
+               bias: Tensor | None = None, softcap: float | None = None, logits: Tensor | None = None,
+               sinks: Tensor | None = None) -> None:
         """Score the new query over the cache as the model does: soft cap (Gemma 2), then `bias` `[B, H_q, 1, k]`
         (the model's position bias, e.g. ALiBi). `logits` `[B, H_q, 1, k]`: those, already computed by the step's
-        attention (batched decoding's one call), so they are not computed again."""
+        attention (batched decoding's one call), so they are not computed again. `sinks` `[H_q]`: learned sink
+        logits (gpt-oss), one more column of the row that its score drops again. An MLA layer holds one latent head
+        for all query heads: its row is reduced to the layer's heads, not the call's expanded ones."""
         if layer_idx == 0:
             self.step += 1
         self.layers[layer_idx] = layer
-        h_kv = key.shape[1]
+        h_kv = stored_heads(layer, key)
         if logits is None:
             logits = grouped_logits(query, key, scaling, softcap)
             if bias is not None:
                 logits = logits + bias
-        row = reduce_groups(self.method.row_score(logits, self, decoding=True)[:, :, 0], h_kv, self.method.gqa_reduce)
+        score = sink_scorer(lambda x: self.method.row_score(x, self, decoding=True), sinks)
+        row = reduce_groups(score(logits)[:, :, 0], h_kv, self.method.gqa_reduce)
         if self.method.keeps_history:
             old = self.scores[layer_idx]
             scores = self.method.accumulate(
@@ -84,7 +89,7 @@ class EvictionState:
         self._apply(layer_idx, layer, self.method.evict(self, layer_idx, scores, prefill=False))
 
     def chunk(self, layer_idx: int, layer: KVLayer, query: Tensor, key: Tensor, scaling: float,
-              softcap: float | None = None) -> None:
+              softcap: float | None = None, sinks: Tensor | None = None) -> None:
         """A chunk of q tokens fed on top of the cache (`generation.feed`: an agnostic question, a turn), after
         this layer's attention: `query` `[B, H_q, q, D]`, `key` `[B, H_kv, L, D]` the layer's entries as attention saw
         them, the chunk's last. The chunk's rows are scored as prefill rows are (each sees every earlier entry and
@@ -95,10 +100,11 @@ class EvictionState:
         it fits, Keyformer's code rule re-chooses its key set, a shared score waits for `prefill_done`)."""
         self.layers[layer_idx] = layer
         b, q = query.shape[0], query.shape[2]
-        h_kv, length = key.shape[1], key.shape[2]
+        h_kv, length = stored_heads(layer, key), key.shape[2]
         if self.method.accumulates_attention:
             score = lambda logits: self.method.row_score(logits, self, decoding=False)  # noqa: E731
-            sums = causal_column_sums(query, key, scaling, {"chunk": score}, offset=length - q, softcap=softcap)
+            sums = causal_column_sums(query, key, scaling, {"chunk": score}, offset=length - q, softcap=softcap,
+                                      sinks=sinks)
             row = self.method.prefill_scores(sums["chunk"], h_kv)  # [B, H_q, L] -> the method's score layout
         else:  # a position-only policy: no scores needed
             row = key.new_zeros(b, h_kv, length, dtype=torch.float32)
@@ -225,6 +231,13 @@ class DecodingMethod(Method):
 
     def layer_budgets(self, prompt_len: int, n_layers: int, budget: int) -> list[int]:
         return [prompt_len] * n_layers  # selection happens in the state, not through `select`
+
+
+def stored_heads(layer, key: Tensor) -> int:
+    """The heads a layer stores, which its scores are kept per: the attention call's key heads, except for an MLA
+    layer, whose one latent head the model expands per query head before the call."""
+    keys = getattr(layer, "keys", None)
+    return keys.shape[1] if keys is not None and keys.shape[1] == 1 else key.shape[1]
 
 
 def heavy_recent_keep(scores: Tensor, n_keep: int, recent: int) -> Tensor | None:

@@ -79,6 +79,7 @@ def streaming_count(n: int, budget: int, heads: int, sink: int, recent: int) -> 
 @METHODS.register("duo_attention")
 @dataclass
 class DuoAttention(Method):
+    reads_per_head: ClassVar[frozenset[str]] = frozenset({"streaming / retrieval head pattern"})  # (MLA)
     own_storage: ClassVar[bool] = True  # per-head variable layers
     pattern: str = "auto"  # auto | prompt | <path to a full_attention_heads .tsv, config .json beside it>
     revision: str | None = COMMIT  # the duo-attention commit the published patterns are read at

@@ -42,6 +42,8 @@ above, and no prompt query is recorded (`query_window` 0).
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,7 @@ from kvbench.registry import METHODS
 @METHODS.register("expected_attention")
 @dataclass
 class ExpectedAttention(Method):
+    reads_per_head: ClassVar[frozenset[str]] = frozenset({"rotary angles"})  # (MLA: refused)
     window: int = 128  # last prompt queries whose statistics stand for the future queries (kvpress: all of them)
     n_future_positions: int = 512
     n_sink: int = 4  # first entries always kept (max score), excluded from the query statistics; inside the budget

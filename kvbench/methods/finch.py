@@ -88,7 +88,7 @@ class Finch(Method):
         """`[B, H_kv, n]` fp32: the window's (normalised) mean attention to each context entry; the window max + 1."""
         n, w = view.prompt_len, self.window_size(view)
         attn = window_attention(view.window_queries[:, :, -w:], view.keys, view.scaling, view.window_bias,
-                                view.softcap)[..., : n - w]  # [B, H_q, w, n - w]
+                                view.softcap, view.sinks)[..., : n - w]  # [B, H_q, w, n - w]
         if self.normalize_scores:
             attn = attn * torch.arange(n - w, n, device=attn.device, dtype=attn.dtype)[:, None]
         scores = reduce_groups(attn.mean(dim=2), view.keys.shape[1], "mean")

@@ -21,6 +21,8 @@ its own original position (`view.positions`), not from its slot.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import math
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ def leverage_scores(keys: Tensor, sketch: Tensor) -> Tensor:
 @METHODS.register("leverage_score")
 @dataclass
 class LeverageScore(Method):
+    reads_per_head: ClassVar[frozenset[str]] = frozenset({"rotary angles"})  # (MLA: refused)
     sketch_dimension: int = 48  # columns of the Gaussian sketch (kvpress default)
     seed: int = 0  # the sketch's seed (layer i draws from seed + i)
 

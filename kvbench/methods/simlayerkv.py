@@ -86,7 +86,7 @@ class SimLayerKV(Method):
     def lazy_mass(self, view: LayerView, recent: int) -> float:
         """The judging queries' attention on the sinks and the last `recent` keys, mean over batch, heads, rows."""
         attn = window_attention(view.window_queries[:, :, -self.n_last:], view.keys, view.scaling,
-                                view.window_bias, view.softcap).mean(dim=(0, 1, 2))  # [n]
+                                view.window_bias, view.softcap, view.sinks).mean(dim=(0, 1, 2))  # [n]
         if self.reading == "kvpress":
             attn = attn[: view.prompt_len - self.n_last]
         return float(attn[: self.n_sink].sum() + attn[-recent:].sum())

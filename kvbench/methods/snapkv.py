@@ -74,7 +74,7 @@ class WindowScorer(Method):
     def scores(self, view: LayerView) -> Tensor:
         """Pooled attention the window pays each prefix position: `[B, H, n - window]` (H per `granularity`)."""
         attn = window_attention(view.window_queries[:, :, -self.window:], view.keys, view.scaling, view.window_bias,
-                                view.softcap)
+                                view.softcap, view.sinks)
         prefix = attn[..., : view.prompt_len - self.window].sum(dim=2)  # [B, H_q, n - w]
         if self.granularity == "kv_head":
             prefix = reduce_groups(prefix, view.keys.shape[1], self.gqa_reduce)

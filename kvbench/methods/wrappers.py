@@ -109,6 +109,7 @@ class Wrapper(Method):
     selects_per_query_head = FromPress()
     prefill_needs = FromPress()
     may_keep_whole = FromPress()
+    reads_per_head = FromPress()
 
     def __post_init__(self):
         if self.press.kind is not Kind.SELECTOR or not self.press.compresses:
@@ -348,6 +349,7 @@ class Merge(Wrapper):
     threshold: float = 0.0  # kvpress's similarity_threshold
     fraction: float = 1.0  # kvpress's merge_fraction
     suffix = "merge"
+    writes_values = True  # (MLA: refused)
 
     def __post_init__(self):
         super().__post_init__()

@@ -33,6 +33,7 @@ from torch import Tensor
 from kvbench.models.alibi import mpt_attention_forward
 from kvbench.models.falcon import falcon_attention_forward, falcon_query
 from kvbench.models.gptj import gptj_attention_core
+from kvbench.models.mla import is_latent
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Adapter:
     # that bypasses transformers' AttentionInterface, the capture sets that attribute on each instance (MPT's
     # `forward`, GPT-J's `_attn`) and removes it on exit; None: the interface already routes attention
     rotary_layout: Literal["half", "interleaved"] = "half"  # GPT-J rotates pairs of adjacent dims
+    rotary_halves: bool = False  # the model hands over (cos, sin) for one half only and rotates both halves with it
+    # (gpt-oss): kvbench repeats them, the "half" layout's usual form
     sdpa: bool = True  # False: transformers refuses sdpa for this family; the loader falls back to eager
     output: str = "o_proj"  # the attention's output projection (W_o), read by value-weighing scorers (CriticalKV)
     output_transposed: bool = False  # its weight is stored [in, out] (GPT-2's Conv1D) rather than nn.Linear's
@@ -157,7 +160,10 @@ class Adapter:
             ids = kwargs["position_ids"]
             sin, cos = module.embed_positions.to(ids.device)[ids].chunk(2, dim=-1)  # [B, q, rotary_dim / 2] each
             return cos, sin
-        return kwargs.get("position_embeddings")
+        embeddings = kwargs.get("position_embeddings")
+        if self.rotary_halves and embeddings is not None:
+            return tuple(torch.cat([x, x], dim=-1) for x in embeddings)
+        return embeddings
 
     def position_query(self, query: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
         """Apply the family's position encoding to queries `[B, H_q, q, D]` (rotate the first rotary dims: halves
@@ -194,6 +200,9 @@ class Adapter:
         """Rotary inverse frequencies `[rotary_dim / 2]` shared by all layers (positions=shift). ALiBi has no
         rotary dims: shifting only relabels positions as slots, and the bias follows them."""
         self.check_shift()
+        if any(is_latent(m) for m in self.attention_modules(model).values()):
+            raise ValueError("MLA: positions=shift re-rotates cached keys, and an MLA cache holds latents beside a "
+                             "shared rotary key the model rotates itself; use positions=original")
         if self.window_layers(model.config):  # e.g. Qwen2/Qwen3 with use_sliding_window
             raise ValueError(f"positions=shift: this {self.family} model mixes sliding-window and global layers; "
                              "use positions=original")
@@ -243,6 +252,11 @@ ADAPTERS: tuple[Adapter, ...] = (
                if c.get("alibi") else None),
     _interface("mpt", ["mpt"], "mpt.modeling_mpt", "MptAttention", query="Wqkv", query_layout="leading",
                positions="alibi", replaces=("forward", mpt_attention_forward), sdpa=False, output="out_proj"),
+    # learned attention sinks (s_aux, read from each call: kvbench.attention.sinks) and MLA latent caches
+    # (kvbench.models.mla); rows until the generic path finds them
+    _interface("gpt_oss", ["gpt_oss"], "gpt_oss.modeling_gpt_oss", "GptOssAttention", sdpa=False,
+               has_window_layers=True, rotary_halves=True),
+    _interface("deepseek_v3", ["deepseek_v3"], "deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention"),
 )
 # Hybrids: attention layers beside linear attention / Mamba / short-conv layers, whose state the cache keeps as
 # transformers does (`kvbench.cache.hybrid`); methods compress the attention layers only.

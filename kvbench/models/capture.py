@@ -51,8 +51,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.attention.columns import causal_column_sums
 from kvbench.attention.decode import attend, chunk_attention
+from kvbench.attention.sinks import sinks_of
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
+from kvbench.models.mla import absorb_query, latent_keys, latent_layers
 from kvbench.models.mlp import lean_mlp_forward
 from kvbench.models.generic import layer_windows
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
@@ -100,6 +102,8 @@ class AttentionCapture:
         self.decode_queries: dict[int, Tensor] = {}
         self.window_bias: dict[int, Tensor] = {}  # additive score bias of the window rows (ALiBi), `[B, H, w, n]`
         self.softcap: dict[int, float] = {}  # attention-logit soft cap per layer (Gemma 2), as the model applies it
+        self.sinks: dict[int, Tensor] = {}  # learned sink logits `[H_q]` per layer (gpt-oss's `s_aux`), from each
+        # call: a model constant, so `reset` keeps them; every softmax kvbench computes for the layer includes them
         self.column_sums: dict[int, Tensor] = {}
         self.key_scores: dict[int, Tensor] = {}  # per-entry scores a reconstruction left, `[B, H_kv, n]` (KVzip)
         self.column_scores: dict[str, Callable[[Tensor], Tensor]] = {}  # more named scorers, one prefill (grid)
@@ -116,6 +120,8 @@ class AttentionCapture:
         self.window_layers = frozenset(self.slots[i] for i in self.adapter.window_layers(model.config)
                                        if i in self.slots)  # methods leave these layers as they are
         self.hybrid = is_hybrid(model.config.get_text_config(), len(self.attention_modules))  # (`cache.hybrid`)
+        self.latent_layers = latent_layers(self.attention_modules)  # MLA slots: one latent per token (`models.mla`)
+        self._latent_cache = None  # the cache an MLA layer's forward writes its latents into (its kwargs)
         self.layer_windows: dict[int, tuple[str, int]] = {self.slots[i]: w for i, w in layer_windows(
             model.config).items() if i in self.slots} if self.adapter.generic else {}
         # {slot: (sliding_attention | chunked_attention, size)} of a generic model (a hand-written family's window
@@ -196,10 +202,14 @@ class AttentionCapture:
     def _before_attention(self, module, args, kwargs) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         slot = self.slots[module.layer_idx]
-        if self.adapter.generic and hidden is not None and hidden.shape[1] > 1 and slot not in self.query_forms:
-            self._form_inputs[slot] = (hidden[:, -1:], kwargs.get("position_embeddings"))  # (found once the
-            # attention function sees this row's query)
-        elif hidden is not None and hidden.shape[1] > 1 and slot not in self.rotary:
+        prefill = hidden is not None and hidden.shape[1] > 1
+        if slot in self.latent_layers:  # its call sees expanded K/V; scores need the latents
+            self._latent_cache = kwargs.get("past_key_values")
+            # (an MLA layer's rotary part is not a head's: no query form or rotary recorded)
+        elif self.adapter.generic and prefill and slot not in self.query_forms:
+            # found once the attention function sees this row's query
+            self._form_inputs[slot] = (hidden[:, -1:], kwargs.get("position_embeddings"))
+        elif prefill and slot not in self.rotary:
             self._record_rotary(module, kwargs)
         if hidden is not None and hidden.shape[1] > 1:  # a prefill (or a chunk): scorers of the layer's input
             if self.prefill_hook is not None:
@@ -293,20 +303,27 @@ class AttentionCapture:
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
             alibi_slopes = kwargs.pop("alibi_slopes", None)  # [H_q]: the same ALiBi, for layers with own storage
             softcap = kwargs.get("softcap")
+            sinks = sinks_of(kwargs)
+            if sinks is not None:
+                self.sinks[layer_idx] = sinks
             if self.logit_scale is not None:  # a temperature on the model's own attention, scores included
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
-                out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs)
+                out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs,
+                                  sinks)
                 self._hold_decode_queries(layer_idx, query)
                 if hasattr(self.decode_hook, "chunk"):  # a decode-time evictor scores the chunk's rows, evicts
                     self.decode_hook.chunk(layer_idx, query, key, scaling)
                 return out, None
             if q_len > 1:  # prefill: keep only what scoring needs
+                scored = self._latent_query(module, query)  # what scores multiply with the stored keys
                 if self.prefill_hook is not None:  # a scorer of these rows over every key (KVzip's reconstruction)
                     if score_bias is not None:
                         raise NotImplementedError("capture: reconstruction scoring (kvzip) does not support ALiBi")
-                    self.prefill_hook(layer_idx, query, key, scaling, softcap, value=value,
+                    rows_key, rows_value = (key, value) if scored is query else self.view_kv(
+                        layer_idx, self._latent_cache.layers[layer_idx])
+                    self.prefill_hook(layer_idx, scored, rows_key, scaling, softcap, value=rows_value,
                                       hidden=self._prefill_inputs.pop(layer_idx, None))
                 if kwargs.get("sliding_window"):  # scores see only what each query's window lets it see
                     score_bias = window_bias(score_bias, kwargs["sliding_window"], key.shape[-2], key.device)
@@ -315,14 +332,14 @@ class AttentionCapture:
                     self.softcap[layer_idx] = softcap
                 self._hold_decode_queries(layer_idx, query)
                 if self.window:
-                    self.window_queries[layer_idx] = query[:, :, -self.window:].detach().clone()
+                    self.window_queries[layer_idx] = scored[:, :, -self.window:].detach().clone()
                     if score_bias is not None:
                         self.window_bias[layer_idx] = score_bias(slice(max(q_len - self.window, 0), q_len))
                 scorers = dict(self.column_scores)
                 if self.column_score is not None:  # the run's own method
                     scorers[None] = self.column_score
                 if scorers:
-                    sums = self._column_sums(query, key, scaling, scorers, score_bias, softcap)
+                    sums = self._column_sums(query, key, scaling, scorers, score_bias, softcap, sinks)
                     if None in sums:
                         self.column_sums[layer_idx] = sums.pop(None)
                     for name, total in sums.items():
@@ -348,18 +365,31 @@ class AttentionCapture:
                 layer = self.cache.layers[layer_idx] if self.cache is not None else None
                 if getattr(layer, "own_storage", False):  # varlen, quantized, offloaded: the engine's attention
                     refuse_window(layer, kwargs.get("sliding_window"))
-                    return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes), None
+                    return attend(layer, query, scaling, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  sinks=sinks), None
             if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
                 # the cache already holds one copy per query head: tell the kernel not to repeat
                 module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),
-                                         layer_idx=layer_idx, scaling=module.scaling, training=module.training)
+                                         layer_idx=layer_idx, scaling=module.scaling, training=module.training,
+                                         sinks=getattr(module, "sinks", None))  # (gpt-oss's kernel reads them)
             return inner(module, query, key, value, attention_mask, **kwargs)
 
         return attention
 
+    def _latent_query(self, module, query: Tensor) -> Tensor:
+        """The queries scores use: as the call sees them, or absorbed into an MLA layer's latent space."""
+        return absorb_query(module, query) if self.slots[module.layer_idx] in self.latent_layers else query
+
+    def view_kv(self, layer_idx: int, layer) -> tuple[Tensor, Tensor]:
+        """The keys and values a method scores a layer's entries with (`LayerView`): the stored ones, or for an MLA
+        layer its one latent key head `[c_kv, k_rope]` and the latent `c_kv` its values are expanded from."""
+        if layer_idx in self.latent_layers:
+            return latent_keys(layer.keys, layer.values), layer.keys
+        return layer.keys, layer.values
+
     @staticmethod
     def _chunk(layer, query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None, score_bias,
-               alibi_slopes, kwargs: dict) -> Tensor:
+               alibi_slopes, kwargs: dict, sinks: Tensor | None = None) -> Tensor:
         """Several tokens on top of this layer's (compressed) entries (`generation.feed`): the model's mask is sized
         for the first layer only, and a layer with its own storage returns only its dense part from `update`, so
         the layer is attended here as it is (`attention.decode.chunk_attention`)."""
@@ -367,7 +397,7 @@ class AttentionCapture:
             raise NotImplementedError("capture: several tokens on top of a compressed cache (query=agnostic, turns) "
                                       "are not supported with sliding-window or ALiBi attention")
         kv = layer.decode_kv(query) if getattr(layer, "own_storage", False) else DecodeKV(key, value)
-        return chunk_attention(query, kv, scaling, softcap)
+        return chunk_attention(query, kv, scaling, softcap, sinks)
 
     def _hold_decode_queries(self, layer_idx: int, query: Tensor) -> None:
         """The sequence's last `decode_window` queries so far, across the prefill and fed chunks."""
@@ -411,12 +441,12 @@ class AttentionCapture:
         return torch.zeros(outside.shape, dtype=key.dtype, device=key.device).masked_fill(outside, float("-inf"))
 
     def _column_sums(self, query: Tensor, key: Tensor, scaling: float, scorers: dict, score_bias=None,
-                     softcap: float | None = None) -> dict:
+                     softcap: float | None = None, sinks: Tensor | None = None) -> dict:
         """Sum over the n prompt queries of each `scorer(causal logits)`: `[B, H_q, n]`, fp32, chunked by rows
         (`attention.columns.causal_column_sums`, the helper fed chunks are scored with too). The logits are shaped as
         the model shapes them: `softcap` (Gemma 2), then `score_bias(rows)` (ALiBi)."""
         return causal_column_sums(query, key, scaling, scorers, softcap=softcap, score_bias=score_bias,
-                                  block=self.column_block, chunk=self.chunk)
+                                  block=self.column_block, chunk=self.chunk, sinks=sinks)
 
 
 def refuse_window(layer, window: int | None) -> None:

@@ -38,10 +38,9 @@ HYBRID_REASONS = {
     "zamba": "one attention block is shared across layers (layer_idx None): no per-layer cache slot to compress",
     "zamba2": "its attention blocks are shared across layers (layer_idx -1, a LoRA per use): no per-layer cache slot",
     "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
-    "kimi_linear": "its attention layers are MLA (a shared latent, not per-head K/V), which kvbench does not "
-                   "compress yet (its KDA linear layers alone would run)",
-    "bailing_hybrid": "its attention layers are MLA (a shared latent, not per-head K/V), which kvbench does not "
-                      "compress yet",
+    "kimi_linear": "its attention layers are MLA inside a hybrid (KDA linear layers beside latent caches), a "
+                   "combination kvbench has not checked yet",
+    "bailing_hybrid": "its attention layers are MLA inside a hybrid, a combination kvbench has not checked yet",
     "recurrent_gemma": "it keeps its cache inside the model (no past_key_values to compress)",
     "inkling_text": "its attention adds a hidden-state-conditioned relative logit bias (no RoPE) that kvbench's "
                     "scoring and decode attention do not reproduce",
@@ -54,8 +53,10 @@ HYBRID_REASONS = {
     "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
 }
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",
-                 "deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})
-SINKS = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"})
+                 "deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})  # run (kvbench/models/mla.py),
+# except the DSA types: their indexer's top-k mask is sized for the uncompressed cache
+DSA = frozenset({"deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})
+SINKS = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"})  # run (attention/sinks.py)
 
 NO_KV = {
     "mamba": "state-space/recurrent model with no per-token KV cache to compress",
@@ -99,15 +100,14 @@ def group_refusal(model_type: str, layer_kinds: list[str] | None = None, mla: bo
     (transformers' per-layer cache kinds), `mla` and `sinks` are what was found from its config and code."""
     hybrid = ("hybrid: a hybrid type kvbench has not checked (its recurrent layers' state calls and a tiny config "
               "are covered by tests/unit/test_hybrid.py only for the types in adapters.HYBRID_ADAPTERS)")
-    latent = ("MLA: its cache holds a shared latent (c_kv, k_rope), not per-head K/V, so scores, eviction and bytes "
-              "need the latent path, which is not implemented yet")
-    sink = ("sinks: its attention adds learned sink logits (s_aux) that kvbench's scoring and own-storage decode "
-            "attention do not include yet")
+    sparse = ("MLA: its sparse-attention indexer (DSA) masks each query to its top-k keys through a mask sized for "
+              "the uncompressed cache, which kvbench's compressed layers do not match yet (the indexer keys themselves "
+              "are evicted in lockstep: KVLayer.update_indexer)")
     own = ("its attention does not go through transformers' AttentionInterface (its own kernel), so kvbench cannot "
            "capture it without a hand-written replacement")
     known = {**NO_KV, **ODD, **dict.fromkeys(HYBRID, hybrid),
-             **{t: f"hybrid: {reason}" for t, reason in HYBRID_REASONS.items()}, **dict.fromkeys(MLA, latent),
-             **dict.fromkeys(SINKS, sink), **dict.fromkeys(OWN_ATTENTION, own)}
+             **{t: f"hybrid: {reason}" for t, reason in HYBRID_REASONS.items()}, **dict.fromkeys(DSA, sparse),
+             **dict.fromkeys(OWN_ATTENTION, own)}
     if model_type in known:
         return known[model_type]
     kinds = set(layer_kinds or ()) - ATTENTION_KINDS  # a type the table does not know: what was found decides
@@ -116,10 +116,6 @@ def group_refusal(model_type: str, layer_kinds: list[str] | None = None, mla: bo
                 "producer-to-consumer mapping is not implemented: use a config without KV sharing")
     if kinds & {"heavily_compressed_attention", "compressed_sparse_attention"}:
         return ODD["deepseek_v4"]
-    if mla:
-        return latent
     if kinds:
         return hybrid
-    if sinks:
-        return sink
-    return None
+    return None  # (MLA and sink types run: kvbench/models/mla.py, kvbench/attention/sinks.py)

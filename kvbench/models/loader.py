@@ -9,6 +9,7 @@ the config alone, before any weights load (`check_architecture`).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,14 @@ from kvbench.models.adapters import BY_FAMILY, BY_MODEL_TYPE, Adapter, adapter_f
 from kvbench.models.checks import check_source
 from kvbench.models.composite import is_composite, load_text_decoder
 from kvbench.models.embedded import embedded_model_dir, ensure_converted, gguf_tag
+from kvbench.models.mla import config_is_latent
 from kvbench.models.placement import DEVICE_MAPS
 from kvbench.pathnames import check_name
 
 logger = logging.getLogger(__name__)
 
 RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
-                   "falcon")
+                   "falcon", "gpt_oss", "deepseek_v3")
 RANDOM_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
                   "falcon_h1", "lfm2", "lfm2_moe", "nemotron_h")  # hybrid types with a hand-sized tiny config
 # (kvbench.models.tiny.HYBRID_TINY) and an adapter row (adapters.HYBRID_ADAPTERS), each covered by test_hybrid.py
@@ -144,6 +146,19 @@ def check_architecture(spec: ModelSpec) -> Adapter | None:
     except (OSError, ValueError):
         return None  # unreachable or unknown here: loading the weights reports it
     return check_config(config.model_type, bool(getattr(config, "is_encoder_decoder", False)), config.to_dict())
+
+
+def is_latent_model(spec: ModelSpec) -> bool:
+    """Whether `model.path` names an MLA model (`kvbench.models.mla`), from its config alone (a random model's, a
+    local config.json); False when it cannot tell without loading (a Hub id, GGUF): the engine refuses there."""
+    if spec.path.startswith("random:"):
+        from kvbench.models.tiny import BY_FAMILY_NAMES, tiny_config
+
+        name = spec.path.split(":", 1)[1]
+        config = tiny_config(name) if name in BY_FAMILY_NAMES else random_config(name)
+        return config is not None and config_is_latent(config.to_dict())
+    config = Path(spec.path).expanduser() / "config.json"
+    return config.is_file() and config_is_latent(json.loads(config.read_text()))
 
 
 def _model_type(source, kwargs: dict) -> str | None:

@@ -4,18 +4,19 @@ Each is hidden 64 with 4 query heads (2 KV heads where the family has GQA); the 
 scale so tests exercise them: Phi-3, GPT-NeoX and GPT-J rotate only part of each head (partial rotary; GPT-J
 interleaved), Gemma 2/3 alternate a sliding-window layer (window 32) with a global one (Gemma 2 also soft-caps its
 logits), GPT-2 adds learned absolute positions at the embedding, MPT biases scores by ALiBi distance, Falcon is
-multi-query.
+multi-query, gpt-oss adds learned sinks beside a window-32 and a global layer, DeepSeek-V3 caches an MLA latent (32
+wide, wider than a head's 16-wide key, so scores cannot silently mix the two up).
 
 Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
-of 8 where layers mix them), 4 experts, small MLA ranks; every per-layer list of the config is cut to those layers.
+of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is cut to those layers.
 """
 from __future__ import annotations
 
 import torch
 
 BY_FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
-                   "falcon")  # the hand-written families' tiny configs (`tiny_config`)
+                   "falcon", "gpt_oss", "deepseek_v3")  # the hand-written families' tiny configs (`tiny_config`)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
@@ -41,6 +42,14 @@ def tiny_config(family: str, vocab_size: int = 256, layers: int = 2, max_positio
         return AutoConfig.for_model("gpt_neox", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                     rotary_pct=0.25, **common)
     kwargs = dict(TINY, **common)
+    if family == "gpt_oss":  # learned sinks, a sliding (window 32) and a global layer, 4 experts
+        pattern = ["sliding_attention", "full_attention"] * layers
+        kwargs.update(sliding_window=32, layer_types=pattern[:layers], num_local_experts=4, num_experts_per_tok=2)
+    if family == "deepseek_v3":  # MLA: a 32-wide latent (not the 16-wide per-head key), rope 8
+        kwargs.update(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                      qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                      first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1)
+        kwargs.pop("head_dim")
     if family == "phi3":
         kwargs.update(partial_rotary_factor=0.5)
     if family == "mistral":
@@ -128,6 +137,10 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
     fields = {k: [v[i] for i in picked] for k, v in per_layer.items()}
     known = set(vars(default)) | set(getattr(type(default), "__dataclass_fields__", ()))
     fields.update({k: v for k, v in SMALL.items() if k in known})
+    if "kv_lora_rank" in fields:  # MLA: a latent wider than a head's key (16, so scores cannot mix them up), every
+        fields.update(kv_lora_rank=32, num_key_value_heads=SMALL["num_attention_heads"])  # head reads it, and the
+        if "head_dim" in fields:  # rotary tables sized by head_dim cover the rotary part (DeepSeek-V2, YoutU)
+            fields["head_dim"] = SMALL["qk_rope_head_dim"]
     mixed = len(set(kinds) & {"sliding_attention", "chunked_attention"}) > 0 and len(set(kinds)) > 1
     for key in ("sliding_window", "attention_chunk_size"):  # a window that bites in a short prompt where layers mix
         if key in known and mixed:

@@ -106,7 +106,8 @@ def check_group_overrides(argv: list[str]) -> None:
 def setup(cfg: DictConfig):
     from kvbench import methods  # noqa: F401  (registers the built-in methods)
     from kvbench.models.checks import check_source
-    from kvbench.models.loader import ModelSpec, check_architecture
+    from kvbench.methods.latent import check_latent
+    from kvbench.models.loader import ModelSpec, check_architecture, is_latent_model
     from kvbench.runs.schema import check
 
     check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
@@ -136,6 +137,11 @@ def setup(cfg: DictConfig):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
                              "outside transformers' AttentionInterface, or sliding-window layers)")
         check_feeding(cfg, method, dataset, adapter)
+    if is_latent_model(spec):  # MLA: one latent per token for all heads (kvbench/methods/latent.py)
+        check_latent(method)
+        if cfg.positions == "shift":
+            raise ValueError("MLA: positions=shift re-rotates cached keys, and an MLA cache holds latents beside a "
+                             "shared rotary key the model rotates itself; use positions=original")
     check_query(cfg, method)
     if getattr(dataset, "turns", 1) > 1:  # a conversation feeds every later turn on top of the compressed cache
         check_query(cfg, method, why=f"dataset.turns={dataset.turns}")

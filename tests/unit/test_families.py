@@ -24,6 +24,8 @@ from kvbench.cache.quantized import QuantizedLayer
 from kvbench.engine.generation import prefill
 from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
+from kvbench.methods.latent import latent_refusal
+from kvbench.models.mla import is_latent
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import BY_FAMILY, adapter_for, check_config, check_model_dir
 from kvbench.models.loader import RANDOM_FAMILIES
@@ -107,6 +109,10 @@ def masked_reference(model, ids, token, kept, n_heads):
         allowed[:, -1] = True  # the new token
         if sliding_window:  # Gemma: a key is visible while q_pos - k_pos < window
             allowed &= torch.arange(k.shape[2]) > k.shape[2] - 1 - sliding_window
+        if family_of(model) in OWN_KERNEL:  # the model's own eager kernel (sinks, latents expanded), masked
+            additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, :, None, :]
+            return BY_FAMILY[family_of(model)].eager_function()(module, q, k, v, additive, scaling=scaling,
+                                                                 sliding_window=sliding_window, **kw)
         k, v = k.repeat_interleave(n_heads // k.shape[1], 1), v.repeat_interleave(n_heads // v.shape[1], 1)
         logits = (q @ k.transpose(-1, -2)) * scaling
         if softcap is not None:  # Gemma 2
@@ -152,6 +158,10 @@ def masked_by_module_mask(model, reference, token, kept, n_heads):
             handle.remove()
 
 
+OWN_KERNEL = ("gpt_oss", "deepseek_v3")  # references through the model's own attention function
+LATENT = ("deepseek_v3",)  # MLA: no q-hat (TailorKV is refused) and no positions=shift
+
+
 def family_of(model) -> str:
     return adapter_for(model).family
 
@@ -180,6 +190,11 @@ def check_contract(family: str, name: str):
     if method.kind is Kind.RECONSTRUCTOR and not method.scores_inputs and family == "mpt":  # ALiBi: no replay scores
         with pytest.raises(NotImplementedError, match="ALiBi"):
             with AttentionCapture(model) as capture:
+                generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
+        return
+    if latent_refusal(method) and any(is_latent(m) for m in model.modules()):  # MLA: refused in one line
+        with pytest.raises(ValueError, match=f"^MLA: method={name} .*; on this model use one of: "):
+            with AttentionCapture(model, window=getattr(method, "window", 0)) as capture:
                 generate(model, None, method, capture, ids, BUDGET, 2, eos_ids=set())
         return
     seen: dict = {}
@@ -232,12 +247,13 @@ def check_contract(family: str, name: str):
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions
         window = model.config.sliding_window
         assert kept[i] is not None and all(p.tolist() == list(range(N - window + 1, N)) for p in kept[i])
-    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
-        head_dim = seen["layers"][0].keys.shape[-1]
-        assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * 2 * head_dim * 4
+    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V widths) x 4 bytes (fp32); an MLA
+        first = seen["layers"][0]  # entry is one latent + its rotary key for all heads
+        entry = (first.keys.shape[-1] + first.values.shape[-1]) * 4
+        assert gen.kv_bytes == sum(len(p) for layer in kept for p in layer) * entry
 
 
-@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in LATENT])
 def test_predicted_query_is_the_next_layers_own_query(family):
     """TailorKV's q̂: the adapter's projection (query slice of a fused QKV, Conv1D, per-head layout, q-norm,
     partial rotary) of a hidden state equals the query the attention module itself forms from it."""
@@ -262,6 +278,8 @@ def test_predicted_query_is_the_next_layers_own_query(family):
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), None
 
     replaces = BY_FAMILY[family].replaces
+    if BY_FAMILY[family].rotary_halves:  # the model's own form of what the adapter handed over repeated (gpt-oss)
+        pos = tuple(x[..., :x.shape[-1] // 2] for x in pos)
     if replaces is None:
         with attention_function(model, grab):
             attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
@@ -279,7 +297,7 @@ def test_predicted_query_is_the_next_layers_own_query(family):
 
 def rope_families():
     return [f for f in RANDOM_FAMILIES if BY_FAMILY[f].positions == "rope" and not BY_FAMILY[f].has_window_layers
-            and BY_FAMILY[f].rotary_layout == "half"]
+            and BY_FAMILY[f].rotary_layout == "half" and f not in LATENT]
 
 
 @pytest.mark.parametrize("family", rope_families())
@@ -355,8 +373,8 @@ def test_alibi_bias_uses_each_kept_keys_original_distance():
     torch.testing.assert_close(masks[0][0, :, 0], slopes[:, None] * distances[None].float())
 
 
-@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES
-                                    if f not in rope_families() and BY_FAMILY[f].positions != "alibi"])
+@pytest.mark.parametrize("family", [f for f in RANDOM_FAMILIES if f not in rope_families() + list(LATENT)
+                                    and BY_FAMILY[f].positions != "alibi"])
 def test_position_shift_is_refused_where_it_has_no_meaning(family):
     with pytest.raises(ValueError, match="positions=shift: .* use positions=original"):
         BY_FAMILY[family].check_shift()
@@ -367,6 +385,7 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
     ({"model_type": "falcon", "alibi": True}, "falcon .* is not supported: ALiBi Falcon"),
+    ({"model_type": "deepseek_v32", "kv_lora_rank": 512, "index_topk": 2048}, "is not supported yet: MLA: its sparse"),
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
