@@ -127,12 +127,13 @@ class Engine:
     model config says) or token ids, get `Generation`s back (text, token ids, KV bytes before and after compression
     and at the end of decoding, timings). Close it (or use `with`) to remove the capture from the model."""
 
-    def __init__(self, run: Run | RunSpec):
+    def __init__(self, run: Run | RunSpec, loaded: tuple | None = None):
+        """`loaded`: (model, tokenizer) of an engine closed before, for the same model spec (a sweep loads once)."""
         from kvbench.engine.generation import prefill
         from kvbench.models import AttentionCapture, load
 
         self.run = run.validate() if isinstance(run, RunSpec) else run
-        self.model, self.tokenizer = load(self.run.model)
+        self.model, self.tokenizer = loaded or load(self.run.model)
         self.prepared = self.run.method.prepare(self.model, self.tokenizer, prefill=prefill)
         self._capture = AttentionCapture(self.model, window=self.run.method.query_window)
         self.capture = self._capture.__enter__()
