@@ -62,6 +62,15 @@ def check(run, serving: ServingSpec) -> None:
     check_bounded(run.method, decode_compression(run.cfg).on)
     if run.cfg.generation.get("num_beams", 1) > 1:
         raise ValueError("serving: the load benchmark decodes greedily or by sampling; use generation.num_beams=1")
+    if run.cfg.get("query", "aware") != "aware":
+        raise ValueError("serving: requests are replayed question-aware (the whole prompt prefilled, then compressed); "
+                         "use query=aware")
+    dataset = run.dataset
+    if getattr(dataset, "kind", None) == "perplexity" or getattr(dataset, "turns", 1) > 1 \
+            or getattr(dataset, "asks_follow_up", False):
+        raise ValueError(f"serving: dataset {dataset.name} is not one prompt -> one reply per sample (perplexity, "
+                         "conversations, a second question); use a generation dataset such as niah, ruler, gsm8k or "
+                         "longbench")
 
 
 def full_pool_bytes(requests, shape: KVShape, n: float) -> int:

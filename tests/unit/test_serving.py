@@ -12,7 +12,7 @@ from kvbench.engine.batching import generate
 from kvbench.runs.api import Engine, RunSpec
 from kvbench.serving.__main__ import parse
 from kvbench.serving.arrivals import Arrival, PoolSource
-from kvbench.serving.bench import ServingSpec, run_load
+from kvbench.serving.bench import ServingSpec, check, run_load
 from kvbench.serving.pool import KVPool, KVShape, check_bounded, reserved_entries
 
 torch.set_num_threads(1)
@@ -157,3 +157,6 @@ def test_the_command_line_is_checked_before_weights_load():
         parse(["method=snapkv"])
     with pytest.raises(ValueError, match="serving.rate > 0"):
         parse(["serving.pool_bytes=100", "serving.arrival=poisson"])
+    run = RunSpec(method="snapkv", budget=64, model="tiny_llama", overrides=("query=agnostic",)).validate()
+    with pytest.raises(ValueError, match="use query=aware"):
+        check(run, ServingSpec(pool_bytes=100))
