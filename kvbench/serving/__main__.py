@@ -78,6 +78,13 @@ def main(argv: list[str]) -> None:
             loaded = (run.model, (engine.model, engine.tokenizer))
             summaries += [run_load(engine, serving) for serving in servings]
     print(table(summaries))
+    from pathlib import Path
+
+    from kvbench.serving.plots import write_figures
+
+    out = Path(servings[0].results_dir) / "serving"
+    for path in write_figures(summaries, out):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,11 @@ def summarize(records: list[dict], ttft_slo_s: float = float("inf"), tpot_slo_s:
         values = np.array([r["serving"][name] for r in ok], dtype=float)
         out[name] = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
     return out
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (higher is better on each: throughput, accuracy),
+    in order of the first axis. Equal points are all kept."""
+    front = [i for i, (x, y) in enumerate(points)
+             if not any(x2 >= x and y2 >= y and (x2, y2) != (x, y) for x2, y2 in points)]
+    return sorted(front, key=lambda i: points[i])

@@ -13,6 +13,7 @@ from kvbench.runs.api import Engine, RunSpec
 from kvbench.serving.__main__ import parse
 from kvbench.serving.arrivals import Arrival, PoolSource
 from kvbench.serving.bench import ServingSpec, check, run_load
+from kvbench.serving.figures import pareto_front
 from kvbench.serving.pool import KVPool, KVShape, check_bounded, reserved_entries
 
 torch.set_num_threads(1)
@@ -160,3 +161,10 @@ def test_the_command_line_is_checked_before_weights_load():
     run = RunSpec(method="snapkv", budget=64, model="tiny_llama", overrides=("query=agnostic",)).validate()
     with pytest.raises(ValueError, match="use query=aware"):
         check(run, ServingSpec(pool_bytes=100))
+
+
+def test_the_pareto_front_keeps_what_nothing_beats_on_both_axes():
+    # (throughput, accuracy): full is accurate and slow, snapkv faster and less accurate, a third is beaten by both
+    points = [(0.6, 1.0), (0.9, 0.6), (0.5, 0.5), (0.9, 0.6), (1.2, 0.2)]
+    assert pareto_front(points) == [0, 1, 3, 4]  # (0.5, 0.5) is beaten by (0.6, 1.0); equal points both stay
+    assert pareto_front([(1.0, 1.0), (1.0, 0.5)]) == [0]  # the same throughput, less accurate: beaten
