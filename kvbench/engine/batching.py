@@ -50,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -116,6 +117,18 @@ class Request:
         fields.setdefault("tag", (sample, ids))
         return cls(torch.tensor([ids], device=device), budget, sample.max_new_tokens, tuple(sample.stop),
                    tuple(sample.stop_token_ids), sample.min_new_tokens, seed, **fields)
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Requests that arrive over time (kvbench.serving's arrivals under a KV pool) instead of a list: `poll(active)`
+    gives a request that may join now, or None; `wait()` is called while nothing runs and none may join: it waits
+    until one may, and says False once none ever will. A request that finishes is yielded by `run` before the next
+    `poll`, so the caller frees what it held first."""
+
+    def poll(self, active: deque[Slot]) -> Request | None: ...
+
+    def wait(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -247,6 +260,8 @@ class BatchedDecoder:
         self.cache: BatchedCache | None = None
         self.rows: dict[tuple, Rows] = {}  # the plain dense layers of the active samples, per layer and capacity
         self.active: deque[Slot] = deque()  # the samples decoding now (`run`)
+        self.on_join: Callable[[Slot], None] | None = None  # sees each slot once it has joined (its prompt's logits)
+        self.on_step: Callable[[deque[Slot]], None] | None = None  # sees the active slots after each batched forward
 
     @property
     def method(self) -> Method:
@@ -256,22 +271,29 @@ class BatchedDecoder:
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Request, Generation | Exception]]:
         """Yield (request, generation) as each sample finishes (completion order, not request order). A request
         whose prefill or compression raised yields its exception instead, and so does every sample of a batched
-        step that raised; the others go on (one failing sample must not stop the rest)."""
-        pending, active, follow = iter(requests), deque(), deque()
+        step that raised; the others go on (one failing sample must not stop the rest).
+        `requests` may be a `Source` (a load benchmark's arrivals under a KV pool): it is polled for a request that
+        may join now, and waited on while nothing runs."""
+        source = requests if isinstance(requests, Source) else None
+        pending, active, follow = iter(()) if source else iter(requests), deque(), deque()
         self.active = active
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
-                while len(active) < self.batch_size and (
-                        request := follow.popleft() if follow else next(pending, None)) is not None:
+                while len(active) < self.batch_size and (request := follow.popleft() if follow else source.poll(
+                        active) if source else next(pending, None)) is not None:
                     try:
                         active.append(self._into_rows(self._join(request)))
+                        if self.on_join is not None:
+                            self.on_join(active[-1])
                     except Exception as e:  # noqa: BLE001 - this sample's failure, reported to the caller
                         self.capture.reset()
                         yield request, e
                     finally:
                         request.prefilled = None  # its copy is made (or failed): the shared prefill may go
                 if not active:
+                    if source is not None and source.wait():
+                        continue
                     return
                 chosen = [(slot, self._try(self._choose, slot)) for slot in active]
                 picked = [token for slot, token in chosen if isinstance(token, Tensor) and not slot.request.beams]
@@ -301,6 +323,8 @@ class BatchedDecoder:
                             active.remove(slot)
                             self._leave_rows(slot)
                             yield slot.request, e
+                    if self.on_step is not None:
+                        self.on_step(active)
         finally:
             AttentionInterface._global_mapping.pop(self.name, None)
             if self.batch_size == 1:  # the last sample's hooks

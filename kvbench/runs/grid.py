@@ -37,14 +37,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.runs.config import config_hash, decode_compression, sample_budget, sample_seed, setup
+from kvbench.runs.api import Run
+from kvbench.runs.config import config_hash, sample_budget, sample_seed
 from kvbench.runs.records import generated_record, git_sha, manifest, write_scores
 from kvbench.runs.run import collector_paused, prompt_ids, run
 from kvbench.engine.batching import BatchedDecoder, Decoding, Request
 from kvbench.cache import KVCache
 from kvbench.data.base import sha256_text
 from kvbench.runs.failures import failure_record, note_if_nothing_succeeded, stop_on_signals
-from kvbench.engine.generation import Prefilled, Sampling, prefill
+from kvbench.engine.generation import Prefilled, prefill
 from kvbench.methods.base import Kind
 from kvbench.methods.decoding import DecodingMethod
 from kvbench.runs.store import RunStore
@@ -119,7 +120,7 @@ def plan(jobs: list[GridJob]) -> tuple[list[list[ConfigRun]], list[ConfigRun]]:
     groups: dict[str, list[ConfigRun]] = {}
     alone, seen = [], set()
     for job in jobs:
-        method, dataset, spec = setup(job.cfg)
+        method, dataset, spec = Run.from_config(job.cfg).job  # the API's checks (runs.config.setup)
         if job.run_dir in seen:
             continue
         seen.add(job.run_dir)
@@ -286,9 +287,7 @@ def open_run(config: ConfigRun, model, tokenizer, data_sha: str, n_samples: int,
     config.store.write_json("manifest.json", info)
     config.info = info
     config.done = config.store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failures are retried
-    sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
-    config.decoding = Decoding(config.method, sampling, cfg.positions, cfg.get("compress_after", "layer"),
-                               decode_compression(cfg))
+    config.decoding = Run(cfg, config.method, config.dataset, config.spec, {}).decoding()
 
 
 def close_run(config: ConfigRun, samples, wall_s: float, n_configs: int) -> dict:

@@ -21,7 +21,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.runs.config import (CONFIG_DIR, GROUPS, check_group_overrides, decode_compression, sample_budget,
-                                 sample_seed, setup)
+                                 sample_seed)
+from kvbench.runs.prompts import encode, prompt_ids, prompt_split, render  # noqa: F401  (grid and tests import them here)
 from kvbench.runs.records import generated_record, git_sha, manifest, sample_record, write_scores
 
 logger = logging.getLogger("kvbench.run")
@@ -29,47 +30,6 @@ INTERRUPTED = "kvbench: interrupted; every finished sample is kept, rerun the sa
 
 
 # --- the run --------------------------------------------------------------------------------------------------
-def render(tokenizer, prompt: str, spec, chat_kwargs=None) -> tuple[str, dict]:
-    """The text the model reads (the user turn of its chat template, or the prompt) and how it is tokenized.
-    `chat_kwargs` (a sample's `chat_template_kwargs`, e.g. `enable_thinking`) go to the template."""
-    if spec.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True, **(chat_kwargs or {}))
-        return prompt, {"add_special_tokens": False}
-    return prompt, {}
-
-
-def encode(tokenizer, prompt: str, spec) -> list[int]:
-    text, kwargs = render(tokenizer, prompt, spec)
-    return tokenizer(text, **kwargs).input_ids
-
-
-def prompt_ids(sample, tokenizer, spec) -> list[int]:
-    """The token ids a sample runs with: the builder's own (benchmark truncation) or the model's policy, middle-cut."""
-    return prompt_split(sample, tokenizer, spec, split=False)[0]
-
-
-def prompt_split(sample, tokenizer, spec, split: bool = True) -> tuple[list[int], int | None]:
-    """`prompt_ids` and how many of them are context (None: no question, or `split` false). With a chat template
-    the split falls inside the rendered user turn: the template's tail (end of turn, assistant header) is part of
-    the question (`kvbench.data.split`)."""
-    if sample.input_ids is not None:  # the builder applied its benchmark's own truncation rule
-        return list(sample.input_ids), sample.context_tokens if split else None
-    from kvbench.data.split import content_offset, context_token_count, cut_context
-
-    text, kwargs = render(tokenizer, sample.prompt, spec, sample.chat_template_kwargs)
-    ids = tokenizer(text, **kwargs).input_ids
-    n_context = None
-    if split and sample.context_end is not None:
-        at = content_offset(text, sample.prompt) + sample.context_end
-        n_context = context_token_count(tokenizer, text, at, ids, **kwargs)
-    if len(ids) > spec.max_prompt_tokens:  # middle truncation in tokens
-        half, n_full = spec.max_prompt_tokens // 2, len(ids)
-        ids = ids[:half] + ids[-half:]
-        n_context = cut_context(n_context, n_full, len(ids), half) if n_context is not None else None
-    return ids, n_context
-
-
 def run_sample(model, tokenizer, method, capture, dataset, sample, ids: list[int], budget, cfg: DictConfig,
                sampling, prefilled=None, question_len: int = 0) -> dict:
     """Generate one sample and score it: the prediction record that goes into predictions.jsonl.
@@ -225,10 +185,11 @@ def batched_records(model, tokenizer, method, capture, dataset, jobs: list, cfg:
 def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None = None) -> dict:
     """Run (or resume) one configuration into `run_dir`; `job` is `setup(cfg)`'s result if already validated,
     `choices` the group options picked (default: Hydra's for the running job)."""
+    from kvbench.runs.api import Run
     from kvbench.runs.shard import Shard
     from kvbench.runs.store import RunStore
 
-    method, dataset, spec = job or setup(cfg)
+    method, dataset, spec = job or Run.from_config(cfg).job
     choices = choices or _choices()
     shard = Shard.parse(cfg.get("shard"))
     store = RunStore(run_dir, shard)  # the lock, taken before weights load
@@ -245,7 +206,7 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
 
     from kvbench.runs.cost import CostMeter, job_log_links
     from kvbench.runs.failures import note_if_nothing_succeeded, stop_on_signals
-    from kvbench.engine.generation import Sampling, prefill
+    from kvbench.engine.generation import prefill
     from kvbench.data.base import sha256_text
 
     method_name = getattr(method, "label", choices["method"])  # a variant's table name, e.g. tailorkv-2
@@ -288,7 +249,9 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     todo = [s for s in samples if s.id not in done]
     logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
                 len(samples), len(samples) - len(todo))
-    sampling = Sampling(**OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed)
+    from kvbench.runs.api import Run
+
+    sampling = Run(cfg, method, dataset, spec, choices).sampling()
     window = method.query_window
     try:
         with stop_on_signals(), AttentionCapture(model, window=window) as capture:
@@ -362,8 +325,10 @@ def _choices() -> dict[str, str]:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from kvbench.runs.api import Run
+
     try:
-        job = setup(cfg)
+        job = Run.from_config(cfg).job  # every check before weights load (runs.config.setup)
     except (ValueError, KeyError, FileNotFoundError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.exit(f"kvbench: {message}")

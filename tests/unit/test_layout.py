@@ -19,7 +19,8 @@ MAX_TOP_LEVEL_MODULES = 6  # run, merge, harness (`python -m` shims), registry, 
 # bodies included. Names are kvbench's packages and top-level modules ("" is kvbench/__init__.py); "__main__" is
 # every `python -m kvbench.<package>` command, which sits on the top floor with runs/ and the shims in kvbench/.
 FLOORS = [
-    {"runs", "run", "merge", "harness", "__main__"},  # commands: a run, a merge, lm-eval's model, the report's CLI
+    {"runs", "serving", "run", "merge", "harness", "__main__"},  # commands: a run, the load benchmark, a merge,
+    #                                                      lm-eval's model, the report's CLI
     {"engine", "report"},                             # running the model; reading run directories
     {"methods", "data"},                              # what to keep; benchmark builders
     {"models", "metrics"},                            # loading and capture; scorers and their standard errors
