@@ -313,8 +313,9 @@ def _generic(model_type: str | None, config) -> Adapter:
     """A type without a hand-written row: its composite wrapper's text decoder, a refusal naming its group, or the
     generic path's adapter (`kvbench.models.generic`)."""
     from kvbench.models.generic import causal_lm_types, config_object, generic_fields, generic_refusal, text_config
-    from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, group_refusal
+    from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, TEXT_CONFIG_TYPES, group_refusal
 
+    model_type = TEXT_CONFIG_TYPES.get(model_type, model_type)  # (Emu3ForCausalLM's config is emu3_text_model)
     if model_type in COMPOSITE:  # a vision-language checkpoint: kvbench runs its text decoder
         text = text_config(config if hasattr(config, "to_dict") else config_object(model_type, config))
         return check_config(text.model_type, False, text)

@@ -28,6 +28,8 @@ NOT_DECODER_LM = frozenset({
 # decoder of its own
 COMPOSITE = frozenset({"gemma3", "gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llama4",
                        "mistral3", "dots3_note", "gemma3n"})
+# text configs transformers does not register, by the decoder type whose causal-LM class is built from them
+TEXT_CONFIG_TYPES = {"emu3_text_model": "emu3"}
 
 HYBRID = frozenset({
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "lfm2",

@@ -111,6 +111,18 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
              qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0)
 WINDOW = 8  # sliding window / attention chunk of the tiny models where layers mix window and global attention
+# Types whose config the generic shrinking cannot size (nested sub-configs, fields left None, per-layer head counts,
+# rope parameters keyed by layer type): their fields, given by hand and applied last.
+_ROPE = dict(rope_type="default", rope_theta=10000.0)
+TYPE_FIELDS = {
+    "dbrx": dict(d_model=64, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # (as
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),  # DBRX on the Hub)
+    "dots1": dict(n_shared_experts=1),
+    "laguna": dict(num_attention_heads_per_layer=[4, 8]),  # (real checkpoints vary the query heads by layer)
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"],  # (North: rotary window layers,
+                                rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),
+                                                     full_attention=None)),  # NoPE global ones)
+}
 
 
 def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int = 4096,
@@ -152,6 +164,7 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
             value = value if value is None or isinstance(value, int) and value < vocab_size else 0
         fields[key] = value
     fields = {k: v for k, v in fields.items() if k in known or k in ("num_hidden_layers", "vocab_size")}
+    fields.update(TYPE_FIELDS.get(model_type, {}))
     return cls(**fields)
 
 
@@ -167,7 +180,11 @@ def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed:
         config = tiny_config(family, vocab_size, layers, **config)
     else:  # any other model type (random:<model_type>), runnable by kvbench or not (the loader refuses those)
         config = tiny_type_config(family, vocab_size, **config)
-    if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]), "_supports_sdpa", True):
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+    causal_lm = getattr(transformers, name)  # (Emu3: its text config's type is not registered, the composite's is)
+    if not getattr(causal_lm, "_supports_sdpa", True):
         attn = "eager"  # (Gemma 2, GPT-J, MPT, gpt-oss: transformers refuses sdpa for them)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    return causal_lm._from_config(config, dtype=dtype, attn_implementation=attn).eval()
