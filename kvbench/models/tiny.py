@@ -118,6 +118,11 @@ TYPE_FIELDS = {
     "dbrx": dict(d_model=64, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # (as
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),  # DBRX on the Hub)
     "dots1": dict(n_shared_experts=1),
+    "phi4_multimodal": dict(  # (its own causal LM holds the vision and audio towers: shrunk so it builds in ~1 s)
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, crop_size=28, patch_size=14),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
     "laguna": dict(num_attention_heads_per_layer=[4, 8]),  # (real checkpoints vary the query heads by layer)
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"],  # (North: rotary window layers,
                                 rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),
