@@ -278,6 +278,8 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
                output="out_proj"),
     _interface("lfm2_moe", ["lfm2_moe"], "lfm2_moe.modeling_lfm2_moe", "Lfm2MoeAttention",
                query_norm="q_layernorm", output="out_proj"),
+    _interface("lfm3", ["lfm3"], "lfm3.modeling_lfm3", "Lfm3Attention", query_norm="q_norm",
+               has_window_layers=True),  # (its output gate acts after attention: no effect on what is cached)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )

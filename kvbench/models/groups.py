@@ -50,8 +50,6 @@ HYBRID_REASONS = {
                      "kvbench's scoring and decode attention do not reproduce",
     "zaya": "its compressed convolutional attention mixes a conv state into q/k in every layer; not checked by "
             "kvbench yet (tests/unit/test_hybrid.py)",
-    "lfm3": "its short-conv layers beside sliding-window and global attention are not checked by kvbench yet "
-            "(tests/unit/test_hybrid.py)",
     "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
 }
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",

@@ -84,6 +84,8 @@ HYBRID_TINY = {
                              num_experts_per_tok=2, shared_intermediate_size=64, head_dim=None),
     "falcon_h1": dict(mamba_d_ssm=64, **_MAMBA2, layers=2),
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, head_dim=None),
+    "lfm3": dict(layer_types=["conv", "sliding_attention", "full_attention", "conv"], conv_L_cache=3, sliding_window=64,
+                 layers=4),  # (a window of 64 bites in the tests' 120-token prompts)
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
                      head_dim=None),
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,

@@ -56,19 +56,23 @@ def attention_layers(cache: DynamicCache) -> list[int]:
 def masked_step(model, ids, token, kept: dict[int, list[torch.Tensor] | None]):
     """One decode step at position N on transformers' uncompressed cache, each attention layer through the model's
     own eager attention function with every query head restricted to `kept[model layer][stored head]` (None: all)
-    plus the new token."""
+    plus the new token, and in a sliding-window layer (LFM3) to the window its config gives (the bias replaces the
+    model's own mask)."""
     reference = reference_cache(model, ids)
     own = adapter_for(model).eager_function()
     n_heads = model.config.num_attention_heads
 
     def masked(module, q, k, v, mask, **kw):
         per_head = kept[module.layer_idx]
-        allowed = torch.ones(n_heads, k.shape[2], dtype=torch.bool)
+        allowed = torch.ones(n_heads, N + 1, dtype=torch.bool)  # over positions 0..N
         if per_head is not None:
             allowed[:] = False
             for hq in range(n_heads):
                 allowed[hq, per_head[hq * len(per_head) // n_heads]] = True
             allowed[:, -1] = True
+        if (getattr(model.config, "layer_types", None) or [None] * 99)[module.layer_idx] == "sliding_attention":
+            allowed &= torch.arange(N + 1) > N - model.config.sliding_window  # visible while N - p < window
+        allowed = allowed[:, N + 1 - k.shape[2]:]  # (transformers' sliding layer holds the last window positions)
         bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, :, None]
         return own(module, q, k, v, bias, **kw)
 
