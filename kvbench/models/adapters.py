@@ -74,6 +74,8 @@ class Adapter:
     nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
     query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
     chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
+    query_predictable: bool = True  # False: a layer's queries also read a recurrent state (ZAYA's convolution over
+    # past tokens), so no other layer's input predicts them (TailorKV's q-hat is refused)
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -280,6 +282,7 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
                query_norm="q_layernorm", output="out_proj"),
     _interface("lfm3", ["lfm3"], "lfm3.modeling_lfm3", "Lfm3Attention", query_norm="q_norm",
                has_window_layers=True),  # (its output gate acts after attention: no effect on what is cached)
+    _interface("zaya", ["zaya"], "zaya.modeling_zaya", "ZayaAttention", query="qkv_proj", query_predictable=False),
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )

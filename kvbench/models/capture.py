@@ -253,7 +253,7 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
-        if layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
+        if not self.adapter.query_predictable or layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
             return False
         if self.adapter.generic and not (self.query_forms.get(layer_idx) and self.query_forms.get(layer_idx - 1)):
             return False  # (a form kvbench could not reproduce: `predict_query` refuses)
@@ -267,6 +267,10 @@ class AttentionCapture:
         encoding applied to another layer's input `[B, 1, hidden]`: `[B, H_q, 1, D]`. TailorKV feeds it the
         previous layer's post-norm input (residual streams change slowly)."""
         module = self.attention_modules[layer_idx]
+        if not self.adapter.query_predictable:
+            raise NotImplementedError(f"capture: {self.adapter.family}'s queries also read a recurrent state (a "
+                                      "convolution over past tokens), so no predicted query (TailorKV's q-hat) is "
+                                      "available; use method.channel_query=current, or another method")
         if self.adapter.generic:
             return self._predict_generic(layer_idx, module, hidden, position_embeddings)
         if layer_idx not in self._placement:

@@ -48,8 +48,6 @@ HYBRID_REASONS = {
                     "scoring and decode attention do not reproduce",
     "inkling2_text": "its attention adds a hidden-state-conditioned relative logit bias and learned sinks that "
                      "kvbench's scoring and decode attention do not reproduce",
-    "zaya": "its compressed convolutional attention mixes a conv state into q/k in every layer; not checked by "
-            "kvbench yet (tests/unit/test_hybrid.py)",
     "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
 }
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",

@@ -88,6 +88,9 @@ HYBRID_TINY = {
                  layers=4),  # (a window of 64 bites in the tests' 120-token prompts)
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
                      head_dim=None),
+    "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
+                 router_hidden_size=16, layers=2),  # (every layer: CCA
+    # attention whose q/k mix a conv state and whose values a delayed one, beside K/V; all global, as its default)
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }

@@ -264,7 +264,8 @@ def test_cli_runs_a_hybrid_and_batch_four_gives_batch_one_records(tmp_path):
 def test_predicted_query_is_the_attention_layers_own_query(model_type):
     """TailorKV's q̂ on a hybrid: the adapter's projection (the query half of Qwen3.5's gated `q_proj`, OLMo-hybrid's
     whole-projection norm, LFM2's `q_layernorm`, NoPE or partial rotary) of the attention layer's decode input equals
-    the query the attention module itself forms from it."""
+    the query the attention module itself forms from it; ZAYA's queries also read a conv state, so it refuses in one
+    line (and can_predict says no, so TailorKV takes each layer's own query)."""
     from tests.unit.tiny import attention_function
 
     model, ids = model_of(model_type), prompt(40)
@@ -276,6 +277,12 @@ def test_predicted_query_is_the_attention_layers_own_query(model_type):
             model(ids, past_key_values=cache, use_cache=True)
             model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[40]]), use_cache=True)
         hidden, pos = seen[0]
+        if not capture.adapter.query_predictable:
+            assert not capture.can_predict(1)
+            with pytest.raises(NotImplementedError, match="channel_query=current") as err:
+                capture.predict_query(0, hidden, pos)
+            assert "\n" not in str(err.value)
+            return
         predicted = capture.predict_query(0, hidden, pos)
         attn = capture.attention_modules[0]
     grabbed = {}
