@@ -129,9 +129,9 @@ TYPE_FIELDS = {
         audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
                           ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
     "laguna": dict(num_attention_heads_per_layer=[4, 8]),  # (real checkpoints vary the query heads by layer)
-    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"],  # (North: rotary window layers,
-                                rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),
-                                                     full_attention=None)),  # NoPE global ones)
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,  # (North:
+                                rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),  # rotary
+                                                     full_attention=None)),  # window layers, NoPE global ones)
 }
 
 
