@@ -213,6 +213,10 @@ class Adapter:
         rotary = getattr(model.base_model, self.rotary, None)
         if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
             raise ValueError(f"positions=shift needs plain rotary embeddings; {self.family} has scaled or no RoPE")
+        if not hasattr(rotary, self.rotary_inv_freq):  # (ZAYA: frequencies per layer type, `hybrid_inv_freq`)
+            raise ValueError(f"positions=shift: {self.family}'s rotary embedding has no single "
+                             f"`{self.rotary_inv_freq}` (its frequencies are kept per layer type); use "
+                             "positions=original")
         return getattr(rotary, self.rotary_inv_freq)
 
 

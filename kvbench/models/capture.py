@@ -253,7 +253,9 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
-        if not self.adapter.query_predictable or layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
+        if not self.adapter.query_predictable:  # (ZAYA: its queries also read a conv state)
+            return False
+        if layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
             return False
         if self.adapter.generic and not (self.query_forms.get(layer_idx) and self.query_forms.get(layer_idx - 1)):
             return False  # (a form kvbench could not reproduce: `predict_query` refuses)

@@ -230,6 +230,17 @@ def test_hybrids_that_cannot_run_are_refused_in_one_line(model_type, reason):
     assert "\n" not in str(err.value)
 
 
+def test_hybrid_with_rotary_per_layer_type_refuses_position_shift():
+    """ZAYA keeps its rotary frequencies per layer type (`hybrid_inv_freq`): refused in one line, not an AttributeError
+    (LFM3's sliding/global mix is refused as a window mix)."""
+    for model_type, reason in (("zaya", "kept per layer type"), ("lfm3", "mixes sliding-window and global")):
+        model, ids = model_of(model_type), prompt(40)
+        with AttentionCapture(model) as capture, pytest.raises(ValueError, match=f"positions=shift: .*{reason}") as err:
+            generate(model, None, configured("streamingllm"), capture, ids, BUDGET, 2, eos_ids=set(),
+                     positions="shift")
+        assert "\n" not in str(err.value)
+
+
 def test_nope_hybrid_refuses_position_shift():
     model, ids = model_of("jamba"), prompt(40)
     with AttentionCapture(model) as capture, pytest.raises(ValueError, match="positions=shift: jamba has none"):
