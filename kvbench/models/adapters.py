@@ -74,6 +74,8 @@ class Adapter:
     nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
     query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
     chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
+    numbered_by_layer: bool = False  # Zamba 2: each hybrid layer's attention block is built without its index
+    # (layer_idx -1; the forward is handed it): numbered by the decoder layer holding it, set while a capture is on
     query_predictable: bool = True  # False: a layer's queries also read a recurrent state (ZAYA's convolution over
     # past tokens), so no other layer's input predicts them (TailorKV's q-hat is refused)
 
@@ -85,9 +87,19 @@ class Adapter:
         """{cache slot: attention module} of this family's attention class (vision towers etc. are skipped): a
         module's slot is its rank in layer order, its layer index unless a hybrid's other layers come between
         (`KVCache.slot_of`)."""
+        return {slot: m for slot, (_, m) in enumerate(self._numbered(model))}
+
+    def layer_numbers(self, model: torch.nn.Module) -> dict[int, int]:
+        """{cache slot: model layer index} of the attention modules (their own `layer_idx` unless
+        `numbered_by_layer`)."""
+        return {slot: layer for slot, (layer, _) in enumerate(self._numbered(model))}
+
+    def _numbered(self, model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
         cls = self.attention_class()
-        found = sorted((m for m in model.modules() if isinstance(m, cls)), key=lambda m: m.layer_idx)
-        return dict(enumerate(found))
+        if self.numbered_by_layer:
+            return [(i, m) for i, layer in enumerate(model.base_model.layers) for m in layer.modules()
+                    if isinstance(m, cls)]
+        return sorted(((m.layer_idx, m) for m in model.modules() if isinstance(m, cls)), key=lambda p: p[0])
 
     def output_weight(self, module: torch.nn.Module) -> Tensor:
         """The attention's output projection as `[hidden, H_q * D]` (nn.Linear's layout: column block h is query
@@ -287,6 +299,8 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
     _interface("lfm3", ["lfm3"], "lfm3.modeling_lfm3", "Lfm3Attention", query_norm="q_norm",
                has_window_layers=True),  # (its output gate acts after attention: no effect on what is cached)
     _interface("zaya", ["zaya"], "zaya.modeling_zaya", "ZayaAttention", query="qkv_proj", query_predictable=False),
+    _interface("zamba2", ["zamba2"], "zamba2.modeling_zamba2", "Zamba2Attention", numbered_by_layer=True,
+               query_predictable=False),  # (its attention input joins the embeddings; a LoRA per use of the block)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )

@@ -38,7 +38,6 @@ HYBRID = frozenset({
 # the hybrids kvbench runs have a row in adapters.HYBRID_ADAPTERS (checked before this table); the others, and why
 HYBRID_REASONS = {
     "zamba": "one attention block is shared across layers (layer_idx None): no per-layer cache slot to compress",
-    "zamba2": "its attention blocks are shared across layers (layer_idx -1, a LoRA per use): no per-layer cache slot",
     "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
     "kimi_linear": "its attention layers are MLA inside a hybrid (KDA linear layers beside latent caches), a "
                    "combination kvbench has not checked yet",

@@ -41,7 +41,7 @@ REPRESENTATIVE = ("gemma4_text", "llama4_text")  # every generic kind between th
 # The spec's groups of the types kvbench refuses (shared/specs/models-transformers-5.23.md, sections 1 and 3), and
 # the words their refusal must start with or contain.
 REFUSED = {
-    "hybrid:": "zamba zamba2 minimax kimi_linear bailing_hybrid inkling_text inkling2_text recurrent_gemma "
+    "hybrid:": "zamba minimax kimi_linear bailing_hybrid inkling_text inkling2_text recurrent_gemma "
                "qwen4_exp_text",  # (the other hybrids run: tests/unit/test_hybrid.py)
     "MLA: its sparse-attention indexer": "deepseek_v32 axk2 dots3_note_text glm_moe_dsa hy_v4",  # (other MLA and
     # sink types run: tests/unit/test_sinks_mla.py)
