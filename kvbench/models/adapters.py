@@ -74,8 +74,9 @@ class Adapter:
     nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
     query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
     chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
-    numbered_by_layer: bool = False  # Zamba 2: each hybrid layer's attention block is built without its index
-    # (layer_idx -1; the forward is handed it): numbered by the decoder layer holding it, set while a capture is on
+    numbered_by_layer: bool = False  # Zamba / Zamba 2: each hybrid layer's attention block is built without its
+    # index (layer_idx None / -1; the forward is handed it): numbered by the decoder layer holding it, set on the
+    # block while a capture is attached
     query_predictable: bool = True  # False: a layer's queries also read a recurrent state (ZAYA's convolution over
     # past tokens), so no other layer's input predicts them (TailorKV's q-hat is refused)
 
@@ -299,6 +300,8 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
     _interface("lfm3", ["lfm3"], "lfm3.modeling_lfm3", "Lfm3Attention", query_norm="q_norm",
                has_window_layers=True),  # (its output gate acts after attention: no effect on what is cached)
     _interface("zaya", ["zaya"], "zaya.modeling_zaya", "ZayaAttention", query="qkv_proj", query_predictable=False),
+    _interface("zamba", ["zamba"], "zamba.modeling_zamba", "ZambaAttention", numbered_by_layer=True,
+               positions="none", query_predictable=False),  # (NoPE; its attention input joins the embeddings)
     _interface("zamba2", ["zamba2"], "zamba2.modeling_zamba2", "Zamba2Attention", numbered_by_layer=True,
                query_predictable=False),  # (its attention input joins the embeddings; a LoRA per use of the block)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",

@@ -169,7 +169,7 @@ class AttentionCapture:
         AttentionMaskInterface.register(self.name, mask_fn)
         if self.adapter.replaces is None:  # the interface routes attention: point this model at the wrapper
             self.model.set_attn_implementation(self.name)
-        for layer, slot in self.slots.items():  # (Zamba 2's blocks get their layer's number while attached)
+        for layer, slot in self.slots.items():  # (Zamba's blocks get their layer's number while attached)
             self.attention_modules[slot].layer_idx = layer
         for module in self.attention_modules.values():
             self._handles.append(module.register_forward_pre_hook(self._before_attention, with_kwargs=True))

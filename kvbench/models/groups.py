@@ -37,7 +37,6 @@ HYBRID = frozenset({
     "inkling_text", "inkling2_text", "zaya", "recurrent_gemma", "qwen4_exp_text"})
 # the hybrids kvbench runs have a row in adapters.HYBRID_ADAPTERS (checked before this table); the others, and why
 HYBRID_REASONS = {
-    "zamba": "one attention block is shared across layers (layer_idx None): no per-layer cache slot to compress",
     "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
     "kimi_linear": "its attention layers are MLA inside a hybrid (KDA linear layers beside latent caches), a "
                    "combination kvbench has not checked yet",

@@ -91,11 +91,14 @@ HYBRID_TINY = {
     "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
                  router_hidden_size=16, layers=2),  # (every layer: CCA
     # attention whose q/k mix a conv state and whose values a delayed one, beside K/V; all global, as its default)
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], n_mamba_heads=2,
+                  mamba_d_state=8, mamba_expand=1, mamba_dt_rank=8, num_key_value_heads=4, head_dim=None, layers=4),
     "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1, mamba_d_state=8,
                    n_mamba_heads=4, mamba_expand=1, mamba_ngroups=1, chunk_size=16,
                    use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, num_key_value_heads=4,
                    head_dim=None, layers=4),
-    # (one attention block used by both hybrid layers, a LoRA per use: what kvbench must tell apart)
+    # (Zamba / Zamba 2: an attention block per hybrid layer without its index, tied across layers in a checkpoint;
+    # Zamba 2 with rotary and a LoRA per use)
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }

@@ -62,7 +62,7 @@ def masked_step(model, ids, token, kept: dict[int, list[torch.Tensor] | None]):
     own = adapter_for(model).eager_function()
     n_heads = model.config.num_attention_heads
     modules, numbers = adapter_for(model).attention_modules(model), adapter_for(model).layer_numbers(model)
-    layer_of = {id(modules[slot]): layer for slot, layer in numbers.items()}  # (Zamba 2's blocks: layer_idx -1)
+    layer_of = {id(modules[slot]): layer for slot, layer in numbers.items()}  # (Zamba's blocks: layer_idx None / -1)
 
     def masked(module, q, k, v, mask, **kw):
         per_head = kept[layer_of[id(module)]]
@@ -219,7 +219,6 @@ def test_beam_search_carries_the_state_with_its_beams():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("zamba", "'zamba' is not supported yet: hybrid: one attention block is shared across layers"),
     ("minimax", "'minimax' is not supported yet: hybrid: it needs its own MiniMaxCache"),
     ("kimi_linear", "'kimi_linear' is not supported yet: hybrid: its attention layers are MLA"),
     ("recurrent_gemma", "hybrid: it keeps its cache inside the model"),
