@@ -305,3 +305,30 @@ def test_predicted_query_is_the_attention_layers_own_query(model_type):
     with attention_function(model, grab):
         attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
     torch.testing.assert_close(predicted, grabbed["q"])
+
+
+def test_position_shift_on_zamba2_equals_its_own_rope():
+    """StreamingLLM with positions=shift on Zamba 2 (rotary attention blocks numbered by layer): the next step equals
+    transformers' own cache after the prompt with each attention layer cut to the kept entries, keys re-rotated from
+    position p to slot s by Zamba 2's own `apply_rotary_pos_emb`, the Mamba state left as it is."""
+    import importlib
+
+    n, budget = 120, 32
+    model, ids = model_of("zamba2"), prompt(n)
+    method = configured("streamingllm")
+    seen = {}
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, method, capture, ids, budget, 2, eos_ids=set(), positions="shift",
+                       on_logits=lambda t, logits: seen.setdefault(t, logits.clone()))
+    keep = torch.cat([torch.arange(method.n_sink), torch.arange(n - (budget - method.n_sink), n)])
+    apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+    reference = reference_cache(model, ids)
+    with torch.no_grad():
+        cos, sin = model.base_model.rotary_emb(reference.layers[1].values, (torch.arange(budget) - keep)[None])
+        for i in attention_layers(reference):
+            layer = reference.layers[i]
+            k, v = layer.keys[:, :, keep], layer.values[:, :, keep]
+            layer.keys, layer.values = apply_rope(k, k, cos, sin)[0], v
+        expected = model(torch.tensor([gen.token_ids[:1]]), past_key_values=reference,
+                         position_ids=torch.tensor([[budget]])).logits[:, -1]
+    torch.testing.assert_close(seen[1], expected, rtol=1e-4, atol=1e-4)
