@@ -77,8 +77,8 @@ class Adapter:
     numbered_by_layer: bool = False  # Zamba / Zamba 2: each hybrid layer's attention block is built without its
     # index (layer_idx None / -1; the forward is handed it): numbered by the decoder layer holding it, set on the
     # block while a capture is attached
-    query_predictable: bool = True  # False: a layer's queries also read a recurrent state (ZAYA's convolution over
-    # past tokens), so no other layer's input predicts them (TailorKV's q-hat is refused)
+    query_predictable: bool = True  # False: no other layer's input predicts a layer's queries (ZAYA's also read a
+    # convolution over past tokens; Zamba's join the embeddings, with a LoRA per use): TailorKV's q-hat is refused
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:

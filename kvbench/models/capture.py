@@ -257,7 +257,7 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
-        if not self.adapter.query_predictable:  # (ZAYA: its queries also read a conv state)
+        if not self.adapter.query_predictable:  # (ZAYA, Zamba: `Adapter.query_predictable`)
             return False
         if layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
             return False
@@ -274,9 +274,9 @@ class AttentionCapture:
         previous layer's post-norm input (residual streams change slowly)."""
         module = self.attention_modules[layer_idx]
         if not self.adapter.query_predictable:
-            raise NotImplementedError(f"capture: {self.adapter.family}'s queries also read a recurrent state (a "
-                                      "convolution over past tokens), so no predicted query (TailorKV's q-hat) is "
-                                      "available; use method.channel_query=current, or another method")
+            raise NotImplementedError(f"capture: {self.adapter.family}'s queries cannot be predicted from another "
+                                      "layer's input (ZAYA's read a conv state, Zamba's join the embeddings), so no "
+                                      "q-hat is available; use method.channel_query=current, or another method")
         if self.adapter.generic:
             return self._predict_generic(layer_idx, module, hidden, position_embeddings)
         if layer_idx not in self._placement:

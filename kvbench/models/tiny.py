@@ -9,7 +9,10 @@ wide, wider than a head's 16-wide key, so scores cannot silently mix the two up)
 
 Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
-of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is cut to those layers.
+of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is
+cut to those layers. A config those rules cannot size (nested sub-configs, per-layer head counts, rope keyed by
+layer type, a multimodal model's towers) gets its fields by hand in `TYPE_FIELDS`; hybrids are sized in
+`HYBRID_TINY`.
 """
 from __future__ import annotations
 
@@ -88,9 +91,10 @@ HYBRID_TINY = {
                  layers=4),  # (a window of 64 bites in the tests' 120-token prompts)
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
                      head_dim=None),
+    # ZAYA: CCA attention in every layer (q/k mix a conv state, values a delayed one, beside K/V), all global as its
+    # default; top-1 routing (the only one it supports)
     "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
-                 router_hidden_size=16, layers=2),  # (every layer: CCA
-    # attention whose q/k mix a conv state and whose values a delayed one, beside K/V; all global, as its default)
+                 router_hidden_size=16, layers=2),
     "zamba": dict(layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], n_mamba_heads=2,
                   mamba_d_state=8, mamba_expand=1, mamba_dt_rank=8, num_key_value_heads=4, head_dim=None, layers=4),
     "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1, mamba_d_state=8,
