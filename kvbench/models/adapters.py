@@ -74,6 +74,11 @@ class Adapter:
     nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
     query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
     chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
+    numbered_by_layer: bool = False  # Zamba / Zamba 2: each hybrid layer's attention block is built without its
+    # index (layer_idx None / -1; the forward is handed it): numbered by the decoder layer holding it, set on the
+    # block while a capture is attached
+    query_predictable: bool = True  # False: no other layer's input predicts a layer's queries (ZAYA's also read a
+    # convolution over past tokens; Zamba's join the embeddings, with a LoRA per use): TailorKV's q-hat is refused
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -83,9 +88,19 @@ class Adapter:
         """{cache slot: attention module} of this family's attention class (vision towers etc. are skipped): a
         module's slot is its rank in layer order, its layer index unless a hybrid's other layers come between
         (`KVCache.slot_of`)."""
+        return {slot: m for slot, (_, m) in enumerate(self._numbered(model))}
+
+    def layer_numbers(self, model: torch.nn.Module) -> dict[int, int]:
+        """{cache slot: model layer index} of the attention modules (their own `layer_idx` unless
+        `numbered_by_layer`)."""
+        return {slot: layer for slot, (layer, _) in enumerate(self._numbered(model))}
+
+    def _numbered(self, model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
         cls = self.attention_class()
-        found = sorted((m for m in model.modules() if isinstance(m, cls)), key=lambda m: m.layer_idx)
-        return dict(enumerate(found))
+        if self.numbered_by_layer:
+            return [(i, m) for i, layer in enumerate(model.base_model.layers) for m in layer.modules()
+                    if isinstance(m, cls)]
+        return sorted(((m.layer_idx, m) for m in model.modules() if isinstance(m, cls)), key=lambda p: p[0])
 
     def output_weight(self, module: torch.nn.Module) -> Tensor:
         """The attention's output projection as `[hidden, H_q * D]` (nn.Linear's layout: column block h is query
@@ -211,6 +226,10 @@ class Adapter:
         rotary = getattr(model.base_model, self.rotary, None)
         if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0:
             raise ValueError(f"positions=shift needs plain rotary embeddings; {self.family} has scaled or no RoPE")
+        if not hasattr(rotary, self.rotary_inv_freq):  # (ZAYA: frequencies per layer type, `hybrid_inv_freq`)
+            raise ValueError(f"positions=shift: {self.family}'s rotary embedding has no single "
+                             f"`{self.rotary_inv_freq}` (its frequencies are kept per layer type); use "
+                             "positions=original")
         return getattr(rotary, self.rotary_inv_freq)
 
 
@@ -278,6 +297,13 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
                output="out_proj"),
     _interface("lfm2_moe", ["lfm2_moe"], "lfm2_moe.modeling_lfm2_moe", "Lfm2MoeAttention",
                query_norm="q_layernorm", output="out_proj"),
+    _interface("lfm3", ["lfm3"], "lfm3.modeling_lfm3", "Lfm3Attention", query_norm="q_norm",
+               has_window_layers=True),  # (its output gate acts after attention: no effect on what is cached)
+    _interface("zaya", ["zaya"], "zaya.modeling_zaya", "ZayaAttention", query="qkv_proj", query_predictable=False),
+    _interface("zamba", ["zamba"], "zamba.modeling_zamba", "ZambaAttention", numbered_by_layer=True,
+               positions="none", query_predictable=False),  # (NoPE; its attention input joins the embeddings)
+    _interface("zamba2", ["zamba2"], "zamba2.modeling_zamba2", "Zamba2Attention", numbered_by_layer=True,
+               query_predictable=False),  # (its attention input joins the embeddings; a LoRA per use of the block)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )
@@ -313,8 +339,9 @@ def _generic(model_type: str | None, config) -> Adapter:
     """A type without a hand-written row: its composite wrapper's text decoder, a refusal naming its group, or the
     generic path's adapter (`kvbench.models.generic`)."""
     from kvbench.models.generic import causal_lm_types, config_object, generic_fields, generic_refusal, text_config
-    from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, group_refusal
+    from kvbench.models.groups import COMPOSITE, NO_KV, NOT_DECODER_LM, TEXT_CONFIG_TYPES, group_refusal
 
+    model_type = TEXT_CONFIG_TYPES.get(model_type, model_type)  # (Emu3ForCausalLM's config is emu3_text_model)
     if model_type in COMPOSITE:  # a vision-language checkpoint: kvbench runs its text decoder
         text = text_config(config if hasattr(config, "to_dict") else config_object(model_type, config))
         return check_config(text.model_type, False, text)

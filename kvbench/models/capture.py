@@ -116,7 +116,8 @@ class AttentionCapture:
         self._original: str | None = None
         self.adapter = adapter_for(model)
         self.attention_modules = self.adapter.attention_modules(model)  # by cache slot (`KVCache.slot_of`)
-        self.slots = {m.layer_idx: slot for slot, m in self.attention_modules.items()}  # model layer -> slot
+        self.slots = {layer: slot for slot, layer in self.adapter.layer_numbers(model).items()}  # model layer -> slot
+        self._numbers = {slot: m.layer_idx for slot, m in self.attention_modules.items()}  # (restored on exit)
         self.window_layers = frozenset(self.slots[i] for i in self.adapter.window_layers(model.config)
                                        if i in self.slots)  # methods leave these layers as they are
         self.hybrid = is_hybrid(model.config.get_text_config(), len(self.attention_modules))  # (`cache.hybrid`)
@@ -168,6 +169,8 @@ class AttentionCapture:
         AttentionMaskInterface.register(self.name, mask_fn)
         if self.adapter.replaces is None:  # the interface routes attention: point this model at the wrapper
             self.model.set_attn_implementation(self.name)
+        for layer, slot in self.slots.items():  # (Zamba's blocks get their layer's number while attached)
+            self.attention_modules[slot].layer_idx = layer
         for module in self.attention_modules.values():
             self._handles.append(module.register_forward_pre_hook(self._before_attention, with_kwargs=True))
             if self.adapter.replaces is not None:  # attention that bypasses the interface: this instance only
@@ -187,7 +190,8 @@ class AttentionCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self.attention_modules.values():
+        for slot, module in self.attention_modules.items():
+            module.layer_idx = self._numbers[slot]
             if self.adapter.replaces is not None:
                 module.__dict__.pop(self.adapter.replaces[0], None)  # back to the class' own method
         for module in self._lean_mlps:
@@ -253,6 +257,8 @@ class AttentionCapture:
         """Whether `predict_query(layer_idx, ...)` is exact up to the input: the layer before feeds the same position
         encoding (Gemma 3's window and global layers rotate with different frequencies)."""
         types = getattr(self.model.config, "layer_types", None)
+        if not self.adapter.query_predictable:  # (ZAYA, Zamba: `Adapter.query_predictable`)
+            return False
         if layer_idx not in self.attention_modules or layer_idx - 1 not in self.attention_modules:
             return False
         if self.adapter.generic and not (self.query_forms.get(layer_idx) and self.query_forms.get(layer_idx - 1)):
@@ -267,6 +273,10 @@ class AttentionCapture:
         encoding applied to another layer's input `[B, 1, hidden]`: `[B, H_q, 1, D]`. TailorKV feeds it the
         previous layer's post-norm input (residual streams change slowly)."""
         module = self.attention_modules[layer_idx]
+        if not self.adapter.query_predictable:
+            raise NotImplementedError(f"capture: {self.adapter.family}'s queries cannot be predicted from another "
+                                      "layer's input (ZAYA's read a conv state, Zamba's join the embeddings), so no "
+                                      "q-hat is available; use method.channel_query=current, or another method")
         if self.adapter.generic:
             return self._predict_generic(layer_idx, module, hidden, position_embeddings)
         if layer_idx not in self._placement:

@@ -28,6 +28,8 @@ NOT_DECODER_LM = frozenset({
 # decoder of its own
 COMPOSITE = frozenset({"gemma3", "gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "llama4",
                        "mistral3", "dots3_note", "gemma3n"})
+# text configs transformers does not register, by the decoder type whose causal-LM class is built from them
+TEXT_CONFIG_TYPES = {"emu3_text_model": "emu3"}
 
 HYBRID = frozenset({
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "lfm2",
@@ -35,8 +37,6 @@ HYBRID = frozenset({
     "inkling_text", "inkling2_text", "zaya", "recurrent_gemma", "qwen4_exp_text"})
 # the hybrids kvbench runs have a row in adapters.HYBRID_ADAPTERS (checked before this table); the others, and why
 HYBRID_REASONS = {
-    "zamba": "one attention block is shared across layers (layer_idx None): no per-layer cache slot to compress",
-    "zamba2": "its attention blocks are shared across layers (layer_idx -1, a LoRA per use): no per-layer cache slot",
     "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
     "kimi_linear": "its attention layers are MLA inside a hybrid (KDA linear layers beside latent caches), a "
                    "combination kvbench has not checked yet",
@@ -46,10 +46,6 @@ HYBRID_REASONS = {
                     "scoring and decode attention do not reproduce",
     "inkling2_text": "its attention adds a hidden-state-conditioned relative logit bias and learned sinks that "
                      "kvbench's scoring and decode attention do not reproduce",
-    "zaya": "its compressed convolutional attention mixes a conv state into q/k in every layer; not checked by "
-            "kvbench yet (tests/unit/test_hybrid.py)",
-    "lfm3": "its short-conv layers beside sliding-window and global attention are not checked by kvbench yet "
-            "(tests/unit/test_hybrid.py)",
     "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
 }
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",

@@ -9,7 +9,10 @@ wide, wider than a head's 16-wide key, so scores cannot silently mix the two up)
 
 Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
-of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is cut to those layers.
+of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is
+cut to those layers. A config those rules cannot size (nested sub-configs, per-layer head counts, rope keyed by
+layer type, a multimodal model's towers) gets its fields by hand in `TYPE_FIELDS`; hybrids are sized in
+`HYBRID_TINY`.
 """
 from __future__ import annotations
 
@@ -84,8 +87,22 @@ HYBRID_TINY = {
                              num_experts_per_tok=2, shared_intermediate_size=64, head_dim=None),
     "falcon_h1": dict(mamba_d_ssm=64, **_MAMBA2, layers=2),
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, head_dim=None),
+    "lfm3": dict(layer_types=["conv", "sliding_attention", "full_attention", "conv"], conv_L_cache=3, sliding_window=64,
+                 layers=4),  # (a window of 64 bites in the tests' 120-token prompts)
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1, **_MOE,
                      head_dim=None),
+    # ZAYA: CCA attention in every layer (q/k mix a conv state, values a delayed one, beside K/V), all global as its
+    # default; top-1 routing (the only one it supports)
+    "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
+                 router_hidden_size=16, layers=2),
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], n_mamba_heads=2,
+                  mamba_d_state=8, mamba_expand=1, mamba_dt_rank=8, num_key_value_heads=4, head_dim=None, layers=4),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1, mamba_d_state=8,
+                   n_mamba_heads=4, mamba_expand=1, mamba_ngroups=1, chunk_size=16,
+                   use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, num_key_value_heads=4,
+                   head_dim=None, layers=4),
+    # (Zamba / Zamba 2: an attention block per hybrid layer without its index, tied across layers in a checkpoint;
+    # Zamba 2 with rotary and a LoRA per use)
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }
@@ -111,6 +128,23 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
              qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0)
 WINDOW = 8  # sliding window / attention chunk of the tiny models where layers mix window and global attention
+# Types whose config the generic shrinking cannot size (nested sub-configs, fields left None, per-layer head counts,
+# rope parameters keyed by layer type): their fields, given by hand and applied last.
+_ROPE = dict(rope_type="default", rope_theta=10000.0)
+TYPE_FIELDS = {
+    "dbrx": dict(d_model=64, n_heads=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # (as
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),  # DBRX on the Hub)
+    "dots1": dict(n_shared_experts=1),
+    "phi4_multimodal": dict(  # (its own causal LM holds the vision and audio towers: shrunk so it builds in ~1 s)
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, crop_size=28, patch_size=14),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
+    "laguna": dict(num_attention_heads_per_layer=[4, 8]),  # (real checkpoints vary the query heads by layer)
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,  # (North:
+                                rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),  # rotary
+                                                     full_attention=None)),  # window layers, NoPE global ones)
+}
 
 
 def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int = 4096,
@@ -152,6 +186,7 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
             value = value if value is None or isinstance(value, int) and value < vocab_size else 0
         fields[key] = value
     fields = {k: v for k, v in fields.items() if k in known or k in ("num_hidden_layers", "vocab_size")}
+    fields.update(TYPE_FIELDS.get(model_type, {}))
     return cls(**fields)
 
 
@@ -167,7 +202,11 @@ def tiny_random_model(family: str, vocab_size: int = 256, layers: int = 2, seed:
         config = tiny_config(family, vocab_size, layers, **config)
     else:  # any other model type (random:<model_type>), runnable by kvbench or not (the loader refuses those)
         config = tiny_type_config(family, vocab_size, **config)
-    if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]), "_supports_sdpa", True):
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+    causal_lm = getattr(transformers, name)  # (Emu3: its text config's type is not registered, the composite's is)
+    if not getattr(causal_lm, "_supports_sdpa", True):
         attn = "eager"  # (Gemma 2, GPT-J, MPT, gpt-oss: transformers refuses sdpa for them)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    return causal_lm._from_config(config, dtype=dtype, attn_implementation=attn).eval()

@@ -1,8 +1,9 @@
 """The command line on `model.path=random:<model_type>` (issue 43's flagship types): snapkv, adakv, h2o, tailorkv and
 full run and write records on Qwen3-MoE, Gemma 4 and Llama 4 (generic path: plain, window layers, chunked + NoPE),
-gpt-oss (learned sinks) and DeepSeek-V3 (MLA latent); Zamba 2 (a hybrid kvbench does not run), a method an MLA cache
-cannot honour and DeepSeek-V3.2's sparse indexer are refused in one line before any weights load, naming their group
-(Qwen3.5 and Jamba run: tests/unit/test_hybrid.py)."""
+gpt-oss (learned sinks) and DeepSeek-V3 (MLA latent), and snapkv on Zamba 2 (a hybrid whose attention blocks carry no
+layer index); MiniMax (a hybrid kvbench does not run), a method an MLA cache cannot honour and DeepSeek-V3.2's sparse
+indexer are refused in one line before any weights load, naming their group (Qwen3.5 and Jamba run:
+tests/unit/test_hybrid.py)."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,8 @@ METHODS = {"full": ["method=full"], "snapkv": ["method=snapkv", "method.window=8
 
 @pytest.mark.parametrize("model_type,names", [("qwen3_moe", list(METHODS)), ("gemma4_text", ["snapkv", "tailorkv"]),
                                               ("llama4_text", ["adakv", "tailorkv"]),
-                                              ("gpt_oss", ["adakv", "tailorkv"]), ("deepseek_v3", ["snapkv", "h2o"])])
+                                              ("gpt_oss", ["adakv", "tailorkv"]), ("deepseek_v3", ["snapkv", "h2o"]),
+                                              ("zamba2", ["snapkv"])])
 def test_methods_run_from_the_command_line(model_type, names, tmp_path):
     """(A run costs ~10 s of set-up here: the five methods on one type, two on each of the others.)"""
     for method in (METHODS[name] for name in names):
@@ -32,7 +34,7 @@ def test_methods_run_from_the_command_line(model_type, names, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,method,group", [
-    ("zamba2", "snapkv", "hybrid:"),
+    ("minimax", "snapkv", "hybrid: it needs its own MiniMaxCache"),
     ("deepseek_v32", "snapkv", "MLA: its sparse-attention indexer"),
     ("deepseek_v3", "tailorkv", "MLA: method=tailorkv keeps the cache in layers of its own")])
 def test_other_groups_are_refused_in_one_line(model_type, method, group, tmp_path):

@@ -56,19 +56,25 @@ def attention_layers(cache: DynamicCache) -> list[int]:
 def masked_step(model, ids, token, kept: dict[int, list[torch.Tensor] | None]):
     """One decode step at position N on transformers' uncompressed cache, each attention layer through the model's
     own eager attention function with every query head restricted to `kept[model layer][stored head]` (None: all)
-    plus the new token."""
+    plus the new token, and in a sliding-window layer (LFM3) to the window its config gives (the bias replaces the
+    model's own mask)."""
     reference = reference_cache(model, ids)
     own = adapter_for(model).eager_function()
     n_heads = model.config.num_attention_heads
+    modules, numbers = adapter_for(model).attention_modules(model), adapter_for(model).layer_numbers(model)
+    layer_of = {id(modules[slot]): layer for slot, layer in numbers.items()}  # (Zamba's blocks: layer_idx None / -1)
 
     def masked(module, q, k, v, mask, **kw):
-        per_head = kept[module.layer_idx]
-        allowed = torch.ones(n_heads, k.shape[2], dtype=torch.bool)
+        per_head = kept[layer_of[id(module)]]
+        allowed = torch.ones(n_heads, N + 1, dtype=torch.bool)  # over positions 0..N
         if per_head is not None:
             allowed[:] = False
             for hq in range(n_heads):
                 allowed[hq, per_head[hq * len(per_head) // n_heads]] = True
             allowed[:, -1] = True
+        if (getattr(model.config, "layer_types", None) or [None] * 99)[layer_of[id(module)]] == "sliding_attention":
+            allowed &= torch.arange(N + 1) > N - model.config.sliding_window  # visible while N - p < window
+        allowed = allowed[:, N + 1 - k.shape[2]:]  # (transformers' sliding layer holds the last window positions)
         bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, :, None]
         return own(module, q, k, v, bias, **kw)
 
@@ -213,8 +219,6 @@ def test_beam_search_carries_the_state_with_its_beams():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("zamba2", "'zamba2' is not supported yet: hybrid: its attention blocks are shared across layers"),
-    ("zamba", "'zamba' is not supported yet: hybrid: one attention block is shared across layers"),
     ("minimax", "'minimax' is not supported yet: hybrid: it needs its own MiniMaxCache"),
     ("kimi_linear", "'kimi_linear' is not supported yet: hybrid: its attention layers are MLA"),
     ("recurrent_gemma", "hybrid: it keeps its cache inside the model"),
@@ -224,6 +228,17 @@ def test_hybrids_that_cannot_run_are_refused_in_one_line(model_type, reason):
     with pytest.raises(ValueError, match=reason) as err:
         check_config(model_type)
     assert "\n" not in str(err.value)
+
+
+def test_hybrid_with_rotary_per_layer_type_refuses_position_shift():
+    """ZAYA keeps its rotary frequencies per layer type (`hybrid_inv_freq`): refused in one line, not an AttributeError
+    (LFM3's sliding/global mix is refused as a window mix)."""
+    for model_type, reason in (("zaya", "kept per layer type"), ("lfm3", "mixes sliding-window and global")):
+        model, ids = model_of(model_type), prompt(40)
+        with AttentionCapture(model) as capture, pytest.raises(ValueError, match=f"positions=shift: .*{reason}") as err:
+            generate(model, None, configured("streamingllm"), capture, ids, BUDGET, 2, eos_ids=set(),
+                     positions="shift")
+        assert "\n" not in str(err.value)
 
 
 def test_nope_hybrid_refuses_position_shift():
@@ -260,7 +275,8 @@ def test_cli_runs_a_hybrid_and_batch_four_gives_batch_one_records(tmp_path):
 def test_predicted_query_is_the_attention_layers_own_query(model_type):
     """TailorKV's q̂ on a hybrid: the adapter's projection (the query half of Qwen3.5's gated `q_proj`, OLMo-hybrid's
     whole-projection norm, LFM2's `q_layernorm`, NoPE or partial rotary) of the attention layer's decode input equals
-    the query the attention module itself forms from it."""
+    the query the attention module itself forms from it; ZAYA's queries also read a conv state, so it refuses in one
+    line (and can_predict says no, so TailorKV takes each layer's own query)."""
     from tests.unit.tiny import attention_function
 
     model, ids = model_of(model_type), prompt(40)
@@ -272,6 +288,12 @@ def test_predicted_query_is_the_attention_layers_own_query(model_type):
             model(ids, past_key_values=cache, use_cache=True)
             model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[40]]), use_cache=True)
         hidden, pos = seen[0]
+        if not capture.adapter.query_predictable:
+            assert not capture.can_predict(1)
+            with pytest.raises(NotImplementedError, match="channel_query=current") as err:
+                capture.predict_query(0, hidden, pos)
+            assert "\n" not in str(err.value)
+            return
         predicted = capture.predict_query(0, hidden, pos)
         attn = capture.attention_modules[0]
     grabbed = {}
@@ -283,3 +305,30 @@ def test_predicted_query_is_the_attention_layers_own_query(model_type):
     with attention_function(model, grab):
         attn(hidden_states=hidden, position_embeddings=pos, attention_mask=None)
     torch.testing.assert_close(predicted, grabbed["q"])
+
+
+def test_position_shift_on_zamba2_equals_its_own_rope():
+    """StreamingLLM with positions=shift on Zamba 2 (rotary attention blocks numbered by layer): the next step equals
+    transformers' own cache after the prompt with each attention layer cut to the kept entries, keys re-rotated from
+    position p to slot s by Zamba 2's own `apply_rotary_pos_emb`, the Mamba state left as it is."""
+    import importlib
+
+    n, budget = 120, 32
+    model, ids = model_of("zamba2"), prompt(n)
+    method = configured("streamingllm")
+    seen = {}
+    with AttentionCapture(model) as capture:
+        gen = generate(model, None, method, capture, ids, budget, 2, eos_ids=set(), positions="shift",
+                       on_logits=lambda t, logits: seen.setdefault(t, logits.clone()))
+    keep = torch.cat([torch.arange(method.n_sink), torch.arange(n - (budget - method.n_sink), n)])
+    apply_rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+    reference = reference_cache(model, ids)
+    with torch.no_grad():
+        cos, sin = model.base_model.rotary_emb(reference.layers[1].values, (torch.arange(budget) - keep)[None])
+        for i in attention_layers(reference):
+            layer = reference.layers[i]
+            k, v = layer.keys[:, :, keep], layer.values[:, :, keep]
+            layer.keys, layer.values = apply_rope(k, k, cos, sin)[0], v
+        expected = model(torch.tensor([gen.token_ids[:1]]), past_key_values=reference,
+                         position_ids=torch.tensor([[budget]])).logits[:, -1]
+    torch.testing.assert_close(seen[1], expected, rtol=1e-4, atol=1e-4)
