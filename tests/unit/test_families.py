@@ -87,6 +87,7 @@ def configured(name: str):
 
 
 RETRIEVING = (OffloadedLayer, PagedLayer, PQOffloadedLayer)  # what they attend is chosen at each step
+EVERY_TOKEN = ("minicache", "gear", "kvquant")  # store every prompt token, in fewer bytes (as configured())
 
 
 def attended_positions(layer) -> list[torch.Tensor]:
@@ -241,7 +242,7 @@ def check_contract(family: str, name: str):
         return
     compressed = [i for i in range(LAYERS) if i not in window_layers
                   and not (name == "quest" and i < method.dense_layers)  # (Quest's dense layers attend all)
-                  and name not in ("minicache", "gear", "kvquant")]  # (they store every token, in fewer bytes)
+                  and name not in EVERY_TOKEN]  # (they store every token, in fewer bytes)
     for i in compressed:  # every non-window layer really shrank; window layers kept the whole prompt
         assert max(len(p) for p in kept[i]) < N
     for i in window_layers:  # only what the next token can see: the last window - 1 prompt positions

@@ -31,6 +31,7 @@ from kvbench.registry import METHODS
 from kvbench.cache.offloaded import OffloadedLayer
 from kvbench.cache.paged import PagedLayer
 from kvbench.cache.pq_offloaded import PQOffloadedLayer
+from kvbench.cache.quantized import QuantizedLayer
 from tests.unit.test_families import RETRIEVING, attended_positions, configured
 from tests.unit.tiny import attention_function, prompt
 
@@ -107,7 +108,8 @@ def first_step(model, method, ids, budget: int = BUDGET) -> tuple[torch.Tensor, 
     def on_logits(t, logits):
         if t == 0:  # (no cache handed to the capture: nothing compressed, every position kept)
             layers = capture.cache.layers if capture.cache is not None else [None] * model.config.num_hidden_layers
-            seen["kept"] = [None if layer is None or isinstance(layer, RETRIEVING) else attended_positions(layer)
+            seen["kept"] = [None if layer is None or isinstance(layer, (*RETRIEVING, QuantizedLayer))  # (KIVI: all)
+                            else attended_positions(layer)
                             for layer in layers]
             for layer in layers:
                 if isinstance(layer, RETRIEVING):
@@ -177,6 +179,11 @@ def window_layers(model) -> frozenset[int]:
 
 def check_contract(model_type: str, name: str) -> None:
     method = configured(name)
+    if name == "gear":  # full rank for every layer's head size (Gemma 4's global layers are wider): exact read-back
+        from kvbench.models.adapters import adapter_for
+
+        model = model_of(model_type)
+        method.rank = max(m.head_dim for m in adapter_for(model).attention_modules(model).values())
     retrieving = name in ("quest", "pqcache", "tailorkv")  # configured() sizes them for test_families.py's prompt
     model, ids = model_of(model_type), prompt(120 if retrieving else N)
     logits, kept, layers, gen = first_step(model, method, ids, 32 if retrieving else BUDGET)
@@ -203,7 +210,7 @@ def test_generic_type_keeps_the_contract(model_type):
         check_contract(model_type, name)
 
 
-NEEDS_ROTARY = ("expected_attention", "cap", "duo_attention", "lukv")  # rotate queries with the layer's rotary
+NEEDS_ROTARY = ("expected_attention", "cap", "duo_attention", "lukv", "kvquant")  # read the layer's rotary
 
 
 @pytest.mark.parametrize("name", METHODS.names())

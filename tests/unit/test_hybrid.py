@@ -25,7 +25,8 @@ from kvbench.models.adapters import adapter_for, check_config
 from kvbench.models.loader import RANDOM_HYBRIDS
 from kvbench.models.tiny import tiny_random_model
 from kvbench.registry import METHODS
-from tests.unit.test_families import RETRIEVING, attended_positions, configured
+from kvbench.cache.quantized import QuantizedLayer
+from tests.unit.test_families import EVERY_TOKEN, RETRIEVING, attended_positions, configured
 from tests.unit.tiny import prompt
 
 N, BUDGET = 120, 32
@@ -94,7 +95,8 @@ def check_contract(model_type: str, name: str) -> None:
             layers = capture.cache.layers if capture.cache is not None else None
             seen["layers"] = layers
             seen["kept"] = None if layers is None else [
-                None if isinstance(layer, RETRIEVING) else attended_positions(layer) for layer in layers]
+                None if isinstance(layer, (*RETRIEVING, QuantizedLayer)) else attended_positions(layer)
+                for layer in layers]  # (KIVI: every position)
             for layer in layers or []:
                 if isinstance(layer, RETRIEVING):
                     layer.selections = []
@@ -113,7 +115,11 @@ def check_contract(model_type: str, name: str) -> None:
     if name == "full":
         assert gen.kv_bytes == gen.full_kv_bytes
         return
-    compressed = [s for s in range(len(attn)) if not (name == "quest" and s < method.dense_layers)]
+    if name == "kivi":  # every token kept (all in the full-precision residual, as configured()), in its own layers
+        assert all(isinstance(layer, QuantizedLayer) for layer in seen["layers"])
+        return
+    compressed = [s for s in range(len(attn)) if not (name == "quest" and s < method.dense_layers)
+                  and name not in EVERY_TOKEN]  # (they store every token, in fewer bytes)
     for slot in compressed:  # every attention layer really shrank
         assert max(len(p) for p in kept_by_slot[slot]) < N
     if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
