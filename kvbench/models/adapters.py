@@ -74,6 +74,8 @@ class Adapter:
     nope_layers: bool = False  # some layers have no rotary (SmolLM3, Llama 4, EXAONE 4): positions=shift refused
     query_temperature: bool = False  # queries scaled by a position-dependent factor (Llama 4, Ministral 3)
     chunked_layers: bool = False  # chunked attention (Llama 4): a query sees only its own chunk
+    indexed_layers: bool = False  # DSA (DeepSeek-V3.2): an indexer picks each query's top-k keys
+    # (`mla.with_sparse_indices`)
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:

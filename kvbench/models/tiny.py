@@ -109,7 +109,8 @@ def hybrid_config(model_type: str, common: dict):
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-             qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0)
+             qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0,
+             index_topk=8, index_head_dim=16, index_n_heads=8)
 WINDOW = 8  # sliding window / attention chunk of the tiny models where layers mix window and global attention
 
 
