@@ -242,6 +242,21 @@ def test_generic_type_keeps_the_contract(model_type):
         check_contract(model_type, name)
 
 
+def test_dsa_with_sinks_and_an_indexer_in_every_layer_keeps_the_contract():
+    """Hunyuan-V4 (MLA + DSA indexer + learned sinks) is refused by default for its "shared" indexer layers; with an
+    indexer in every layer it runs the cheap set like the other DSA types."""
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.models.tiny import tiny_type_config
+
+    config = tiny_type_config("hy_v4")
+    config.indexer_types = ["full"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    _models["hy_v4 (full indexers)"] = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    for name in CHEAP:
+        check_contract("hy_v4 (full indexers)", name)
+
+
 NEEDS_ROTARY = ("expected_attention", "cap", "duo_attention", "lukv")  # rotate queries with the layer's rotary
 
 
