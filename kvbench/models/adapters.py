@@ -248,6 +248,8 @@ ADAPTERS: tuple[Adapter, ...] = (
                softcap=True, mlp="Gemma2MLP"),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),
+    _interface("codegen", ["codegen"], "codegen.modeling_codegen", "CodeGenAttention", rotary_layout="interleaved",
+               replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),  # (GPT-J's attention core)
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",
                query_layout="split", replaces=("forward", falcon_attention_forward), output="dense",
                refuse=lambda c: "ALiBi Falcon (alibi: true, falcon-rw) has no kvbench attention path yet"
