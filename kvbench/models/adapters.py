@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvbench.models.alibi import mpt_attention_forward
+from kvbench.models.alibi import bloom_attention_forward, mpt_attention_forward
 from kvbench.models.falcon import falcon_attention_forward, falcon_query
 from kvbench.models.gptj import gptj_attention_core
 from kvbench.models.mla import is_latent
@@ -248,6 +248,9 @@ ADAPTERS: tuple[Adapter, ...] = (
                softcap=True, mlp="Gemma2MLP"),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),
+    _interface("bloom", ["bloom"], "bloom.modeling_bloom", "BloomAttention", query="query_key_value",
+               query_layout="per_head", positions="alibi", replaces=("forward", bloom_attention_forward), sdpa=False,
+               output="dense"),
     _interface("codegen", ["codegen"], "codegen.modeling_codegen", "CodeGenAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),  # (GPT-J's attention core)
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",

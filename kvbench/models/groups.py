@@ -75,7 +75,7 @@ NO_KV = {
     "gemma4_unified_assistant": "a drafter head with no KV of its own (it reads its target model's cache)",
 }
 
-OWN_ATTENTION = frozenset({"bloom", "cpmant", "gpt_neo", "gpt_neox_japanese", "xglm"})  # (codegen: a hand-written row)
+OWN_ATTENTION = frozenset({"cpmant", "gpt_neo", "gpt_neox_japanese", "xglm"})  # (bloom, codegen: hand-written rows)
 
 ODD = {  # attention through the interface, but not one call per layer over the cache it fills
     "gemma3n_text": "layers share KV across layers (the last layers reuse an earlier layer's cache); the "
