@@ -39,3 +39,14 @@ def test_other_groups_are_refused_in_one_line(model_type, method, group, tmp_pat
     line = refusal("model=hf", f"model.path=random:{model_type}", "model.name=tiny", f"method={method}",
                    *NIAH, results=tmp_path / "results")
     assert group in line
+
+
+@pytest.mark.parametrize("method,extra,words", [
+    ("snapkv", "batch_size=2", "batch_size=2: deepseek_v32 decodes at batch_size=1 only"),
+    ("h2o", "query=agnostic", "query=agnostic: deepseek_v32 has a DSA sparse-attention indexer")])
+def test_dsa_batching_and_fed_tokens_are_refused_in_one_line(method, extra, words, tmp_path):
+    """DeepSeek-V3.2 runs at batch_size=1 over a prompt prefilled whole (tests/unit/test_generic_types.py); one
+    indexer call ranks one cache, and kvbench's chunk attention over fed tokens does not apply its top-k."""
+    line = refusal("model=hf", "model.path=random:deepseek_v32", "model.name=tiny", f"method={method}", extra,
+                   *NIAH, results=tmp_path / "results")
+    assert words in line
