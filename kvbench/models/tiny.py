@@ -10,6 +10,9 @@ wide, wider than a head's 16-wide key, so scores cannot silently mix the two up)
 Any other model type of the installed transformers (`random:<model_type>`) is built from transformers' own config class
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
 of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is cut to those layers.
+A DSA indexer keeps its top 8 keys (so over a 24-token prompt it really chooses) with 8 heads: its score is a weighted
+sum of ReLU'd head scores, exactly 0 for a key every head scores below 0, and with 2 heads such ties fell at the top-k
+cut, where the model's own choice among tied keys is arbitrary.
 """
 from __future__ import annotations
 
