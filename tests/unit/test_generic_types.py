@@ -177,7 +177,7 @@ def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
             mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask
         return own(module, q, k, v, extra if mask is None else mask + extra, **kw)
 
-    indexed = [m for m in model.modules() if hasattr(m, "indexer") and hasattr(m, "layer_idx")]
+    indexed = [m for m in model.modules() if getattr(m, "indexer", None) is not None and hasattr(m, "layer_idx")]
 
     def kept_only(module, args, kwargs):  # a DSA layer's indexer, too, ranks only the kept entries (and the new one)
         mask = kwargs["attention_mask"]  # (None under a test attention function: no mask function registered)
