@@ -250,9 +250,11 @@ class BatchedDecoder:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if capture is not None and batch_size > 1:
             family = capture.adapter.family
-            if capture.adapter.replaces is not None or capture.window_layers:  # their masks/attention bypass us
+            indexed = any(getattr(m, "indexer", None) is not None for m in capture.attention_modules.values())
+            if capture.adapter.replaces is not None or capture.window_layers or indexed:  # masks/attention bypass us
                 raise ValueError(f"batch_size={batch_size}: {family} (attention outside transformers' "
-                                 "AttentionInterface, or sliding-window layers) decodes at batch_size=1 only")
+                                 "AttentionInterface, sliding-window layers, or a DSA sparse-attention indexer whose "
+                                 "top-k is one call over one cache) decodes at batch_size=1 only")
         self.model, self.tokenizer, self.capture, self.batch_size = model, tokenizer, capture, batch_size
         self.decoding = Decoding(method, sampling, positions, compress_after, recompress)
         self.eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else set(eos_ids)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvbench.models.alibi import mpt_attention_forward
+from kvbench.models.alibi import bloom_attention_forward, mpt_attention_forward
 from kvbench.models.falcon import falcon_attention_forward, falcon_query
 from kvbench.models.gptj import gptj_attention_core
 from kvbench.models.mla import is_latent
@@ -79,6 +79,8 @@ class Adapter:
     # block while a capture is attached
     query_predictable: bool = True  # False: no other layer's input predicts a layer's queries (ZAYA's also read a
     # convolution over past tokens; Zamba's join the embeddings, with a LoRA per use): TailorKV's q-hat is refused
+    indexed_layers: bool = False  # DSA (DeepSeek-V3.2): an indexer picks each query's top-k keys
+    # (`mla.with_sparse_indices`)
 
     # --- finding attention ------------------------------------------------------------------------------------
     def attention_class(self) -> type:
@@ -265,6 +267,11 @@ ADAPTERS: tuple[Adapter, ...] = (
                softcap=True, mlp="Gemma2MLP"),
     _interface("gptj", ["gptj"], "gptj.modeling_gptj", "GPTJAttention", rotary_layout="interleaved",
                replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),
+    _interface("bloom", ["bloom"], "bloom.modeling_bloom", "BloomAttention", query="query_key_value",
+               query_layout="per_head", positions="alibi", replaces=("forward", bloom_attention_forward), sdpa=False,
+               output="dense"),
+    _interface("codegen", ["codegen"], "codegen.modeling_codegen", "CodeGenAttention", rotary_layout="interleaved",
+               replaces=("_attn", gptj_attention_core), sdpa=False, output="out_proj"),  # (GPT-J's attention core)
     _interface("falcon", ["falcon"], "falcon.modeling_falcon", "FalconAttention", query="query_key_value",
                query_layout="split", replaces=("forward", falcon_attention_forward), output="dense",
                refuse=lambda c: "ALiBi Falcon (alibi: true, falcon-rw) has no kvbench attention path yet"

@@ -62,3 +62,30 @@ def mpt_attention_forward(module, attention_fn):
         return module.out_proj(out.reshape(b, t, -1)), weights
 
     return forward
+
+
+def bloom_attention_forward(module, attention_fn):
+    """A bound `forward` for one `BloomAttention` instance, as `mpt_attention_forward` for MPT. BLOOM adds
+    `slope_h * slot_k` (its model-level `alibi` tensor, built from the mask by cache slot), which differs from
+    `slope_h * (pos_k - pos_q)` by a per-row constant on an uncompressed cache; this forward uses each kept key's
+    recorded position instead, and BLOOM's own slopes. The rest is BLOOM's: the per-head fused QKV split, the
+    `1/sqrt(d)` scale, `dense` and the residual added by `dropout_add`."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes, dropout_add
+
+    def forward(hidden_states: Tensor, residual: Tensor, alibi: Tensor | None = None,
+                attention_mask: Tensor | None = None, layer_past=None, **kwargs):
+        b, t = hidden_states.shape[:2]
+        query, key, value = module._reshape(module.query_key_value(hidden_states))
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, module.layer_idx)
+        k_pos = key_positions(layer_past, module.layer_idx, key.shape[2], key.shape[1], key.device)
+        q_pos = k_pos[..., -t:]
+        slopes = _get_alibi_slopes(module.num_heads, key.device)
+        mask = alibi_bias(slopes, q_pos, k_pos).to(query.dtype)
+        out, weights = attention_fn(module, query, key, value, mask, scaling=module.inv_norm_factor,
+                                    score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos),
+                                    alibi_slopes=slopes)
+        out = module.dense(out.reshape(b, t, -1))
+        return dropout_add(out, residual, module.hidden_dropout, module.training), weights
+
+    return forward

@@ -54,7 +54,7 @@ from kvbench.attention.decode import attend, chunk_attention
 from kvbench.attention.sinks import sinks_of
 from kvbench.cache.kv_cache import DecodeKV
 from kvbench.models.adapters import adapter_for
-from kvbench.models.mla import absorb_query, latent_keys, latent_layers
+from kvbench.models.mla import absorb_query, latent_keys, latent_layers, with_sparse_indices
 from kvbench.models.mlp import lean_mlp_forward
 from kvbench.models.generic import layer_windows
 from kvbench.models.placement import execution_device, offloads_weights, weights_present
@@ -313,6 +313,7 @@ class AttentionCapture:
             score_bias = kwargs.pop("score_bias", None)  # rows -> additive bias [B, H, rows, n] (ALiBi), or None
             alibi_slopes = kwargs.pop("alibi_slopes", None)  # [H_q]: the same ALiBi, for layers with own storage
             softcap = kwargs.get("softcap")
+            indices = kwargs.pop("indices", None)  # DSA: the keys the model's indexer chose (`with_sparse_indices`)
             sinks = sinks_of(kwargs)
             if sinks is not None:
                 self.sinks[layer_idx] = sinks
@@ -320,6 +321,10 @@ class AttentionCapture:
                 scaling = kwargs["scaling"] = scaling * self.logit_scale(key.shape[-2])
             layer = self.cache.layers[layer_idx] if self.cache is not None and q_len > 1 else None
             if layer is not None and (getattr(layer, "own_storage", False) or key.shape[-2] > q_len):
+                if indices is not None:
+                    raise NotImplementedError("capture: several tokens on top of a compressed cache (query=agnostic, "
+                                              "turns) on a DSA model: kvbench's chunk attention does not apply the "
+                                              "indexer's top-k; use query=aware")
                 out = self._chunk(layer, query, key, value, scaling, softcap, score_bias, alibi_slopes, kwargs,
                                   sinks)
                 self._hold_decode_queries(layer_idx, query)
@@ -363,6 +368,8 @@ class AttentionCapture:
                                                and attention_mask.shape[-1] != key.shape[-2]):
                     # (see `_window_mask`; a mask sized for another layer is dropped)
                     attention_mask = window_mask if window_mask is not None and window_mask.numel() else None
+            if indices is not None:  # (after the decode branch above, which may replace the model's mask)
+                attention_mask = with_sparse_indices(attention_mask, indices, key.shape[-2], query.dtype)
             if q_len == 1 and self.decode_hook is not None:
                 out = inner(module, query, key, value, attention_mask, **kwargs)
                 bias = score_bias(slice(0, 1)) if score_bias is not None else None

@@ -104,6 +104,16 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+def names_field(text, name: str) -> bool:
+    """Whether a decoder config sets `name` for some layer. A per-layer config (dots.llm3's `per_layer_config`)
+    refuses a global read of a field its layers set differently (transformers' AmbiguousGlobalPerLayerAttributeError,
+    a RuntimeError): then some layer sets it."""
+    try:
+        return getattr(text, name, None) is not None
+    except RuntimeError:
+        return True
+
+
 def layer_kinds(config) -> list[str]:
     """transformers' per-layer cache kinds for `config` (what `DynamicCache(config=...)` builds)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -144,8 +154,8 @@ def generic_refusal(model_type: str, config) -> str | None:
         kinds = layer_kinds(config)
     except (AttributeError, KeyError, ValueError) as e:
         return f"transformers cannot build its cache layers from this config ({type(e).__name__}: {e})".split("\n")[0]
-    reason = group_refusal(model_type, kinds, mla=getattr(text, "kv_lora_rank", None) is not None,
-                           sinks=passes_sinks(classes))
+    reason = group_refusal(model_type, kinds, mla=names_field(text, "kv_lora_rank"),
+                           sinks=passes_sinks(classes), indexer_types=getattr(text, "indexer_types", None))
     if reason is not None:
         return reason
     if not classes:
@@ -173,7 +183,7 @@ def generic_fields(model_type: str, config) -> dict:
         has_window_layers=bool(getattr(text, "layer_types", None)) and any(k in WINDOW_KINDS for k in kinds),
         sdpa=bool(getattr(lm_class, "_supports_sdpa", True)),
         generic=True, nope_layers=model_type in NOPE_LAYERS, query_temperature=model_type in QUERY_TEMPERATURE,
-        chunked_layers="chunked_attention" in kinds)
+        chunked_layers="chunked_attention" in kinds, indexed_layers="indexed_attention" in kinds)
 
 
 __all__ = ["ATTENTION_KINDS", "config_object", "decoder_types", "generic_fields", "generic_refusal", "layer_kinds",

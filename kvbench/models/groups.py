@@ -12,7 +12,8 @@ replace the refusals of their group.
 """
 from __future__ import annotations
 
-ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})  # per-token K/V only
+# per-token K/V only ("indexed_attention": a DSA layer, MLA latents plus its indexer's keys, evicted together)
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention"})
 WINDOW_KINDS = frozenset({"sliding_attention", "chunked_attention"})
 
 # encoder-decoder decoder halves, BERT-likes used as decoders, speech/music, image captioners, legacy LMs: not decoder
@@ -49,9 +50,14 @@ HYBRID_REASONS = {
     "qwen4_exp_text": "its QSA-indexed attention layer (an indexer choosing keys) is not supported",
 }
 MLA = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "minicpm3", "youtu",
-                 "deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})  # run (kvbench/models/mla.py),
-# except the DSA types: their indexer's top-k mask is sized for the uncompressed cache
+                 "deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})  # run (kvbench/models/mla.py)
+# The DSA types (MLA + a sparse-attention indexer over its own cached keys) run too: the capture folds the indexer's
+# top-k into the mask (`mla.with_sparse_indices`), and its keys are evicted with their entries. Except a config with
+# "shared" indexer layers (hy_v4's default; glm_moe_dsa can): those reuse the previous layer's top-k positions
 DSA = frozenset({"deepseek_v32", "axk2", "dots3_note_text", "glm_moe_dsa", "hy_v4"})
+SHARED_INDEXER = ("MLA: its \"shared\" sparse-attention indexer layers (indexer_types) reuse the previous layer's "
+                  "top-k positions, which point at other tokens once layers keep different entries; use a config whose "
+                  "indexer_types are all \"full\"")
 SINKS = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"})  # run (attention/sinks.py)
 
 NO_KV = {
@@ -65,7 +71,7 @@ NO_KV = {
     "gemma4_unified_assistant": "a drafter head with no KV of its own (it reads its target model's cache)",
 }
 
-OWN_ATTENTION = frozenset({"bloom", "codegen", "cpmant", "gpt_neo", "gpt_neox_japanese", "xglm"})
+OWN_ATTENTION = frozenset({"cpmant", "gpt_neo", "gpt_neox_japanese", "xglm"})  # (bloom, codegen: hand-written rows)
 
 ODD = {  # attention through the interface, but not one call per layer over the cache it fills
     "gemma3n_text": "layers share KV across layers (the last layers reuse an earlier layer's cache); the "
@@ -91,21 +97,21 @@ QUERY_TEMPERATURE = frozenset({"llama4_text", "ministral3", "beam"})  # queries 
 
 
 def group_refusal(model_type: str, layer_kinds: list[str] | None = None, mla: bool = False,
-                  sinks: bool = False) -> str | None:
+                  sinks: bool = False, indexer_types: list[str] | None = None) -> str | None:
     """Why `model_type` cannot run yet, its group first; None when the generic path can run it. `layer_kinds`
-    (transformers' per-layer cache kinds), `mla` and `sinks` are what was found from its config and code."""
+    (transformers' per-layer cache kinds), `mla`, `sinks` and a DSA config's `indexer_types` are what was found from
+    its config and code."""
     hybrid = ("hybrid: a hybrid type kvbench has not checked (its recurrent layers' state calls and a tiny config "
               "are covered by tests/unit/test_hybrid.py only for the types in adapters.HYBRID_ADAPTERS)")
-    sparse = ("MLA: its sparse-attention indexer (DSA) masks each query to its top-k keys through a mask sized for "
-              "the uncompressed cache, which kvbench's compressed layers do not match yet (the indexer keys themselves "
-              "are evicted in lockstep: KVLayer.update_indexer)")
     own = ("its attention does not go through transformers' AttentionInterface (its own kernel), so kvbench cannot "
            "capture it without a hand-written replacement")
     known = {**NO_KV, **ODD, **dict.fromkeys(HYBRID, hybrid),
-             **{t: f"hybrid: {reason}" for t, reason in HYBRID_REASONS.items()}, **dict.fromkeys(DSA, sparse),
+             **{t: f"hybrid: {reason}" for t, reason in HYBRID_REASONS.items()}, 
              **dict.fromkeys(OWN_ATTENTION, own)}
     if model_type in known:
         return known[model_type]
+    if "shared" in (indexer_types or ()):
+        return SHARED_INDEXER
     kinds = set(layer_kinds or ()) - ATTENTION_KINDS  # a type the table does not know: what was found decides
     if "dummy" in kinds:
         return ("this config shares KV across layers (num_kv_shared_layers or KV-sharing layers); the "

@@ -54,3 +54,20 @@ def config_is_latent(config: dict) -> bool:
     text = config.get("text_config") or config
     return bool(text.get("kv_lora_rank"))
 
+
+
+def with_sparse_indices(attention_mask: Tensor | None, indices: Tensor, n_keys: int, dtype: torch.dtype) -> Tensor:
+    """A DSA layer's mask (DeepSeek-V3.2, GLM-5, ...): the model's own indexer chose `indices` `[B, q, top-k]` among
+    the `n_keys` keys of this call, and hands them to any attention function other than eager/sdpa instead of
+    folding them into the mask. kvbench's capture is such a function, so it folds them as the model's eager/sdpa
+    branch does (a key the indexer did not choose is masked). Over a compressed cache the indexer already scored
+    only the kept entries (its keys are evicted in lockstep: `KVLayer.update_indexer`), so `indices` index the keys
+    this call receives."""
+    b, q = indices.shape[:2]
+    unchosen = indices.new_ones((b, q, n_keys), dtype=torch.bool).scatter(-1, indices.long(), False).unsqueeze(1)
+    if attention_mask is None:
+        return torch.zeros(unchosen.shape, dtype=dtype, device=indices.device).masked_fill(unchosen,
+                                                                                           torch.finfo(dtype).min)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~unchosen
+    return attention_mask.masked_fill(unchosen, torch.finfo(dtype).min)

@@ -13,6 +13,9 @@ of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); ever
 cut to those layers. A config those rules cannot size (nested sub-configs, per-layer head counts, rope keyed by
 layer type, a multimodal model's towers) gets its fields by hand in `TYPE_FIELDS`; hybrids are sized in
 `HYBRID_TINY`.
+A DSA indexer keeps its top 8 keys (so over a 24-token prompt it really chooses) with 8 heads: its score is a weighted
+sum of ReLU'd head scores, exactly 0 for a key every head scores below 0, and with 2 heads such ties fell at the top-k
+cut, where the model's own choice among tied keys is arbitrary.
 """
 from __future__ import annotations
 
@@ -126,7 +129,8 @@ def hybrid_config(model_type: str, common: dict):
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-             qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0)
+             qk_nope_head_dim=8, v_head_dim=16, global_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0,
+             index_topk=8, index_head_dim=16, index_n_heads=8)
 WINDOW = 8  # sliding window / attention chunk of the tiny models where layers mix window and global attention
 # Types whose config the generic shrinking cannot size (nested sub-configs, fields left None, per-layer head counts,
 # rope parameters keyed by layer type): their fields, given by hand and applied last.

@@ -133,9 +133,11 @@ def setup(cfg: DictConfig):
     if adapter is not None:
         if cfg.positions == "shift":
             adapter.check_shift()
-        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers):
+        if cfg.batch_size > 1 and (adapter.replaces is not None or adapter.has_window_layers
+                                   or adapter.indexed_layers):
             raise ValueError(f"batch_size={cfg.batch_size}: {adapter.family} decodes at batch_size=1 only (attention "
-                             "outside transformers' AttentionInterface, or sliding-window layers)")
+                             "outside transformers' AttentionInterface, sliding-window layers, or a DSA "
+                             "sparse-attention indexer)")
         check_feeding(cfg, method, dataset, adapter)
     if is_latent_model(spec):  # MLA: one latent per token for all heads (kvbench/methods/latent.py)
         check_latent(method)
@@ -269,6 +271,11 @@ def check_feeding(cfg: DictConfig, method, dataset, adapter) -> None:
         raise ValueError(f"{feeds or 'method=' + method.registry_name}: {adapter.family} has ALiBi attention, which "
                          "tokens fed on top of a cache (an agnostic question, later turns, KVzip's reconstruction) "
                          "do not apply yet; use query=aware, one turn and another method")
+    if adapter.indexed_layers and (feeds or replays):
+        raise ValueError(f"{feeds or 'method=' + method.registry_name}: {adapter.family} has a DSA sparse-attention "
+                         "indexer, whose top-k tokens fed on top of a compressed cache (an agnostic question, later "
+                         "turns, KVzip's reconstruction) do not apply yet; use query=aware, one turn and another "
+                         "method")
     if adapter.has_window_layers and feeds:
         raise ValueError(f"{feeds}: {adapter.family} has sliding-window layers, which tokens fed on top of a "
                          "compressed cache (an agnostic question, later turns) do not apply yet; use query=aware "

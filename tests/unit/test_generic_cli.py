@@ -1,8 +1,8 @@
 """The command line on `model.path=random:<model_type>` (issue 43's flagship types): snapkv, adakv, h2o, tailorkv and
 full run and write records on Qwen3-MoE, Gemma 4 and Llama 4 (generic path: plain, window layers, chunked + NoPE),
 gpt-oss (learned sinks) and DeepSeek-V3 (MLA latent), and snapkv on Zamba 2 (a hybrid whose attention blocks carry no
-layer index); MiniMax (a hybrid kvbench does not run), a method an MLA cache cannot honour and DeepSeek-V3.2's sparse
-indexer are refused in one line before any weights load, naming their group (Qwen3.5 and Jamba run:
+layer index); MiniMax (a hybrid kvbench does not run), a method an MLA cache cannot honour and Hunyuan-V4's shared
+sparse-indexer layers are refused in one line before any weights load, naming their group (Qwen3.5 and Jamba run:
 tests/unit/test_hybrid.py)."""
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ def test_methods_run_from_the_command_line(model_type, names, tmp_path):
 
 @pytest.mark.parametrize("model_type,method,group", [
     ("minimax", "snapkv", "hybrid: it needs its own MiniMaxCache"),
-    ("deepseek_v32", "snapkv", "MLA: its sparse-attention indexer"),
+    ("hy_v4", "snapkv", "MLA: its \"shared\" sparse-attention indexer layers"),
     ("deepseek_v3", "tailorkv", "MLA: method=tailorkv keeps the cache in layers of its own")])
 def test_other_groups_are_refused_in_one_line(model_type, method, group, tmp_path):
     line = refusal("model=hf", f"model.path=random:{model_type}", "model.name=tiny", f"method={method}",
                    *NIAH, results=tmp_path / "results")
     assert group in line
+
+
+@pytest.mark.parametrize("method,extra,words", [
+    ("snapkv", "batch_size=2", "batch_size=2: deepseek_v32 decodes at batch_size=1 only"),
+    ("h2o", "query=agnostic", "query=agnostic: deepseek_v32 has a DSA sparse-attention indexer")])
+def test_dsa_batching_and_fed_tokens_are_refused_in_one_line(method, extra, words, tmp_path):
+    """DeepSeek-V3.2 runs at batch_size=1 over a prompt prefilled whole (tests/unit/test_generic_types.py); one
+    indexer call ranks one cache, and kvbench's chunk attention over fed tokens does not apply its top-k."""
+    line = refusal("model=hf", "model.path=random:deepseek_v32", "model.name=tiny", f"method={method}", extra,
+                   *NIAH, results=tmp_path / "results")
+    assert words in line

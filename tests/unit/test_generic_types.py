@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvbench.engine.batching import generate
@@ -44,9 +45,9 @@ REPRESENTATIVE = ("gemma4_text", "llama4_text")  # every generic kind between th
 REFUSED = {
     "hybrid:": "minimax kimi_linear bailing_hybrid inkling_text inkling2_text recurrent_gemma "
                "qwen4_exp_text",  # (the other hybrids run: tests/unit/test_hybrid.py)
-    "MLA: its sparse-attention indexer": "deepseek_v32 axk2 dots3_note_text glm_moe_dsa hy_v4",  # (other MLA and
-    # sink types run: tests/unit/test_sinks_mla.py)
-    "AttentionInterface": "bloom codegen cpmant gpt_neo gpt_neox_japanese xglm",
+    "sparse-attention indexer layers (indexer_types) reuse": "hy_v4",  # (the other DSA types run below; the other
+    # MLA and sink types: tests/unit/test_sinks_mla.py)
+    "AttentionInterface": "cpmant gpt_neo gpt_neox_japanese xglm",  # (bloom, codegen: hand-written rows, run below)
     "no per-token KV cache": "mamba mamba2 falcon_mamba rwkv xlstm",
     "no KV": "gemma4_assistant gemma4_unified_assistant openai-gpt",
     "across layers": "gemma3n_text",
@@ -96,7 +97,7 @@ def test_survey_every_decoder_type_runs_or_is_refused_in_one_line(capsys):
     with capsys.disabled():
         print(f"\nsurvey: {len(running)} of {len(decoder_types())} decoder types run ({len(refused)} refused, "
               f"{len(NOT_BUILT)} pass the check but their tiny model does not build here)")
-    assert len(running) >= 108
+    assert len(running) >= 110
 
 
 def first_step(model, method, ids, budget: int = BUDGET) -> tuple[torch.Tensor, list, list, object]:
@@ -138,6 +139,10 @@ def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
     """One decode step at position N over a plain full-prompt cache through the model's own attention function, with
     -inf on the positions a layer's stored head did not keep and, in a sliding or chunked layer, outside the window
     or chunk its config gives (a plain cache's layers are not sliding, so the model's own mask does not say)."""
+    from kvbench.models.adapters import adapter_for
+
+    if adapter_for(model).replaces is not None:  # (CodeGen, BLOOM: outside the interface, hand-written rows)
+        return masked_by_own_mask(model, ids, token, kept)
     own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, None)
     if own is None:  # eager: the type's own eager kernel
         import importlib
@@ -145,9 +150,14 @@ def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
         own = importlib.import_module(type(model).__module__).eager_attention_forward
 
     def masked(module, q, k, v, attention_mask, **kw):
-        mask = attention_mask
+        mask, n_heads = attention_mask, q.shape[1]  # (per layer: dots.llm3's layers differ in head count)
+        indices = kw.pop("indices", None)  # DSA: fold the indexer's top-k in, as the model's own sdpa branch does
+        if indices is not None:
+            chosen = torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool)
+            chosen[0, 0, 0, indices[0, -1].long()] = True
+            mask = torch.zeros(chosen.shape) if mask is None else mask[..., : k.shape[2]]
+            mask = mask.masked_fill(~chosen, torch.finfo(q.dtype).min)
         per_head = kept[module.layer_idx]
-        n_heads = q.shape[1]  # (this layer's query heads: Laguna varies them by layer)
         allowed = torch.zeros(1, n_heads, 1, k.shape[2], dtype=torch.bool)
         for hq in range(n_heads):
             allowed[0, hq, 0, slice(None) if per_head is None else per_head[hq * len(per_head) // n_heads]] = True
@@ -164,17 +174,78 @@ def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
             mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask
         return own(module, q, k, v, extra if mask is None else mask + extra, **kw)
 
+    indexed = [m for m in model.modules() if getattr(m, "indexer", None) is not None and hasattr(m, "layer_idx")]
+
+    def kept_only(module, args, kwargs):  # a DSA layer's indexer, too, ranks only the kept entries (and the new one)
+        mask = kwargs["attention_mask"]  # (None under a test attention function: no mask function registered)
+        mask = torch.zeros(1, 1, 1, N + 1) if mask is None else mask
+        dropped = torch.zeros(mask.shape[-1], dtype=torch.bool)
+        if kept[module.layer_idx] is not None:  # (MLA: one latent head, the same entries for every query head)
+            dropped[:] = True
+            dropped[kept[module.layer_idx][0]] = dropped[-1] = False
+        kwargs["attention_mask"] = (mask & ~dropped if mask.dtype == torch.bool
+                                    else mask.masked_fill(dropped, torch.finfo(mask.dtype).min))
+        return args, kwargs
+
+    reference = DynamicCache()
+    if indexed:  # a DSA layer's cache must hold its indexer's keys: its own config's layer, the others plain
+        reference = DynamicCache(config=model.config)
+        reference.layers = [layer if isinstance(layer, DynamicIndexedLayer) else DynamicLayer()
+                            for layer in reference.layers]
+    with torch.no_grad():
+        model(ids, past_key_values=reference, use_cache=True)
+    hooks = [m.register_forward_pre_hook(kept_only, with_kwargs=True) for m in indexed]
+    try:
+        with attention_function(model, masked):
+            return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def masked_by_own_mask(model, ids, token, kept) -> torch.Tensor:
+    """For attention outside the AttentionInterface (CodeGen's `_attn`, BLOOM's `forward`, replaced per instance as
+    GPT-J's and MPT's): one decode step over a plain full-prompt cache through transformers' own attention code (BLOOM:
+    its ALiBi by slot, which on an uncompressed cache is by position), the positions a head did not keep masked
+    through the module's own additive mask argument."""
+    from kvbench.models.adapters import adapter_for
+
+    n, heads = ids.shape[1], model.config.num_attention_heads
+
+    def restrict(module, args, kwargs):
+        per_head = kept[module.layer_idx]
+        dropped = torch.zeros(1, heads, 1, n + 1, dtype=torch.bool)
+        if per_head is not None:
+            dropped[...] = True
+            for hq in range(heads):
+                dropped[0, hq, 0, per_head[hq * len(per_head) // heads]] = False
+            dropped[..., -1] = False
+        kwargs["attention_mask"] = torch.zeros(dropped.shape).masked_fill(dropped, torch.finfo(torch.float32).min)
+        return args, kwargs
+
     with torch.no_grad():
         reference = DynamicCache()
         model(ids, past_key_values=reference, use_cache=True)
-    with attention_function(model, masked):
-        return model(token, past_key_values=reference, position_ids=torch.tensor([[N]])).logits[:, -1]
+    attention = adapter_for(model).attention_class()
+    hooks = [m.register_forward_pre_hook(restrict, with_kwargs=True) for m in model.modules()
+             if isinstance(m, attention)]
+    try:
+        with torch.no_grad():
+            return model(token, past_key_values=reference, position_ids=torch.tensor([[n]])).logits[:, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def window_layers(model) -> frozenset[int]:
     from kvbench.models.adapters import adapter_for
 
     return adapter_for(model).window_layers(model.config)
+
+
+def indexer_width(layer) -> int:
+    keys = getattr(layer, "indexer_keys", None)
+    return 0 if keys is None else keys.shape[-1]
 
 
 def check_contract(model_type: str, name: str) -> None:
@@ -191,8 +262,9 @@ def check_contract(model_type: str, name: str) -> None:
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     if name == "full" or all(i in window_layers(model) for i in range(len(kept))):  # (only window layers)
         assert gen.kv_bytes == gen.full_kv_bytes
-    elif method.kind is not Kind.STORAGE:  # bytes held = kept entries x (K + V widths) x 4 (fp32; MLA: latent + rope)
-        assert gen.kv_bytes == sum(len(p) * (layer.keys.shape[-1] + layer.values.shape[-1]) * 4
+    elif method.kind is not Kind.STORAGE:  # bytes held = kept entries x (K + V widths) x 4 (fp32; MLA: latent + rope;
+        # DSA: + the indexer's key, evicted with its entry)
+        assert gen.kv_bytes == sum(len(p) * (layer.keys.shape[-1] + layer.values.shape[-1] + indexer_width(layer)) * 4
                                    for p_layer, layer in zip(kept, layers) for p in (p_layer or ()))
         assert gen.kv_bytes < gen.full_kv_bytes
 
@@ -208,6 +280,21 @@ def test_generic_type_keeps_the_contract(model_type):
     assert gen.token_ids == own[0, N:].tolist()
     for name in CHEAP:
         check_contract(model_type, name)
+
+
+def test_dsa_with_sinks_and_an_indexer_in_every_layer_keeps_the_contract():
+    """Hunyuan-V4 (MLA + DSA indexer + learned sinks) is refused by default for its "shared" indexer layers; with an
+    indexer in every layer it runs the cheap set like the other DSA types."""
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.models.tiny import tiny_type_config
+
+    config = tiny_type_config("hy_v4")
+    config.indexer_types = ["full"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    _models["hy_v4 (full indexers)"] = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    for name in CHEAP:
+        check_contract("hy_v4 (full indexers)", name)
 
 
 NEEDS_ROTARY = ("expected_attention", "cap", "duo_attention", "lukv", "kvquant")  # read the layer's rotary

@@ -164,13 +164,16 @@ def test_indexer_keys_follow_the_entries():
     assert layer.nbytes() == 3 * (4 + 2) * 4 + 3 * 3 * 4
 
 
-def test_shift_and_dsa_are_refused_before_weights_load(deepseek):
+def test_shift_and_shared_dsa_indexers_are_refused_before_weights_load(deepseek):
+    """(DSA with an indexer per layer runs: tests/unit/test_generic_types.py)"""
     from kvbench.models.adapters import adapter_for, check_config
 
     with pytest.raises(ValueError, match="^MLA: positions=shift re-rotates cached keys"):
         adapter_for(deepseek).inv_freq(deepseek)
-    with pytest.raises(ValueError, match="MLA: its sparse-attention indexer"):
-        check_config("deepseek_v32", config={"model_type": "deepseek_v32"})
+    assert check_config("deepseek_v32", config={"model_type": "deepseek_v32"}).indexed_layers  # (DSA runs)
+    shared = {"model_type": "glm_moe_dsa", "num_hidden_layers": 2, "indexer_types": ["full", "shared"]}
+    with pytest.raises(ValueError, match="MLA: its \"shared\" sparse-attention indexer layers"):
+        check_config("glm_moe_dsa", config=shared)
     loader = importlib.import_module("kvbench.models.loader")
     assert loader.is_latent_model(loader.ModelSpec("tiny", "random:deepseek_v3"))
     assert not loader.is_latent_model(loader.ModelSpec("tiny", "random:gpt_oss"))
