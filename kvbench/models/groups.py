@@ -1,5 +1,5 @@
 """Which group each decoder model type of transformers 5.23 belongs to, and the one-line reason a type kvbench cannot
-run yet is refused (shared/specs/models-transformers-5.23.md surveyed all 142 decoder-only text types).
+run yet is refused (docs/methods.md's table lists all 142 decoder-only text types of transformers 5.23).
 
 Why a table at all: most of a type's structure is found from the model (`kvbench.models.generic`), but a few facts
 decide a refusal before any weights load and cannot be read from a config.json alone (a hybrid whose config names

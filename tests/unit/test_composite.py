@@ -23,7 +23,7 @@ SMALL_VISION = {  # towers shrunk to a few thousand weights (the text decoder is
                                       projector_output_dim=32)),
     "qwen3_5": dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),
 }
-EXPECTED = {"gemma3": "gemma3", "mistral3": "mistral", "llama4": "llama4_text", "qwen3_5": "hybrid:"}
+EXPECTED = {"gemma3": "gemma3", "mistral3": "mistral", "llama4": "llama4_text", "qwen3_5": "qwen3_5"}  # (hybrid row)
 
 
 @pytest.fixture(scope="module", params=sorted(SMALL_VISION))

@@ -93,7 +93,7 @@ def test_summary_table_markdown_latex_csv(qa_run: Path, tmp_path: Path):
     assert_md_shape(md)
     assert md.splitlines()[2].startswith(f"| {MODEL_MD} | qa | {METHOD_MD} | 64 | 2 | 75.00 |")
     tex = to_latex(table)
-    assert_tex_shape(tex, 10)
+    assert_tex_shape(tex, 12)  # (Bits and B/entry: issue 45)
     assert tex_rows(tex)[1].startswith(f"{MODEL_TEX} & qa & {METHOD_TEX} & 64 & 2 & 75.00 &")
     with open(write_tables(table, tmp_path / "out")[2], newline="", encoding="utf-8") as f:
         row = next(csv.DictReader(f))  # pandas quotes commas, quotes and line breaks: the text comes back whole
