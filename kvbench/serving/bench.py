@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -122,7 +123,8 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
 
         decoder.on_join = lambda slot: source.joined(slot, len(decoder.active))
         decoder.on_step = step
-        session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}"
+        session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # (unique: two sessions of one process can start within the same second on a fast machine)
         store.write_json("serving.json", {"pool_bytes": pool_bytes, "entry_bytes": shape.entry_bytes,
                                           **asdict(serving), "config": run.choices})
         for request, outcome in decoder.run(source):

@@ -386,7 +386,8 @@ def test_position_shift_is_refused_where_it_has_no_meaning(family):
     ({"model_type": "mamba"}, "state-space/recurrent model"),
     ({"model_type": "bert"}, "has no architecture adapter"),
     ({"model_type": "falcon", "alibi": True}, "falcon .* is not supported: ALiBi Falcon"),
-    ({"model_type": "deepseek_v32", "kv_lora_rank": 512, "index_topk": 2048}, "is not supported yet: MLA: its sparse"),
+    ({"model_type": "glm_moe_dsa", "num_hidden_layers": 2, "indexer_types": ["full", "shared"]},
+     "is not supported yet: MLA: its \"shared\" sparse-attention indexer layers"),  # (DSA itself runs)
 ])
 def test_unsupported_architectures_fail_in_one_line_from_config_json(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all: refused from the config alone
