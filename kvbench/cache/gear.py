@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import DecodeKV, KVLayer
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.prompt_stored import PromptStoredLayer
 from kvbench.cache.quantizer import Quantized, quantize
 
 GEAR_BITS = (2, 4)  # the reference's levels are bits ** 2 - 1, which equals 2 ** bits - 1 only for 2 and 4
@@ -112,54 +113,23 @@ def compress(x: Tensor, axis: str, bits: int, group: int, sparsity: float, rank:
     return stored
 
 
-class GearLayer(KVLayer):
+class GearLayer(PromptStoredLayer):
     """A layer whose prompt K/V is GEAR-compressed; tokens appended later stay full precision in its dense part."""
 
-    is_varlen = False
-    is_croppable = False
-    own_storage = True
+    store_name = "GEAR"
 
     @classmethod
     def from_layer(cls, layer: KVLayer, bits: int, group: int, sparsity: float, rank: int, loop: int,
                    generator: torch.Generator) -> GearLayer:
         new = cls()
-        new.device, new.dtype, new.is_initialized = layer.keys.device, layer.keys.dtype, True
+        new.start_from(layer)
         new.gear_keys = compress(layer.keys, "channel", bits, group, sparsity, rank, loop, generator)
         new.gear_values = compress(layer.values, "token", bits, group, sparsity, rank, loop, generator)
-        new.prompt_len = layer.keys.shape[2]
-        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, layer.positions.clone()
-        new.keys, new.values = layer.keys[:, :, :0].clone(), layer.values[:, :, :0].clone()
         return new
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append generated or fed tokens `[B, H_kv, q, D]` to the dense part; returns it."""
-        b, h, q = key_states.shape[:3]
-        new = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device).expand(b, h, q)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new], dim=-1)
-        self.seen_tokens += q
-        return self.keys, self.values
+    def prompt_kv(self) -> tuple[Tensor, Tensor]:
+        return self.gear_keys.read(), self.gear_values.read()
 
-    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
-        """Every entry in position order, fp32: the prompt read back, then the dense part."""
-        keys = torch.cat([self.gear_keys.read(), self.keys.float()], dim=-2)
-        values = torch.cat([self.gear_values.read(), self.values.float()], dim=-2)
-        return DecodeKV(keys, values)
-
-    def keep(self, idx: Tensor) -> None:
-        raise NotImplementedError("cache: a GEAR layer keeps every token; eviction does not apply")
-
-    def get_seq_length(self) -> int:
-        return self.prompt_len + self.keys.shape[-2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def nbytes(self) -> int:
-        """Packed codes, scales and zeros, full-precision key tail, outliers and their offsets, Q and P, dense part."""
-        return self.gear_keys.nbytes() + self.gear_values.nbytes() + sum(
-            t.numel() * t.element_size() for t in (self.keys, self.values))
-
-    def entries_per_head(self) -> list[int]:
-        return [self.get_seq_length()] * self.keys.shape[1]
+    def prompt_nbytes(self) -> int:
+        """Packed codes, scales and zeros, full-precision key tail, outliers and their offsets, Q and P."""
+        return self.gear_keys.nbytes() + self.gear_values.nbytes()

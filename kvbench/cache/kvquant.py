@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import DecodeKV, KVLayer
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.prompt_stored import PromptStoredLayer
 from kvbench.cache.quantizer import Quantized, quantize
 
 
@@ -82,12 +83,10 @@ def dense_and_sparse(x: Tensor, bits: int, group: int, share: float, dtype: torc
                        x.gather(-1, idx).to(dtype))
 
 
-class KVQuantLayer(KVLayer):
+class KVQuantLayer(PromptStoredLayer):
     """A layer whose prompt K/V is stored KVQuant-style; tokens appended later stay full precision."""
 
-    is_varlen = False
-    is_croppable = False
-    own_storage = True
+    store_name = "KVQuant"
 
     @classmethod
     def from_layer(cls, layer: KVLayer, rotary, bits: int, group: int, share: float,
@@ -95,8 +94,8 @@ class KVQuantLayer(KVLayer):
         new = cls()
         keys, values = layer.keys, layer.values
         n = keys.shape[2]
-        new.device, new.dtype, new.is_initialized = keys.device, keys.dtype, True
-        new.rotary, new.prompt_len = rotary, n
+        new.start_from(layer)
+        new.rotary = rotary
         pre_rope = rotary.unrotate(keys, torch.arange(n, device=keys.device))  # [B, H, n, D] fp32
         new.stored_keys = dense_and_sparse(pre_rope.transpose(-1, -2), bits, group, share, keys.dtype)  # per channel
         if quantize_values:  # per token, groups of min(group, D) channels
@@ -105,8 +104,6 @@ class KVQuantLayer(KVLayer):
         else:  # keys alone (the values kept as they are)
             none = values.new_zeros(*values.shape[:-1], 0)
             new.stored_values = DenseSparse(None, values.clone(), none.to(torch.int32), none)
-        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, layer.positions.clone()
-        new.keys, new.values = keys[:, :, :0].clone(), values[:, :, :0].clone()
         return new
 
     def prompt_kv(self) -> tuple[Tensor, Tensor]:
@@ -115,31 +112,5 @@ class KVQuantLayer(KVLayer):
         keys = rotate(self.stored_keys.read().transpose(-1, -2), positions, self.rotary)
         return keys, self.stored_values.read()
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        b, h, q = key_states.shape[:3]
-        new = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device).expand(b, h, q)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new], dim=-1)
-        self.seen_tokens += q
-        return self.keys, self.values
-
-    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
-        keys, values = self.prompt_kv()
-        return DecodeKV(torch.cat([keys, self.keys.float()], dim=-2), torch.cat([values, self.values.float()], dim=-2))
-
-    def keep(self, idx: Tensor) -> None:
-        raise NotImplementedError("cache: a KVQuant layer keeps every token; eviction does not apply")
-
-    def get_seq_length(self) -> int:
-        return self.prompt_len + self.keys.shape[-2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def nbytes(self) -> int:
-        return self.stored_keys.nbytes() + self.stored_values.nbytes() + sum(
-            t.numel() * t.element_size() for t in (self.keys, self.values))
-
-    def entries_per_head(self) -> list[int]:
-        return [self.get_seq_length()] * self.keys.shape[1]
+    def prompt_nbytes(self) -> int:
+        return self.stored_keys.nbytes() + self.stored_values.nbytes()

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvbench.cache.kv_cache import DecodeKV, KVLayer
+from kvbench.cache.kv_cache import KVLayer
+from kvbench.cache.prompt_stored import PromptStoredLayer
 
 
 @dataclass
@@ -68,60 +69,28 @@ def merge_states(previous: Tensor, current: Tensor, interpolation: float, retent
                         (previous.gather(2, rows).clone(), current.gather(2, rows).clone()))
 
 
-class MergedLayer(KVLayer):
+class MergedLayer(PromptStoredLayer):
     """One layer of a merged pair: its prompt states read back from the pair, then its own dense part (tokens
     appended after the prompt, full precision). Built by `merge_pair`."""
 
-    is_varlen = False
-    is_croppable = False
-    own_storage = True
+    store_name = "merged"
 
     @classmethod
     def of_pair(cls, layer: KVLayer, keys: MergedStates, values: MergedStates, side: int) -> MergedLayer:
         new = cls()
-        new.device, new.dtype, new.is_initialized = layer.keys.device, layer.keys.dtype, True
+        new.start_from(layer)
         new.merged_keys, new.merged_values, new.side = keys, values, side
-        new.prompt_len = layer.keys.shape[2]
-        new.seen_tokens, new.repeat, new.positions = layer.seen_tokens, layer.repeat, layer.positions.clone()
-        new.keys = layer.keys[:, :, :0].clone()  # the dense part starts empty
-        new.values = layer.values[:, :, :0].clone()
         return new
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append generated or fed tokens `[B, H_kv, q, D]` to the dense part; returns it."""
-        b, h, q = key_states.shape[:3]
-        new = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device).expand(b, h, q)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new], dim=-1)  # (every token stays: position = slot)
-        self.seen_tokens += q
-        return self.keys, self.values
+    def prompt_kv(self) -> tuple[Tensor, Tensor]:
+        return self.merged_keys.restore(self.side), self.merged_values.restore(self.side)
 
-    def decode_kv(self, query: Tensor | None = None) -> DecodeKV:
-        """Every entry in position order, fp32: the prompt read back from the pair, then the dense part (a fed
-        chunk's queries see it too; the caller masks them causally)."""
-        keys = torch.cat([self.merged_keys.restore(self.side), self.keys.float()], dim=-2)
-        values = torch.cat([self.merged_values.restore(self.side), self.values.float()], dim=-2)
-        return DecodeKV(keys, values)
-
-    def keep(self, idx: Tensor) -> None:
-        raise NotImplementedError("cache: a merged layer keeps every token; eviction does not apply")
-
-    def get_seq_length(self) -> int:
-        return self.prompt_len + self.keys.shape[-2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def nbytes(self) -> int:
-        """The shared parts once (the deeper layer counts them), this layer's magnitudes, retained tokens, dense part."""
+    def prompt_nbytes(self) -> int:
+        """The shared parts once (the deeper layer counts them), this layer's magnitudes and retained tokens."""
         own = sum(m.side_nbytes(self.side) for m in (self.merged_keys, self.merged_values))
         if self.side == 1:
             own += sum(m.shared_nbytes() for m in (self.merged_keys, self.merged_values))
-        return own + sum(t.numel() * t.element_size() for t in (self.keys, self.values))
-
-    def entries_per_head(self) -> list[int]:
-        return [self.get_seq_length()] * self.keys.shape[1]
+        return own
 
 
 def merge_pair(previous: KVLayer, current: KVLayer, interpolation: float,
