@@ -40,6 +40,17 @@ def key_positions(past_key_values, layer_idx: int, n_keys: int, n_heads: int, de
     return torch.arange(n_keys, device=device).expand(1, n_heads, n_keys)
 
 
+def attend_with_alibi(module, attention_fn, query: Tensor, key: Tensor, value: Tensor, cache, t: int,
+                      slopes: Tensor, scaling: float):
+    """The capture's attention with ALiBi by each kept key's recorded position (MPT's and BLOOM's forwards): the
+    bias as the mask, and per row for scorers (`score_bias`) and the engine's own decode attention (`alibi_slopes`)."""
+    k_pos = key_positions(cache, module.layer_idx, key.shape[2], key.shape[1], key.device)
+    q_pos = k_pos[..., -t:]
+    mask = alibi_bias(slopes, q_pos, k_pos).to(query.dtype)
+    return attention_fn(module, query, key, value, mask, scaling=scaling,
+                        score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos), alibi_slopes=slopes)
+
+
 def mpt_attention_forward(module, attention_fn):
     """A bound `forward` for one `MptAttention` instance that calls `attention_fn` (the capture's wrapper)."""
 
@@ -52,13 +63,8 @@ def mpt_attention_forward(module, attention_fn):
         query, key, value = (x.reshape(b, t, module.n_heads, module.head_dim).transpose(1, 2) for x in qkv.chunk(3, 2))
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, module.layer_idx)
-        k_pos = key_positions(past_key_values, module.layer_idx, key.shape[2], key.shape[1], key.device)
-        q_pos = k_pos[..., -t:]
-        slopes = alibi_slopes(module.n_heads, key.device)
-        mask = alibi_bias(slopes, q_pos, k_pos).to(query.dtype)
-        out, weights = attention_fn(module, query, key, value, mask, scaling=module.softmax_scale,
-                                    score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos),
-                                    alibi_slopes=slopes)
+        out, weights = attend_with_alibi(module, attention_fn, query, key, value, past_key_values, t,
+                                         alibi_slopes(module.n_heads, key.device), module.softmax_scale)
         return module.out_proj(out.reshape(b, t, -1)), weights
 
     return forward
@@ -78,13 +84,8 @@ def bloom_attention_forward(module, attention_fn):
         query, key, value = module._reshape(module.query_key_value(hidden_states))
         if layer_past is not None:
             key, value = layer_past.update(key, value, module.layer_idx)
-        k_pos = key_positions(layer_past, module.layer_idx, key.shape[2], key.shape[1], key.device)
-        q_pos = k_pos[..., -t:]
-        slopes = _get_alibi_slopes(module.num_heads, key.device)
-        mask = alibi_bias(slopes, q_pos, k_pos).to(query.dtype)
-        out, weights = attention_fn(module, query, key, value, mask, scaling=module.inv_norm_factor,
-                                    score_bias=lambda rows: alibi_bias(slopes, q_pos[:, :, rows], k_pos),
-                                    alibi_slopes=slopes)
+        out, weights = attend_with_alibi(module, attention_fn, query, key, value, layer_past, t,
+                                         _get_alibi_slopes(module.num_heads, key.device), module.inv_norm_factor)
         out = module.dense(out.reshape(b, t, -1))
         return dropout_add(out, residual, module.hidden_dropout, module.training), weights
 
