@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Callable
 
 from kvbench.data.base import Dataset, Sample
 from kvbench.data.split import split_template
+from kvbench.disk.temporaries import replace_whole
 from kvbench.metrics import METRICS
 from kvbench.metrics.niah import PYRAMIDKV_EXPECTED
 from kvbench.registry import DATASETS, unknown_choice
@@ -110,14 +110,10 @@ def encoded_on_disk(key: tuple, encode: Callable[[], list[int]]) -> list[int]:
     except (OSError, ValueError, EOFError):
         pass
     ids = encode()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.save(f, np.asarray(ids, dtype=np.int64), allow_pickle=False)
-        os.replace(tmp, path)
+        replace_whole(path, lambda f: np.save(f, np.asarray(ids, dtype=np.int64), allow_pickle=False))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         logger.debug("niah: encoded text not cached in %s: %s", path.parent, e)
     return ids
 

@@ -68,6 +68,22 @@ def locked_temporary_file(path: Path) -> Iterator[tuple[Path, BinaryIO]]:
         raise
 
 
+_swept: set[Path] = set()
+
+
+def replace_whole(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` whole: `write(f)` into a locked temporary beside it, renamed over it when written (removed on any
+    error). For caches many processes write file by file (NIAH's tokenized texts, RULER's samples): the first write
+    of a process into a folder removes the temporaries that dead writers (SIGKILL) left there."""
+    if path.parent not in _swept:
+        remove_dead_temporaries(path.parent)
+        _swept.add(path.parent)
+    with locked_temporary_file(path) as (tmp, f):
+        write(f)
+        f.flush()
+        os.replace(tmp, path)
+
+
 def dead_writer(tmp: Path, lock: Path | None) -> bool:
     """Whether the writer of temporary `tmp` is dead: its pid is not alive here and `lock` (None: no lock to ask,
     the caller holds it) is not held."""

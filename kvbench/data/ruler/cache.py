@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
+from kvbench.disk.temporaries import replace_whole
 from kvbench.pathnames import check_inside
 
 logger = logging.getLogger(__name__)
@@ -36,13 +36,8 @@ def read_records(path: Path) -> list[dict]:
 
 def write_records(path: Path, records: list[dict], key: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:  # a full disk or an interrupt must not leave the temp file behind
-        tmp.unlink(missing_ok=True)
-        raise
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    replace_whole(path, lambda f: f.write(text.encode("utf-8")))  # (a killed writer's temporary: removed later)
     path.with_suffix(".key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
