@@ -28,8 +28,8 @@ from typing import Iterator
 from kvbench.report.records import is_failure
 from kvbench.runs.cost import totals
 from kvbench.runs.shard import SHARD_FILE, Shard, assign
-from kvbench.runs.store import (PREDICTIONS, RunDirBusy, RunDirError, hold, lock_name, read_json, repair,
-                                 write_bytes_atomic, write_json_atomic)
+from kvbench.runs.store import (PREDICTIONS, RunDirBusy, RunDirError, hold, lock_name, predicted_ids, read_json,
+                                 repair, write_bytes_atomic, write_json_atomic)
 
 logger = logging.getLogger(__name__)
 SHARD_ONLY = ("shard", "sample_ids", "n_shard_samples", "dataset_skipped", "cost")
@@ -45,10 +45,15 @@ class ShardState:
     records: list[dict]
     manifest: dict | None
 
-    @property
-    def finished(self) -> bool:
+    def covered(self, merged: set[str]) -> int:
+        """Its samples with a record here or, skipped when it ran, a prediction in the merged predictions.jsonl."""
+        ids = {r["id"] for r in self.records}
+        owned = self.shard.select((self.manifest or {}).get("sample_ids", []), key=lambda i: i)
+        return len(ids) + len(set(owned) & merged - ids)
+
+    def finished(self, merged: set[str]) -> bool:
         m = self.manifest
-        return bool(m and m.get("finished_utc") and len(self.records) >= m.get("n_shard_samples", 0))
+        return bool(m and m.get("finished_utc") and self.covered(merged) >= m.get("n_shard_samples", 0))
 
 
 def shard_count(run_dir: Path) -> int | None:
@@ -74,21 +79,24 @@ def read_shards(run_dir: Path, count: int) -> list[ShardState]:
     return states
 
 
-def check_complete(run_dir: Path, states: list[ShardState]) -> None:
-    """One line naming every shard that is missing or unfinished, with the command that finishes it."""
+def check_complete(run_dir: Path, states: list[ShardState], merged: set[str]) -> None:
+    """One line naming every shard that is missing or unfinished, with the command that finishes it. `merged`: ids
+    predicted in the run directory's predictions.jsonl (a shard skips them)."""
     bad = []
     for s in states:
         if s.manifest is None:
             bad.append(f"{s.shard.tag} missing (never started)")
-        elif not s.finished:
-            bad.append(f"{s.shard.tag} unfinished ({len(s.records)}/{s.manifest.get('n_shard_samples', '?')} samples)")
+        elif not s.finished(merged):
+            bad.append(f"{s.shard.tag} unfinished ({s.covered(merged)}/{s.manifest.get('n_shard_samples', '?')} "
+                       "samples)")
     if bad:
-        redo = ",".join(f"{s.shard.index}/{s.shard.count}" for s in states if not s.finished)
+        redo = ",".join(f"{s.shard.index}/{s.shard.count}" for s in states if not s.finished(merged))
         raise MergeError(f"merge: {run_dir}: {'; '.join(bad)}; run (or rerun, it resumes) shard={redo}")
 
 
-def ordered_records(run_dir: Path, states: list[ShardState]) -> tuple[list[str], list[dict]]:
-    """All records in the run's sample order; every id of the run exactly once, in the shard that owns it."""
+def ordered_records(run_dir: Path, states: list[ShardState], merged: set[str]) -> tuple[list[str], list[dict]]:
+    """The run's ids, and the shards' records in that order: every id exactly once, in the shard that owns it or
+    (skipped by it) predicted in `merged`, the run directory's predictions.jsonl."""
     ids = states[0].manifest["sample_ids"]
     for s in states[1:]:
         if s.manifest["sample_ids"] != ids or s.manifest.get("data_sha256") != states[0].manifest.get("data_sha256"):
@@ -104,11 +112,11 @@ def ordered_records(run_dir: Path, states: list[ShardState]) -> tuple[list[str],
             if owner.get(r["id"]) != s.shard.index:
                 raise MergeError(f"merge: {run_dir}: sample {r['id']!r} in {s.shard.tag} does not belong to it")
             by_id[r["id"]] = r
-    missing = [i for i in ids if i not in by_id]
+    missing = [i for i in ids if i not in by_id and i not in merged]
     if missing:
         raise MergeError(f"merge: {run_dir}: {len(missing)} sample(s) missing, e.g. {missing[0]!r} "
                          f"(shard {owner[missing[0]]}/{len(states)})")
-    return ids, [by_id[i] for i in ids]
+    return ids, [by_id[i] for i in ids if i in by_id]
 
 
 def merged_manifest(states: list[ShardState], n_samples: int, old: dict | None = None) -> dict:
@@ -175,14 +183,15 @@ def merge(run_dir: str | Path) -> dict:
         raise MergeError(f"merge: {run_dir} has no predictions.shard-<i>-of-<n>.jsonl files (not a sharded run)")
     with open(run_dir / ".lock.merge", "a") as lock, merging_after_others(lock), holding_run_dir(run_dir):
         states = read_shards(run_dir, count)
-        check_complete(run_dir, states)
-        ids, records = ordered_records(run_dir, states)
+        held = repair(run_dir / PREDICTIONS)  # what the directory already holds: kept, first, byte for byte
+        merged = {line.record["id"] for line in held if not is_failure(line.record)}
+        check_complete(run_dir, states, merged)
+        ids, records = ordered_records(run_dir, states, merged)
         cfg = load_yaml(run_dir / "config.yaml")
         _, dataset, spec = setup(cfg)
         if hasattr(dataset, "skipped"):  # state the dataset gathered while building (RULER's skipped tasks)
             dataset.skipped = dict(states[0].manifest.get("dataset_skipped") or {})
         old = read_json(run_dir / "manifest.json")  # a damaged one stops here, in one line
-        held = repair(run_dir / PREDICTIONS)  # what the directory already holds: kept, first, byte for byte
         added = union([line.record for line in held], records)
         write_bytes_atomic(run_dir / PREDICTIONS, b"".join(line.raw for line in held) + "".join(
             json.dumps(r, ensure_ascii=False, default=float) + "\n" for r in added).encode("utf-8"))
@@ -210,7 +219,7 @@ def merge_when_complete(run_dir: str | Path) -> dict | None:
     """What a shard calls when it finishes: merge if every shard has finished, else say who is still running."""
     try:
         states = read_shards(Path(run_dir), shard_count(Path(run_dir)) or 0)
-        check_complete(Path(run_dir), states)
+        check_complete(Path(run_dir), states, predicted_ids(Path(run_dir) / PREDICTIONS))
     except MergeError as e:
         logger.info("not merging yet: %s", e)
         return None

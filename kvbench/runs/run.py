@@ -246,6 +246,10 @@ def run_locked(cfg: DictConfig, run_dir: Path, store, method, dataset, spec, cho
     store.write_json(manifest_name, {**info, **meter.fields()})
 
     done = store.done_ids(include_failed=not cfg.get("retry_failed", True))  # failed samples are retried
+    if shard is not None:  # what the folder's merged predictions.jsonl already holds is not run again
+        from kvbench.runs.store import PREDICTIONS, predicted_ids
+
+        done |= predicted_ids(run_dir / PREDICTIONS)
     todo = [s for s in samples if s.id not in done]
     logger.info("device %s | %d samples, %d already in predictions.jsonl", info["hardware"]["device"],
                 len(samples), len(samples) - len(todo))

@@ -195,6 +195,15 @@ def repair(path: Path) -> list:
     return [line for line in lines if line.record is not None]
 
 
+def predicted_ids(path: Path) -> set[str]:
+    """Ids with a prediction in a predictions file as it is now (read only; a torn or invalid line is not counted):
+    a shard skips the samples its run directory's merged predictions.jsonl already holds."""
+    if not path.is_file():
+        return set()
+    return {line.record["id"] for line in scan(path.read_bytes())
+            if line.record is not None and not is_failure(line.record)}
+
+
 class RunStore:
     """Owns one run directory (or, with `shard`, one shard's file in it). Use `done_ids()` to resume, `append()` per
     sample, `write_scores()` at the end. The lock file names the holder's host and pid (what a cluster user kills)."""
@@ -211,6 +220,8 @@ class RunStore:
         try:
             remove_dead_temporaries(self.dir, prefix=".")  # `.manifest.json.tmp<pid>` of a writer killed mid-write
             self._records = self._load_and_repair()
+            if shard is not None:  # its file names the split for merge, even when it runs nothing (all merged)
+                self.predictions_path.touch()
         except BaseException:
             self.close()
             raise

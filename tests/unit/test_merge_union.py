@@ -25,8 +25,9 @@ def finished(tmp_path_factory):
 @pytest.mark.parametrize("limit", [["limit=2"], []])
 def test_shards_into_a_finished_run_keep_every_finished_record(finished, tmp_path, limit):
     """As a user meets it: 4 samples run to the end, then `shard=0/2` and `shard=1/2` (with or without `limit`)
-    into the same results_dir: the same folder, so the last shard merges. Every record predictions.jsonl held is
-    still there, byte for byte and first; scores.json covers the shards' samples with the records the file holds."""
+    into the same results_dir: the same folder, so the last shard merges. The shards run none of the samples already
+    predicted there; every record predictions.jsonl held is still there, byte for byte and first; scores.json covers
+    the shards' samples with the records the file holds."""
     results, run_dir, before = finished
     copy = tmp_path / run_dir.relative_to(results)
     copy.parent.mkdir(parents=True)
@@ -43,11 +44,31 @@ def test_shards_into_a_finished_run_keep_every_finished_record(finished, tmp_pat
     n = 2 if limit else 4
     assert scores["n"] == n
     assert set(json.loads((copy / "manifest.json").read_text())["shards"]) == {"shard-0-of-2", "shard-1-of-2"}
-    shard_ids = {r["id"] for i in range(2)
-                 for r in map(json.loads, (copy / f"predictions.shard-{i}-of-2.jsonl").open())}
-    assert len(shard_ids) == n
+    shard_records = [r for i in range(2) for r in map(json.loads, (copy / f"predictions.shard-{i}-of-2.jsonl").open())]
+    assert shard_records == []  # every sample of theirs was finished already: the shards ran none again
+    run_ids = json.loads((copy / "manifest.shard-0-of-2.json").read_text())["sample_ids"]
+    assert len(run_ids) == n
     assert scores["metrics"]["pyramidkv_recall"] == pytest.approx(
-        sum(r["score"] for r in kept if r["id"] in shard_ids) / n)
+        sum(r["score"] for r in kept if r["id"] in run_ids) / n)
+
+
+def test_shards_into_a_half_finished_run_run_only_what_is_missing(finished, tmp_path):
+    """predictions.jsonl holds 2 of the 4 samples: the two shards run exactly the other 2 between them (not again
+    what is there), and the merge appends them after the held lines."""
+    results, run_dir, before = finished
+    copy = tmp_path / run_dir.relative_to(results)
+    copy.mkdir(parents=True)
+    (copy / "config.yaml").write_bytes((run_dir / "config.yaml").read_bytes())
+    held = b"".join(before.splitlines(keepends=True)[:2])
+    (copy / "predictions.jsonl").write_bytes(held)
+    for i in range(2):
+        assert run_here(*NEEDLE, f"shard={i}/2", results=tmp_path) == copy
+    all_ids = [json.loads(x)["id"] for x in before.splitlines()]
+    ran = [r["id"] for i in range(2) for r in map(json.loads, (copy / f"predictions.shard-{i}-of-2.jsonl").open())]
+    assert sorted(ran) == sorted(all_ids[2:])
+    after = (copy / "predictions.jsonl").read_bytes()
+    assert after.startswith(held) and sorted(json.loads(x)["id"] for x in after.splitlines()) == sorted(all_ids)
+    assert json.loads((copy / "scores.json").read_text())["n"] == 4
 
 
 def shard_files(run_dir, by_shard: dict[int, list[dict]], count: int = 2, ids: list[str] | None = None) -> None:
