@@ -227,12 +227,16 @@ def merge_when_complete(run_dir: str | Path) -> dict | None:
 
 
 def stale(run_dir: Path) -> bool:
-    """A sharded run whose merged predictions.jsonl is absent or older than one of its shard files."""
+    """A sharded run whose merged predictions.jsonl is absent or older than one of its shard files, or whose merge
+    stopped between its writes (predictions.jsonl, then scores.json, then manifest.json: either is absent or older)."""
     shard_files = [p for p in run_dir.iterdir() if SHARD_FILE.match(p.name)]
     merged = run_dir / PREDICTIONS
     if not shard_files:
         return False
-    return not merged.is_file() or merged.stat().st_mtime < max(p.stat().st_mtime for p in shard_files)
+    if not merged.is_file() or merged.stat().st_mtime < max(p.stat().st_mtime for p in shard_files):
+        return True
+    after = [run_dir / "scores.json", run_dir / "manifest.json"]
+    return any(not p.is_file() or p.stat().st_mtime < merged.stat().st_mtime for p in after)
 
 
 def sharded_run_dirs(path: Path) -> list[Path]:

@@ -131,3 +131,32 @@ def test_a_damaged_line_in_predictions_is_set_aside_not_dropped(finished, tmp_pa
     assert lines[0] == good and len(lines) == 4
     (aside,) = map(json.loads, (tmp_path / "predictions.quarantine.jsonl").read_text().splitlines())
     assert aside["line"] == 1 and aside["text"] == "garbage"
+
+
+def test_a_merge_stopped_between_its_writes_is_merged_again_by_the_report(finished, tmp_path):
+    """merge writes predictions.jsonl, then scores.json, then manifest.json. Killed after the first write, the
+    folder holds new predictions and the old scores: the report's `merge_stale` must see it as stale and merge again
+    (it looked at predictions.jsonl against the shard files only, so scores.json stayed stale for ever)."""
+    import os
+
+    from kvbench.runs.merge import merge_stale, stale
+    from kvbench.runs.shard import assign
+
+    _, run_dir, _ = finished
+    (tmp_path / "config.yaml").write_bytes((run_dir / "config.yaml").read_bytes())
+    ids = [r["id"] for r in records(run_dir)]
+    owned = assign(ids, 2)
+    shard_files(tmp_path, {i: [dict(rec(0, 1.0), id=x) for x in owned[i]] for i in range(2)}, ids=ids)
+    assert stale(tmp_path)
+    merge(tmp_path)
+    assert not stale(tmp_path)
+    scores = tmp_path / "scores.json"
+    scores.write_text("{}")  # what an earlier merge left, now older than the predictions the stopped merge wrote
+    later = (tmp_path / "predictions.jsonl").stat().st_mtime_ns + 10**9
+    os.utime(tmp_path / "predictions.jsonl", ns=(later, later))
+    os.utime(tmp_path / "manifest.json", ns=(later, later))
+    assert stale(tmp_path)
+    merge_stale([tmp_path])
+    assert json.loads(scores.read_text())["n"] == 4 and not stale(tmp_path)
+    (tmp_path / "manifest.json").unlink()  # stopped before its last write
+    assert stale(tmp_path)
