@@ -318,6 +318,9 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
     # lightning layers' state: `get_linear_cache` / `set_linear_cache`, `kvbench.cache.hybrid`)
     _interface("kimi_linear", ["kimi_linear"], "kimi_linear.modeling_kimi_linear", "KimiLinearAttention",
                positions="none"),  # (MLA without rotary: its "rope" key part is shared but never rotated)
+    _interface("bailing_hybrid", ["bailing_hybrid"], "bailing_hybrid.modeling_bailing_hybrid",
+               "BailingHybridAttention", rotary_layout="interleaved"),  # (Ling 3: KDA + MLA; its output gate acts
+    # after attention: no effect on what is cached)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )

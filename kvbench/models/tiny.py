@@ -113,6 +113,12 @@ HYBRID_TINY = {
                         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
                         linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, num_local_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=32, head_dim=None),
+    # Ling 3 (bailing_hybrid): the same around an MLA layer with interleaved rotary (8 of each 16-wide key) and a
+    # per-head output gate; its KDA layers' heads are `head_dim` wide
+    "bailing_hybrid": dict(layer_types=_AROUND, mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=32,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=8,
+                           num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                           topk_group=1, first_k_dense_replace=1),
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }

@@ -1,14 +1,14 @@
-"""MiniMax (lightning linear attention beside softmax attention, kept by transformers in its own `MiniMaxCache`) and
-Kimi Linear (KDA delta-rule layers beside MLA layers), on tiny random models of each (kvbench.models.tiny.HYBRID_TINY:
-one attention layer between two linear ones).
+"""MiniMax (lightning linear attention beside softmax attention, kept by transformers in its own `MiniMaxCache`),
+Kimi Linear (KDA delta-rule layers beside NoPE MLA layers) and Ling 3 (`bailing_hybrid`: KDA beside rotary MLA), on
+tiny random models of each (kvbench.models.tiny.HYBRID_TINY: one attention layer between two linear ones).
 
-- Kimi Linear's full cache generates transformers' own greedy tokens (MiniMax's: tests/unit/test_hybrid.py, with the
-  other hybrids).
+- The MLA hybrids' full cache generates transformers' own greedy tokens (MiniMax's: tests/unit/test_hybrid.py, with
+  the other hybrids).
 - Every method keeps test_hybrid.py's contract (compress, then one decode step equals transformers' own uncompressed
   cache, each attention layer through the model's own eager attention masked to the entries kvbench kept), or, on
-  Kimi's MLA layers, is refused in one line naming what the latent lacks.
+  the MLA layers, is refused in one line naming what the latent lacks.
 - Bytes, hand-worked: the attention layer's K/V shrink with the budget as the tensors held do; the recurrent state
-  (MiniMax's lightning state, Kimi's conv and KDA states) is reported apart, equal to what transformers' cache holds.
+  (MiniMax's lightning state, the conv and KDA states) is reported apart, equal to what transformers' cache holds.
 - batch_size=4 gives batch 1's generations (each sample's lightning state joined for the batched forward and back).
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ from tests.unit.tiny import prompt
 N = 120
 
 
-def test_kimi_linear_full_cache_generates_what_transformers_generates():
-    model, ids = model_of("kimi_linear"), prompt(48, seed=3)
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid"])
+def test_full_cache_generates_what_transformers_generates(model_type):
+    model, ids = model_of(model_type), prompt(48, seed=3)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, 48:].tolist()
     with AttentionCapture(model) as capture:
@@ -42,11 +43,11 @@ def test_kimi_linear_full_cache_generates_what_transformers_generates():
 
 
 @pytest.mark.parametrize("name", sorted(METHODS.names()))
-@pytest.mark.parametrize("model_type", ["minimax", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["minimax", "kimi_linear", "bailing_hybrid"])
 def test_every_method_keeps_the_contract_or_is_refused(model_type, name):
     if model_type == "minimax" and name in CORE:
         pytest.skip("run with the other hybrids (tests/unit/test_hybrid.py)")
-    if model_type == "kimi_linear" and latent_refusal(METHODS[name]) is not None:
+    if model_type != "minimax" and latent_refusal(METHODS[name]) is not None:
         model = model_of(model_type)
         with AttentionCapture(model) as capture, pytest.raises(ValueError, match=f"^MLA: method={name} ") as err:
             generate(model, None, configured(name), capture, prompt(N), 32, 2, eos_ids=set())
@@ -74,6 +75,7 @@ def state_nbytes(cache) -> int:
     # layers, each a conv state over q, k and v ([1, 3 x 4 heads x 8, kernel 4] = 384 floats) and a recurrent
     # state [1, 4, 8, 8] (256 floats): 2560 bytes
     ("kimi_linear", 19200, 160, 5120),
+    ("bailing_hybrid", 19200, 160, 5120),  # (Ling 3: the same sizes, its latent's rotary part rotated)
 ])
 def test_kv_bytes_shrink_with_the_budget_and_the_state_is_apart(model_type, full, per_entry, state):
     model, ids = model_of(model_type), prompt(N)
@@ -94,7 +96,7 @@ def test_kv_bytes_shrink_with_the_budget_and_the_state_is_apart(model_type, full
     assert gen.full_kv_bytes == full
 
 
-@pytest.mark.parametrize("model_type", ["minimax", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["minimax", "kimi_linear"])  # (Ling 3's MLA: as Kimi's, rotated)
 def test_batch_of_four_equals_batch_one(model_type):
     """Four prompts of different lengths decoding together: each sample's lightning / KDA state goes into the batched
     forward and back, and every generation equals batch 1's."""
@@ -120,12 +122,12 @@ def test_the_capture_hands_kvbench_cache_to_minimax_only_while_attached():
         model(ids, past_key_values=DynamicCache(), use_cache=True)
 
 
-def test_kimi_linear_is_latent_from_its_config_and_refuses_position_shift():
-    """The command line refuses latent-incompatible methods before weights load (`is_latent_model`); its NoPE MLA has
-    no rotary keys to re-rotate."""
+def test_mla_hybrids_are_latent_from_their_config_and_kimi_refuses_position_shift():
+    """The command line refuses latent-incompatible methods before weights load (`is_latent_model`); Kimi's NoPE MLA
+    has no rotary keys to re-rotate."""
     from kvbench.models.adapters import check_config
 
-    assert is_latent_model(ModelSpec("tiny", "random:kimi_linear"))
+    assert all(is_latent_model(ModelSpec("tiny", f"random:{t}")) for t in ("kimi_linear", "bailing_hybrid"))
     assert not is_latent_model(ModelSpec("tiny", "random:minimax"))
     with pytest.raises(ValueError, match="positions=shift: kimi_linear has none positions") as err:
         check_config("kimi_linear").check_shift()
