@@ -132,3 +132,38 @@ def test_mla_hybrids_are_latent_from_their_config_and_kimi_refuses_position_shif
     with pytest.raises(ValueError, match="positions=shift: kimi_linear has none positions") as err:
         check_config("kimi_linear").check_shift()
     assert "\n" not in str(err.value)
+
+
+def test_beam_search_on_minimax_carries_the_lightning_state_with_its_beams():
+    """Three beams with the full cache equal transformers' own beam search recomputing every hypothesis from scratch
+    (`use_cache=False`): each beam's lightning state is gathered with its cache rows. (Not against its cached beam
+    search: transformers 5.23's `MiniMaxCache` inherits a `reorder_cache` that reorders the K/V layers only, so its
+    lightning states stay with the wrong beams.)"""
+    from kvbench.engine.beam import beam_generate
+
+    model, ids = model_of("minimax"), prompt(40)
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2)[0, 40:].tolist()
+        expected = model.generate(ids, max_new_tokens=10, num_beams=3, do_sample=False, eos_token_id=2,
+                                  pad_token_id=2, length_penalty=1.0, use_cache=False)[0, 40:].tolist()
+    assert expected != greedy  # the search really differs from greedy on this prompt
+    with AttentionCapture(model) as capture:
+        gen = beam_generate(model, None, configured("full"), capture, ids, None, 10, 3, eos_ids={2})
+    assert gen.token_ids == [t for t in expected if t != 2]
+
+
+def test_command_line_runs_minimax_and_refuses_kimi_storage_before_weights_load(tmp_path):
+    """`python -m kvbench.run model.path=random:minimax method=snapkv` (in this process) writes a record with the
+    lightning state apart; TailorKV on Kimi Linear's MLA layers stops in one line before any weights load."""
+    from tests.unit.test_cli import records, refusal, run_here
+
+    niah = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]",
+            "dataset.max_new_tokens=3"]
+    model = ["model=hf", "model.name=tiny", "model.device=cpu"]
+    run_dir = run_here(*model, "model.path=random:minimax", "method=snapkv", "method.window=8", "budget=32", *niah,
+                       results=tmp_path)
+    (record,) = records(run_dir)
+    assert "error" not in record and record["kv_bytes"] == 32 * 2 * 16 * 2 * 2 < record["full_kv_bytes"]  # (bf16)
+    assert record["state_bytes"] == 2 * 4 * 16 * 16 * 2  # two lightning layers' [1, 4, 16, 16] states, bf16
+    line = refusal(*model, "model.path=random:kimi_linear", "method=tailorkv", *niah, results=tmp_path / "refused")
+    assert "MLA: method=tailorkv keeps the cache in layers of its own" in line
