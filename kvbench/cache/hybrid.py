@@ -7,6 +7,9 @@ kept by transformers' update rules exactly (nothing of it is compressed). It liv
 them: `KVCache.layers` holds the attention layers only (a model layer's slot is its rank among them), so methods,
 budgets, `kv_bytes` and the records count attention layers, and the state's bytes are reported on their own
 (`state_bytes`): a constant per sequence, whatever the budget. Falcon-H1's layers have both (`hybrid`).
+MiniMax's lightning (linear) attention keeps one `[B, H, D, D]` state per layer under `MiniMaxCache`'s own names
+(`get_linear_cache` / `set_linear_cache`): it is held as that layer's recurrent state, so copies, beams and bytes treat
+it as every other state.
 """
 from __future__ import annotations
 
@@ -47,6 +50,18 @@ class RecurrentStates:
     def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> Tensor:
         return self.layer(layer_idx).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def get_linear_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        """MiniMax's lightning-attention state (`MiniMaxCache.get_linear_cache`): None until the layer's first write
+        (it has no conv state, so transformers' `has_previous_state` never turns on for it)."""
+        layer = self.layers.get(layer_idx)
+        return layer.recurrent_states[state_idx] if layer is not None and \
+            layer.is_recurrent_states_initialized[state_idx] else None
+
+    def update_linear_state(self, linear_state: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        """MiniMax's `set_linear_cache`: the layer's new state replaces the old (copied in, as transformers' layer
+        keeps its address)."""
+        return self.layer(layer_idx).update_recurrent_state(linear_state, state_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None:  # (transformers: the last linear layer)

@@ -265,6 +265,12 @@ class KVCache(Cache):
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.states.has_previous_state(layer_idx, state_idx)
 
+    def get_linear_cache(self, layer_idx: int) -> Tensor | None:  # (MiniMax's lightning attention: `MiniMaxCache`)
+        return self.states.get_linear_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: Tensor) -> None:
+        self.states.update_linear_state(linear_cache, layer_idx)
+
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 

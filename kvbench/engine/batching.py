@@ -229,6 +229,12 @@ class BatchedCache:
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return all(slot.run.cache.has_previous_state(layer_idx, state_idx) for slot in self.slots)
 
+    def get_linear_cache(self, layer_idx: int) -> Tensor | None:  # (MiniMax's lightning attention)
+        return self._joined("linear", layer_idx, 0)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: Tensor) -> None:
+        self._update("linear", linear_cache, layer_idx, 0)
+
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 

@@ -79,6 +79,9 @@ class Adapter:
     # block while a capture is attached
     query_predictable: bool = True  # False: no other layer's input predicts a layer's queries (ZAYA's also read a
     # convolution over past tokens; Zamba's join the embeddings, with a LoRA per use): TailorKV's q-hat is refused
+    own_cache: bool = False  # the base model's forward takes no cache but its own class while `use_cache` is set
+    # (MiniMax: `MiniMaxCache`), though its layers use whatever cache is handed over: the capture hands kvbench's over
+    # with use_cache off (`capture.hand_cache_over`)
     indexed_layers: bool = False  # DSA (DeepSeek-V3.2): an indexer picks each query's top-k keys
     # (`mla.with_sparse_indices`)
 
@@ -311,6 +314,13 @@ HYBRID_ADAPTERS: tuple[Adapter, ...] = (
                positions="none", query_predictable=False),  # (NoPE; its attention input joins the embeddings)
     _interface("zamba2", ["zamba2"], "zamba2.modeling_zamba2", "Zamba2Attention", numbered_by_layer=True,
                query_predictable=False),  # (its attention input joins the embeddings; a LoRA per use of the block)
+    _interface("minimax", ["minimax"], "minimax.modeling_minimax", "MiniMaxAttention", own_cache=True),  # (its
+    # lightning layers' state: `get_linear_cache` / `set_linear_cache`, `kvbench.cache.hybrid`)
+    _interface("kimi_linear", ["kimi_linear"], "kimi_linear.modeling_kimi_linear", "KimiLinearAttention",
+               positions="none"),  # (MLA without rotary: its "rope" key part is shared but never rotated)
+    _interface("bailing_hybrid", ["bailing_hybrid"], "bailing_hybrid.modeling_bailing_hybrid",
+               "BailingHybridAttention", rotary_layout="interleaved"),  # (Ling 3: KDA + MLA; its output gate acts
+    # after attention: no effect on what is cached)
     _interface("nemotron_h", ["nemotron_h"], "nemotron_h.modeling_nemotron_h", "NemotronHAttention",
                positions="none"),
 )

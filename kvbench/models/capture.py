@@ -73,6 +73,15 @@ def is_hybrid(config, n_attention_layers: int) -> bool:
     return bool(types & RECURRENT_LAYER_TYPES) or n_attention_layers < config.num_hidden_layers
 
 
+def hand_cache_over(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook on a base model that takes no cache but its own class while `use_cache` is set (MiniMax's
+    `MiniMaxCache`): there the flag only makes or checks the cache, and its layers use whatever cache is handed over,
+    so kvbench's is handed over with the flag off."""
+    if kwargs.get("past_key_values") is not None and kwargs.get("use_cache"):
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
 class AttentionCapture:
     """Records window queries at prefill for one model instance; see the module docstring."""
 
@@ -176,6 +185,8 @@ class AttentionCapture:
             if self.adapter.replaces is not None:  # attention that bypasses the interface: this instance only
                 name, factory = self.adapter.replaces
                 setattr(module, name, factory(module, attention))
+        if self.adapter.own_cache:
+            self._handles.append(self.model.base_model.register_forward_pre_hook(hand_cache_over, with_kwargs=True))
         for module in self.adapter.mlp_modules(self.model):
             if "forward" not in module.__dict__:  # (an instance forward of its own, e.g. accelerate's hook, stays)
                 module.forward = lean_mlp_forward(module, self.adapter.mlp_layout)

@@ -38,10 +38,6 @@ HYBRID = frozenset({
     "inkling_text", "inkling2_text", "zaya", "recurrent_gemma", "qwen4_exp_text"})
 # the hybrids kvbench runs have a row in adapters.HYBRID_ADAPTERS (checked before this table); the others, and why
 HYBRID_REASONS = {
-    "minimax": "it needs its own MiniMaxCache class (lightning-attention state) instead of kvbench's cache",
-    "kimi_linear": "its attention layers are MLA inside a hybrid (KDA linear layers beside latent caches), a "
-                   "combination kvbench has not checked yet",
-    "bailing_hybrid": "its attention layers are MLA inside a hybrid, a combination kvbench has not checked yet",
     "recurrent_gemma": "it keeps its cache inside the model (no past_key_values to compress)",
     "inkling_text": "its attention adds a hidden-state-conditioned relative logit bias (no RoPE) that kvbench's "
                     "scoring and decode attention do not reproduce",

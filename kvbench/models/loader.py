@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 RANDOM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2", "gemma3", "gemma2", "mpt", "gptj",
                    "falcon", "gpt_oss", "deepseek_v3")
 RANDOM_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-                  "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "zaya", "zamba", "zamba2")  # hybrid types
-# with a hand-sized tiny config (kvbench.models.tiny.HYBRID_TINY) and an adapter row (adapters.HYBRID_ADAPTERS), each
-# covered by test_hybrid.py
+                  "falcon_h1", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "zaya", "zamba", "zamba2", "minimax")  # hybrid
+# types with a hand-sized tiny config (kvbench.models.tiny.HYBRID_TINY) and an adapter row (adapters.HYBRID_ADAPTERS),
+# each covered by test_hybrid.py
+RANDOM_LATENT_HYBRIDS = ("kimi_linear", "bailing_hybrid")  # the same with MLA attention layers (Kimi Linear, Ling 3),
+# covered by test_linear_hybrids.py
 
 
 @dataclass

@@ -106,6 +106,19 @@ HYBRID_TINY = {
                    head_dim=None, layers=4),
     # (Zamba / Zamba 2: an attention block per hybrid layer without its index, tied across layers in a checkpoint;
     # Zamba 2 with rotary and a LoRA per use)
+    # MiniMax: lightning attention in blocks of 16 (a 120-token prompt crosses several), 4 experts
+    "minimax": dict(layer_types=_AROUND, block_size=16, num_local_experts=4, num_experts_per_tok=2),
+    # Kimi Linear: KDA (delta-rule) layers around an MLA layer (a 32-wide latent, NoPE: nothing rotated), 4 experts
+    "kimi_linear": dict(layer_types=_AROUND, mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=32,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+                        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, num_local_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, head_dim=None),
+    # Ling 3 (bailing_hybrid): the same around an MLA layer with interleaved rotary (8 of each 16-wide key) and a
+    # per-head output gate; its KDA layers' heads are `head_dim` wide
+    "bailing_hybrid": dict(layer_types=_AROUND, mlp_layer_types=["dense", "sparse", "sparse"], kv_lora_rank=32,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=8,
+                           num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                           topk_group=1, first_k_dense_replace=1),
     "nemotron_h": dict(hybrid_override_pattern="M*-M", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, conv_kernel=4, expand=1, chunk_size=16, layers=4),
 }

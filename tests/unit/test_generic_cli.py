@@ -1,7 +1,7 @@
 """The command line on `model.path=random:<model_type>` (issue 43's flagship types): snapkv, adakv, h2o, tailorkv and
 full run and write records on Qwen3-MoE, Gemma 4 and Llama 4 (generic path: plain, window layers, chunked + NoPE),
 gpt-oss (learned sinks) and DeepSeek-V3 (MLA latent), and snapkv on Zamba 2 (a hybrid whose attention blocks carry no
-layer index); MiniMax (a hybrid kvbench does not run), a method an MLA cache cannot honour and Hunyuan-V4's shared
+layer index); Inkling (a hybrid kvbench does not run), a method an MLA cache cannot honour and Hunyuan-V4's shared
 sparse-indexer layers are refused in one line before any weights load, naming their group (Qwen3.5 and Jamba run:
 tests/unit/test_hybrid.py)."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_methods_run_from_the_command_line(model_type, names, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,method,group", [
-    ("minimax", "snapkv", "hybrid: it needs its own MiniMaxCache"),
+    ("inkling_text", "snapkv", "hybrid: its attention adds a hidden-state-conditioned relative logit bias"),
     ("hy_v4", "snapkv", "MLA: its \"shared\" sparse-attention indexer layers"),
     ("deepseek_v3", "tailorkv", "MLA: method=tailorkv keeps the cache in layers of its own")])
 def test_other_groups_are_refused_in_one_line(model_type, method, group, tmp_path):

@@ -26,7 +26,7 @@ from kvbench.engine.batching import generate
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture, ModelSpec
 from kvbench.models.generic import decoder_types
-from kvbench.models.loader import RANDOM_HYBRIDS, check_architecture
+from kvbench.models.loader import RANDOM_HYBRIDS, RANDOM_LATENT_HYBRIDS, check_architecture
 from kvbench.models.tiny import tiny_random_model
 from kvbench.registry import METHODS
 from kvbench.cache.offloaded import OffloadedLayer
@@ -43,7 +43,7 @@ REPRESENTATIVE = ("gemma4_text", "llama4_text")  # every generic kind between th
 # The spec's groups of the types kvbench refuses (shared/specs/models-transformers-5.23.md, sections 1 and 3), and
 # the words their refusal must start with or contain.
 REFUSED = {
-    "hybrid:": "minimax kimi_linear bailing_hybrid inkling_text inkling2_text recurrent_gemma "
+    "hybrid:": "inkling_text inkling2_text recurrent_gemma "
                "qwen4_exp_text",  # (the other hybrids run: tests/unit/test_hybrid.py)
     "sparse-attention indexer layers (indexer_types) reuse": "hy_v4",  # (the other DSA types run below; the other
     # MLA and sink types: tests/unit/test_sinks_mla.py)
@@ -75,7 +75,7 @@ def model_of(model_type: str) -> torch.nn.Module:
 
 def generic_types() -> list[str]:
     return [t for t in decoder_types() if t not in REFUSAL and t not in HAND_WRITTEN and t not in NOT_BUILT
-            and t not in RANDOM_HYBRIDS]  # (hybrids: tests/unit/test_hybrid.py)
+            and t not in RANDOM_HYBRIDS + RANDOM_LATENT_HYBRIDS]  # (hybrids: test_hybrid.py, test_linear_hybrids.py)
 
 
 def test_survey_every_decoder_type_runs_or_is_refused_in_one_line(capsys):

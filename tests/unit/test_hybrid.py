@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 import kvbench.methods  # noqa: F401
@@ -41,9 +42,15 @@ def model_of(model_type: str):
     return _models[model_type]
 
 
+def own_cache(model) -> DynamicCache:
+    """transformers' own empty cache for `model` (MiniMax takes no class but its `MiniMaxCache`, whose unused K/V
+    slots of lightning layers stay empty: `attention_layers` skips them)."""
+    return MiniMaxCache() if model.config.model_type == "minimax" else DynamicCache(config=model.config)
+
+
 def reference_cache(model, ids) -> DynamicCache:
     """transformers' own cache after the uncompressed prompt (its linear layers' state by its own rules)."""
-    cache = DynamicCache(config=model.config)
+    cache = own_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
     return cache
@@ -51,7 +58,7 @@ def reference_cache(model, ids) -> DynamicCache:
 
 def attention_layers(cache: DynamicCache) -> list[int]:
     """Model layers whose cache holds per-token K/V (Falcon-H1's hold both K/V and state)."""
-    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, CacheLayerMixin)]
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, CacheLayerMixin) and layer.is_initialized]
 
 
 def masked_step(model, ids, token, kept: dict[int, list[torch.Tensor] | None]):
@@ -122,9 +129,9 @@ def check_contract(model_type: str, name: str) -> None:
                   and name not in EVERY_TOKEN]  # (they store every token, in fewer bytes)
     for slot in compressed:  # every attention layer really shrank
         assert max(len(p) for p in kept_by_slot[slot]) < N
-    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V) x head_dim x 4 bytes (fp32)
-        head_dim = seen["layers"][0].keys.shape[-1]
-        assert gen.kv_bytes == sum(len(p) for layer in kept_by_slot for p in layer) * 2 * head_dim * 4
+    if method.kind is not Kind.STORAGE:  # bytes held = Σ kept entries x (K + V widths) x 4 bytes (fp32; an MLA
+        widths = seen["layers"][0].keys.shape[-1] + seen["layers"][0].values.shape[-1]  # latent: c_kv + k_rope)
+        assert gen.kv_bytes == sum(len(p) for layer in kept_by_slot for p in layer) * widths * 4
     assert len(gen.kept_per_head) == len(attn)  # the record counts attention layers only
 
 
@@ -225,8 +232,6 @@ def test_beam_search_carries_the_state_with_its_beams():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("minimax", "'minimax' is not supported yet: hybrid: it needs its own MiniMaxCache"),
-    ("kimi_linear", "'kimi_linear' is not supported yet: hybrid: its attention layers are MLA"),
     ("recurrent_gemma", "hybrid: it keeps its cache inside the model"),
     ("mamba", "state-space/recurrent model with no per-token KV"),
 ])
@@ -290,7 +295,7 @@ def test_predicted_query_is_the_attention_layers_own_query(model_type):
         seen = {}
         capture.input_hook = lambda i, hidden, pos: seen.setdefault(i, (hidden, pos))
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
+            cache = own_cache(model)
             model(ids, past_key_values=cache, use_cache=True)
             model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[40]]), use_cache=True)
         hidden, pos = seen[0]
