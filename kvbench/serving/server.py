@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -32,8 +33,9 @@ from starlette.responses import StreamingResponse
 from kvbench.runs.api import Engine, Run, RunSpec
 from kvbench.serving.pool import KVPool, KVShape, check_bounded
 from kvbench.serving.scheduler import Job, Refused, Scheduler
-from kvbench.serving.wire import (ChatRequest, CompletionRequest, Knobs, TextStream, chunk_choice, completion_choice,
-                                  envelope, error_body, finish_reason, kvbench_fields, new_id, sampling_of, usage_of)
+from kvbench.serving.wire import (ChatRequest, CompletionRequest, DetokenizeRequest, Knobs, TextStream, TokenizeRequest,
+                                  chunk_choice, completion_choice, dialogue, envelope, error_body, finish_reason, kvbench_fields,
+                                  new_id, sampling_of, usage_of)
 
 logger = logging.getLogger(__name__)
 RUN_KEYS = ("method", "budget", "ratio", "model", "dataset")  # RunSpec's own fields on the command line
@@ -113,6 +115,17 @@ def check_servable(run: Run) -> None:
         raise ValueError("serve: a request's prompt is prefilled whole, then compressed; use query=aware")
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse, before weights load, an address this process cannot listen on (in use, or not this machine's)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"serve: cannot listen on {host}:{port} ({e.strerror or e}); pick another serve.port "
+                             "or serve.host") from None
+
+
 def pool_of(serve: ServeSpec, max_prompt_tokens: int, entry_bytes: int) -> KVPool:
     """`serve.pool_bytes`, or `pool_requests` (default: max_batch) full-cache requests of the longest allowed."""
     if serve.pool_bytes is not None:
@@ -168,12 +181,30 @@ class Server:
             raise Refused(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})", param="prompt")
         return list(prompt)
 
-    def chat_ids(self, body: ChatRequest) -> list[int]:
+    def chat_ids(self, body: ChatRequest | TokenizeRequest, add_generation_prompt: bool = True) -> list[int]:
+        """Messages rendered with the model's chat template, as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise Refused(f"{self.model_name} has no chat template; use /v1/completions with a rendered prompt",
                           param="messages")
-        text = self.tokenizer.apply_chat_template(body.dialogue(), tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(dialogue(body.messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's `/tokenize`: what a prompt or messages are in this model's tokens (lm-eval's remote tokenizer)."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise Refused("/tokenize takes one of prompt (text) or messages", param="prompt")
+        ids = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids \
+            if body.prompt is not None else self.chat_ids(body, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": self.max_prompt_tokens + self.serve.max_tokens, "tokens": ids,
+                "token_strs": None}
+
+    def tokenizer_info(self) -> dict:
+        tok = self.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": self.max_prompt_tokens + self.serve.max_tokens}
 
     def jobs(self, body: Knobs, prompts: list[list[int]], max_new: int, post) -> list[Job]:
         """Every prompt checked (length, pool) before any is queued, so a refusal queues nothing."""
@@ -352,6 +383,19 @@ def build_app(server: Server):
     async def chat_completions(body: ChatRequest, request: Request):
         return await server.answer(body, request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        return {"prompt": server.tokenizer.decode(server.ids_of(body.tokens))}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return server.tokenizer_info()
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
@@ -397,6 +441,7 @@ def main(argv: list[str]) -> None:
         spec, serve = parse(argv)
         run = spec.validate()  # every check before weights load
         check_servable(run)
+        check_port(serve.host, serve.port)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"kvbench: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
     with Engine(run) as engine:

@@ -130,9 +130,27 @@ class ChatRequest(Knobs):
             raise Refused("response_format: only plain text is served (no JSON mode or schema)",
                           param="response_format")
 
-    def dialogue(self) -> list[dict]:
-        """The messages as the chat template takes them (`developer` is a system turn)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+def dialogue(messages: list[Message]) -> list[dict]:
+    """Messages as a chat template takes them (`developer` is a system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize` (lm-eval's remote tokenizer reads it): a text, or messages rendered by the template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
 
 
 def sampling_of(knobs: Knobs, base: Sampling) -> Sampling | None:

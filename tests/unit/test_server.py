@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvbench.runs.api import Engine, RunSpec
-from kvbench.serving.server import ServeSpec, parse
+from kvbench.serving.server import ServeSpec, check_port, parse
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,6 +232,19 @@ def test_bad_json_an_unknown_model_and_a_chat_without_messages(served):
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
 
+def test_the_tokenizer_endpoints_lm_evals_remote_tokenizer_reads(served):
+    server, engine = served
+    ids = post(server, "/tokenize", {"prompt": "The pass key is 71432."}).json()["tokens"]
+    assert ids == engine.tokenizer("The pass key is 71432.").input_ids
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "The pass key is 71432."
+    messages = [{"role": "user", "content": "Say hi."}]
+    rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert post(server, "/tokenize", {"messages": messages}).json()["tokens"] == \
+        engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert (info["eos_token"], info["chat_template"]) == (engine.tokenizer.eos_token, engine.tokenizer.chat_template)
+
+
 def test_an_oversized_prompt_or_reservation_gets_a_clear_400(served):
     server, _ = served
     r = post(server, "/v1/completions", {"prompt": list(range(10, 10 + MAX_PROMPT + 1)), "max_tokens": 4})
@@ -252,6 +265,11 @@ def test_command_line_refusals_come_before_weights_load():
         parse(["batch_size=4"])
     with pytest.raises(ValueError, match="port=70000 must be in 1..65535"):
         parse(["serve.port=70000"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            check_port("127.0.0.1", taken.getsockname()[1])
     spec, serve = parse([*RUN, "serve.max_batch=3", "serve.pool_bytes=1000000"])
     assert (spec.method, spec.budget, spec.batch_size, spec.overrides) == ("snapkv", 48, 3, ("method.window=8",))
     assert serve == ServeSpec(max_batch=3, pool_bytes=1_000_000)
