@@ -372,6 +372,9 @@ def build_app(server: Server):
             error = first.get("ctx", {}).get("error", "")
             return JSONResponse(error_body(f"the request body is not valid JSON ({error})"), status_code=400)
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        if where.startswith("prompt."):  # (pydantic names each form of the union it tried)
+            return JSONResponse(error_body("prompt must be a string, a list of token ids, or a list of strings or of "
+                                           "token-id lists", param="prompt"), status_code=400)
         message = f"{where}: {first['msg']}" if where else f"request body: {first['msg']}"
         return JSONResponse(error_body(message, param=where or None), status_code=400)
 

@@ -8,6 +8,7 @@ tools) are refused rather than silently dropped. Each choice carries a `kvbench`
 after compression, before it, at the end, its budget, reservation and server-side latencies), which clients ignore."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Literal
@@ -154,20 +155,21 @@ class DetokenizeRequest(BaseModel):
 
 
 def sampling_of(knobs: Knobs, base: Sampling) -> Sampling | None:
-    """The request's token rule: None (the run's, `base`) unless it sets temperature; 0 is greedy. top_p / top_k
-    without a temperature on a greedy run cannot be honoured: refused."""
-    if knobs.temperature is None:
-        if (knobs.top_p not in (None, 1.0) or knobs.top_k not in (None, 0, -1)) and not base.do_sample:
+    """The request's token rule: None (the run's, `base`) when it asks for nothing else; temperature 0 is greedy;
+    otherwise sampled, each knob it leaves out taken from the run. On a greedy run, top_p / top_k without a
+    temperature cannot be honoured: refused."""
+    if knobs.temperature is None and not base.do_sample:
+        if knobs.top_p not in (None, 1.0) or knobs.top_k not in (None, 0, -1):
             raise Refused("top_p / top_k: this server decodes greedily unless a request sets temperature > 0; set "
                           "temperature too (or start it with generation.do_sample=true)", param="temperature")
-        if knobs.seed is None or not base.do_sample:
-            return None
-        return Sampling(True, base.temperature, base.top_k, base.top_p, knobs.seed)
+        return None  # (a seed means nothing to greedy decoding: lm-eval sends one with temperature 0)
+    asked = {k: v for k, v in (("temperature", knobs.temperature), ("top_p", knobs.top_p),
+                               ("top_k", knobs.top_k), ("seed", knobs.seed)) if v is not None}
+    if not asked:
+        return None
     if knobs.temperature == 0.0:
-        return Sampling()
-    top_k = knobs.top_k if knobs.top_k not in (None, -1) else 0
-    return Sampling(True, knobs.temperature, top_k, 1.0 if knobs.top_p is None else knobs.top_p,
-                    base.seed if knobs.seed is None else knobs.seed)
+        return dataclasses.replace(base, do_sample=False)
+    return dataclasses.replace(base, do_sample=True, **{"top_k": max(asked.pop("top_k", base.top_k), 0), **asked})
 
 
 # --- responses ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ One server serves the module (the SIGTERM test stops it: it runs last). Every wa
 reports, under a generous deadline that only a hang reaches."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import torch
 
+from kvbench.engine.generation import Sampling
 from kvbench.runs.api import Engine, RunSpec
 from kvbench.serving.server import ServeSpec, check_port, parse
 
@@ -180,6 +182,18 @@ def test_streamed_chunks_join_into_the_reply_and_stop_strings_cut_both(served):
     assert got[-2]["object"] == "chat.completion.chunk" and got[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_sampled_request_is_the_engines_sample_with_the_same_seed(served):
+    server, engine = served
+    ask = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    texts = [post(server, "/v1/completions", ask).json()["choices"][0]["text"] for _ in range(2)]
+    request = engine.request(PROMPTS[0], 10)
+    request.decoding = dataclasses.replace(engine.run.decoding(), sampling=Sampling(True, 0.8, 0, 0.9, 5))
+    ((_, gen),) = engine.decoder(1).run([request])
+    assert texts == [gen.text, gen.text]
+    greedy = engine.generate(PROMPTS[:1], max_new_tokens=10)[0]
+    assert gen.token_ids != greedy.token_ids  # (sampled at 0.8 from a random model: not its argmax path)
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_row_and_bytes(served):
     server, _ = served
     before = server.stats()["requests"]["cancelled"]
@@ -209,6 +223,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_row_and_bytes(served):
     ({"prompt": "hi", "top_p": 0.5}, "temperature"),  # greedy server: top_p alone cannot be honoured
     ({"prompt": "hi", "logprobs": 1, "echo": True}, "logprobs"),
     ({"prompt": [], "max_tokens": 3}, "prompt"),
+    ({"prompt": ["hi", [1, 2]], "max_tokens": 3}, "prompt"),  # text and ids mixed
     ({"prompt": [10 ** 9], "max_tokens": 3}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
 ])
