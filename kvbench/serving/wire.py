@@ -249,10 +249,9 @@ class TextStream:
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
         if cut >= 0:
-            text = text[:cut]
-        else:
-            text = text[:len(text) - self._held(text)]
-        return self._advance(text.rstrip("\ufffd"))
+            return self._advance(text[:cut])
+        text = text.rstrip("\ufffd")  # (the bytes of a character still coming)
+        return self._advance(text[:len(text) - self._held(text)])
 
     def final(self, text: str) -> str:
         return self._advance(text)

@@ -25,7 +25,8 @@ import torch
 
 from kvbench.engine.generation import Sampling
 from kvbench.runs.api import Engine, RunSpec
-from kvbench.serving.server import ServeSpec, check_port, parse
+from kvbench.serving.serve_spec import ServeSpec, check_port, parse
+from kvbench.serving.wire import TextStream
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,14 +281,37 @@ def test_command_line_refusals_come_before_weights_load():
         parse(["batch_size=4"])
     with pytest.raises(ValueError, match="port=70000 must be in 1..65535"):
         parse(["serve.port=70000"])
+    with pytest.raises(ValueError, match="port='80.5' must be an integer"):
+        parse(["serve.port=80.5"])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
             check_port("127.0.0.1", taken.getsockname()[1])
-    spec, serve = parse([*RUN, "serve.max_batch=3", "serve.pool_bytes=1000000"])
+    spec, serve = parse([*RUN, "serve.max_batch=3", "serve.pool_bytes=1000000", "serve.grace_s=2",
+                         "serve.host=0.0.0.0", "serve.max_prompt_tokens=null"])
     assert (spec.method, spec.budget, spec.batch_size, spec.overrides) == ("snapkv", 48, 3, ("method.window=8",))
-    assert serve == ServeSpec(max_batch=3, pool_bytes=1_000_000)
+    assert serve == ServeSpec(max_batch=3, pool_bytes=1_000_000, grace_s=2.0, host="0.0.0.0")
+
+
+def test_streamed_text_holds_back_what_may_still_change(served):
+    """Token by token: an unfinished UTF-8 character and the start of a stop string are held back; a stop string
+    cuts the text where the engine cuts it; `final` sends the rest of the finished reply."""
+    tokenizer = served[1].tokenizer
+    text = "Hello there, général Kenobi 🙂"
+    ids = tokenizer(text).input_ids
+
+    def streamed(stops: tuple[str, ...], final: str) -> tuple[list[str], str]:
+        stream = TextStream(tokenizer, stops)
+        pieces = [stream.push([t]) for t in ids]
+        return pieces, "".join(pieces) + stream.final(final)
+
+    pieces, joined = streamed((), text)
+    assert joined == text and not any("\ufffd" in p for p in pieces)
+    pieces, joined = streamed(("général",), "Hello there, ")  # the engine's text, cut before the stop string
+    assert joined == "Hello there, " and "".join(pieces) == "Hello there, "
+    pieces, joined = streamed(("Kenobi 🙂?",), text)  # its start is held back until the reply ends without it
+    assert "".join(pieces) == "Hello there, général " and joined == text
 
 
 def test_the_engine_drops_a_cancelled_sample_at_its_next_step_and_frees_its_rows(served):
