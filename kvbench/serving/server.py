@@ -23,6 +23,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -324,7 +325,6 @@ def build_app(server: Server):
 
 def serve_forever(server: Server) -> None:
     """uvicorn until SIGTERM / SIGINT; in-flight requests are cancelled after `grace_s` (see the module doc)."""
-    import uvicorn
 
     class Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
