@@ -164,7 +164,7 @@ class Server:
             return CancellingStream(self.stream(body, jobs, queue, rid, chat), lambda: self.cancel(jobs))
         outcomes = await self.collect(jobs, queue, http)
         if outcomes is None:  # the client left; nobody reads this
-            return JSONResponse(error_body("client closed the request"), status_code=499)
+            return JSONResponse(error_body("the client closed the request"), status_code=499)
         failure = next((problem for job in jobs if (problem := self.problem(job, outcomes[job.index]))), None)
         if failure is not None:
             return JSONResponse(failure[1], status_code=failure[0])
@@ -206,6 +206,8 @@ class Server:
         if isinstance(outcome, BaseException):
             return 500, error_body(f"the engine failed on this request: {type(outcome).__name__}: {outcome}",
                                    "server_error")
+        if job.cancel_reason == "client":  # (nobody reads it)
+            return 499, error_body("the client closed the request")
         if outcome is None or outcome.stop_reason == "cancelled":
             made = len(outcome.token_ids) if outcome is not None else 0
             return 503, error_body(f"the server shut down before this request finished ({made} tokens made); retry",
@@ -218,8 +220,7 @@ class Server:
         fields), the usage if asked (`stream_options.include_usage`), and `[DONE]`."""
         texts = {job.index: TextStream(self.tokenizer, body.stops()) for job in jobs}
         by_index = {job.index: job for job in jobs}
-        model, usage = self.model_name, [len(job.request.input_ids[0]) for job in jobs]
-        made = 0
+        model, prompt_tokens, made = self.model_name, sum(len(job.request.input_ids[0]) for job in jobs), 0
 
         def chunk(choice: dict) -> str:
             return sse(envelope(chat, True, rid, model, [choice]))
@@ -246,7 +247,7 @@ class Server:
             made += len(outcome.token_ids)
             open_jobs -= 1
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse(envelope(chat, True, rid, model, [], usage_of(sum(usage), made)))
+            yield sse(envelope(chat, True, rid, model, [], usage_of(prompt_tokens, made)))
         yield "data: [DONE]\n\n"
 
     def about(self) -> dict:
