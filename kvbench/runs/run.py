@@ -194,6 +194,11 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     shard = Shard.parse(cfg.get("shard"))
     store = RunStore(run_dir, shard)  # the lock, taken before weights load
     try:
+        validated = Run(cfg, method, dataset, spec, choices)
+        if validated.remote:  # model=openai: an external server generates (kvbench.runs.remote)
+            from kvbench.runs.remote import run_remote_locked
+
+            return run_remote_locked(cfg, run_dir, store, validated, choices, shard)
         return run_locked(cfg, run_dir, store, method, dataset, spec, choices, shard)
     finally:
         store.close()
