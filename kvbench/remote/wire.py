@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+CHOICE_FIELDS = ("index", "text", "delta", "message", "logprobs", "finish_reason", "stop_reason")  # OpenAI's, vLLM's
 FINISH_TO_STOP = {"stop": "stop", "length": "max_new_tokens", "eos": "eos"}  # the record's `stop_reason` names
 
 
@@ -47,7 +48,8 @@ def completion_body(model: str, prompt: str | Sequence[int], max_tokens: int, st
 @dataclass
 class Reply:
     """What a streamed reply has said so far: its text pieces (one per chunk that carried text), the finish
-    reason, usage, and any extra top-level object the server added (kvbench's server: `kvbench`)."""
+    reason, usage, and any extra object the server added, at the top or in the choice (kvbench's server: `kvbench`,
+    its last value kept)."""
 
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -70,6 +72,9 @@ class Reply:
                 self.extra[key] = value
         texted = False
         for choice in chunk.get("choices") or []:
+            for key, value in choice.items():  # a per-choice extension (kvbench's server puts `kvbench` here)
+                if key not in CHOICE_FIELDS and value is not None:
+                    self.extra[key] = value
             piece = choice.get("text")
             if piece is None:  # a chat chunk
                 piece = (choice.get("delta") or {}).get("content")

@@ -115,10 +115,10 @@ def setup(cfg: DictConfig):
     check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
     method = build_method(cfg.method, build, cfg.model)
     dataset = build(cfg.dataset, "dataset")
-    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
-        dataset.check()
     if is_remote(cfg.model):  # model=openai: generation is an external server's (kvbench.remote)
         return setup_remote(cfg, method, dataset)
+    if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
+        dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     if getattr(dataset, "thinking", None) is not None and not spec.chat_template:
         raise ValueError(f"dataset.thinking={dataset.thinking} is the chat template's thinking switch "
@@ -178,6 +178,8 @@ def setup_remote(cfg: DictConfig, method, dataset):
     spec = RemoteSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     check_remote(method, cfg)
     check_remote_dataset(dataset)
+    if hasattr(dataset, "check"):  # its data folder
+        dataset.check()
     cfg.budget = cfg.ratio = None  # `full`: the compression, if any, is the server's
     from kvbench.runs.shard import Shard
 

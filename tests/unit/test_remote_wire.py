@@ -13,9 +13,9 @@ def test_a_stream_reads_to_its_text_finish_reason_usage_and_extra_objects():
     lines = [": keep-alive comment", "",
              'data: {"id":"c1","object":"text_completion","choices":[{"index":0,"text":" to","finish_reason":null}]}',
              "event: ignored", 'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}',  # an empty piece
-             'data: {"choices":[{"index":0,"text":" eat","finish_reason":"stop"}]}',
+             'data: {"choices":[{"index":0,"text":" eat","finish_reason":"stop","kvbench":{"kv_bytes":512}}]}',
              'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":2,"total_tokens":14},'
-             '"kvbench":{"kv_bytes":1024,"method":"snapkv"}}',
+             '"stats":{"running":2}}',
              "data: [DONE]"]
     reply, texted = Reply(), []
     for line in lines:
@@ -27,7 +27,7 @@ def test_a_stream_reads_to_its_text_finish_reason_usage_and_extra_objects():
     assert texted == [True, False, True, False]  # the first True is the first token's chunk
     assert reply.text == " to eat" and reply.finish_reason == "stop"
     assert reply.usage == {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}
-    assert reply.extra == {"kvbench": {"kv_bytes": 1024, "method": "snapkv"}}
+    assert reply.extra == {"kvbench": {"kv_bytes": 512}, "stats": {"running": 2}}  # in a choice, or at the top
 
 
 def test_chat_deltas_are_read_and_an_error_event_raises():
