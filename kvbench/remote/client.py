@@ -18,13 +18,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvbench.remote.spec import ServerProblem, Unreachable
 from kvbench.remote.wire import Reply, ServerError, sse_data
 
 PROBE_TIMEOUT_S = 30.0  # /v1/models: a server that is up answers at once; a busy one may take a while
-
-
-class Unreachable(ValueError):
-    """No OpenAI-compatible server answers at the base URL (one line, before anything is written)."""
 
 
 @dataclass
@@ -112,7 +109,7 @@ async def replay(base_url: str, bodies: Sequence[dict], arrival_s: Sequence[floa
                 return i, await asyncio.wait_for(stream_completion(client, url, bodies[i], started), timeout_s)
             except asyncio.TimeoutError:
                 return i, TimeoutError(f"no complete reply from {url} within model.timeout_s={timeout_s:g}")
-            except (httpx.HTTPError, ServerError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - this request's failure (HTTP, a broken stream); the others go on
                 return i, e
 
         running = {asyncio.ensure_future(one(i)) for i, t in enumerate(arrival_s) if t is not None}
@@ -137,7 +134,7 @@ def closed_loop(n: int, concurrency: int) -> list[float | None]:
 
 def probe(base_url: str, model: str, api_key_env: str | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> dict:
     """The server's /v1/models answer, checked: an unreachable server, an API key it wants, or a model it does not
-    serve is one line (Unreachable / ValueError). A server without /v1/models passes (nothing to check)."""
+    serve is one line (ServerProblem). A server without /v1/models passes (nothing to check)."""
     url = f"{base_url.rstrip('/')}/models"
     try:
         response = httpx.get(url, headers=headers(api_key_env), timeout=timeout_s)
@@ -145,7 +142,7 @@ def probe(base_url: str, model: str, api_key_env: str | None = None, timeout_s: 
         raise Unreachable(f"model.base_url={base_url}: no server answers ({type(e).__name__}: {e or 'no reply'}); "
                           "start it (docs/serving.md#client) or fix model.base_url") from None
     if response.status_code in (401, 403):
-        raise ValueError(f"model.base_url={base_url}: the server wants an API key (HTTP {response.status_code}); "
+        raise ServerProblem(f"model.base_url={base_url}: the server wants an API key (HTTP {response.status_code}); "
                          "put it in an environment variable and name it with model.api_key_env=<VAR>")
     if response.status_code != 200:
         return {}
@@ -155,6 +152,6 @@ def probe(base_url: str, model: str, api_key_env: str | None = None, timeout_s: 
         raise Unreachable(f"model.base_url={base_url}: {url} did not answer as an OpenAI server (not JSON); is it "
                           "the server's /v1 root?") from None
     if listed and model not in listed:
-        raise ValueError(f"model.base_url={base_url} serves {', '.join(map(str, listed))}, not {model!r}; set "
+        raise ServerProblem(f"model.base_url={base_url} serves {', '.join(map(str, listed))}, not {model!r}; set "
                          "model.name (or model.served, for a name with '/') to one of those")
     return response.json()

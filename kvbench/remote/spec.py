@@ -14,6 +14,14 @@ from kvbench.pathnames import check_name
 SENDS = ("ids", "text")
 
 
+class ServerProblem(ValueError):
+    """The server cannot run this run: it wants a key, or serves another model (one line)."""
+
+
+class Unreachable(ServerProblem):
+    """No OpenAI-compatible server answers at the base URL (one line, before anything is written)."""
+
+
 def is_remote(model_node) -> bool:
     """A model node that names a server (`base_url`) rather than weights."""
     return model_node is not None and "base_url" in model_node
@@ -62,6 +70,11 @@ class RemoteSpec:
 def check_remote(method, cfg) -> None:
     """What a run against a server refuses, in one line, before anything is sent: compression happens inside the
     server, so kvbench's own methods and their switches cannot apply; and what the wire cannot carry."""
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is None:
+        raise ValueError("model=openai sends its requests with httpx, which is not installed; pip install "
+                         "'kvbench[serve]' (or httpx)")
     if method.compresses or getattr(method, "registry_name", "full") != "full":
         raise ValueError(f"model=openai: method={getattr(method, 'registry_name', method)} runs inside kvbench; "
                          "against a server the compression is the server's (start it with its own KV compression "
