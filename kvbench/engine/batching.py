@@ -110,6 +110,9 @@ class Request:
     # its follow-up once it has finished: the next turn, fed on this cache by its `on_join` (the cache is kept), or
     # a new prompt of its own (LongBench v2's second CoT question: this cache is freed)
     then: Callable[[Generation], Request | None] | None = None
+    # set from another thread (a server's client left, or it shuts down): the sample ends at its next step with
+    # stop_reason "cancelled", and its rows and cache are freed as any finished sample's
+    cancelled: bool = False
 
     @classmethod
     def from_sample(cls, sample, ids: list[int], budget: int | None, seed: int, device, **fields) -> Request:
@@ -148,7 +151,7 @@ class Slot:
     t: int = 0  # tokens chosen so far
     n_forward: int = 0
     stopped: bool = False  # a stop string appeared: `text` is already cut before it
-    stop_reason: str = "max_new_tokens"  # why it ended: eos, stop (a stop string or token), max_new_tokens
+    stop_reason: str = "max_new_tokens"  # why it ended: eos, stop (a stop string or token), max_new_tokens, cancelled
     decode_s: float = 0.0  # wall time of the batched forwards this sample took part in (not others' prefills)
 
 
@@ -445,6 +448,9 @@ class BatchedDecoder:
         """The slot's next token `[1, 1]` (left on the device); None when the
         sample has generated all it may."""
         request, logits = slot.request, slot.logits
+        if request.cancelled:
+            slot.stop_reason = "cancelled"
+            return None
         if slot.t >= request.max_new_tokens:
             return None
         if request.beams is not None:  # (its search ends before the length when every beam has finished)

@@ -73,7 +73,7 @@ class Generation:
     peak_kv_bytes: int = 0  # the most K/V bytes held at once, prefill and decoding included
     kv_bytes_decode_peak: int = 0  # the most K/V bytes held after a decode step (the compressed cache's if none)
     kv_bytes_decode_mean: float = 0.0  # their mean over the decode steps
-    stop_reason: str = "max_new_tokens"  # eos, stop (a stop string or token), max_new_tokens
+    stop_reason: str = "max_new_tokens"  # eos, stop (a stop string or token), max_new_tokens, cancelled
     state_bytes: int = 0  # a hybrid model's recurrent state (linear attention / SSM / conv layers): constant, apart
     # from the K/V bytes above, which count attention layers only
     step: str = "eager"  # the decode step that ran: eager, static or captured (kvbench.engine.static)
