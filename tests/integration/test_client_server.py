@@ -145,3 +145,15 @@ def test_an_unreachable_server_is_one_line_and_writes_nothing(tmp_path):
                                                 "[Errno 111] Connection refused); start it (docs/serving.md#client) "
                                                 "or fix model.base_url"]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_api_generates_through_the_server_as_in_process(full_server):
+    from kvbench.runs.api import Engine, RunSpec, open_engine
+
+    prompts = ["The river was calm and the boats stayed home. The pass key is 68302. The pass key is", [1, 2, 3, 4]]
+    served = open_engine(RunSpec(model="openai", method="full", overrides=(
+        f"model.base_url={full_server}", "model.name=tiny-llama"))).generate(prompts, max_new_tokens=8)
+    with Engine(RunSpec(model="tiny_llama", method="full")) as engine:
+        local = engine.generate(prompts, max_new_tokens=8)
+    assert [r.text for r in served] == [g.text for g in local]
+    assert [r.tokens for r in served] == [len(g.token_ids) for g in local]

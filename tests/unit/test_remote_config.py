@@ -69,3 +69,16 @@ def test_an_unreachable_server_is_one_line_and_nothing_is_written(tmp_path):
         validate([*SERVER, *NIAH, "method=full", f"model.base_url={url}", f"results_dir={tmp_path}"])
     assert str(e.value).startswith(f"model.base_url={url}: no server answers (ConnectError")
     assert "\n" not in str(e.value) and not any(tmp_path.iterdir())
+
+
+def test_scores_of_a_server_run_average_its_timings_and_hold_no_kv_ratio():
+    from kvbench.runs.store import aggregate
+
+    def record(i: str, score: float, ttft: float, tpot: float | None) -> dict:
+        return {"id": i, "score": score, "scores": {"acc": score}, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": 2 * ttft,
+                "new_tokens": 3, "budget": None}
+
+    summary = aggregate([record("a", 1.0, 0.5, 0.1), record("b", 0.0, 1.5, None)])
+    assert summary["metrics"] == {"acc": 0.5} and summary["n"] == 2
+    assert summary["kv_bytes_mean"] is None and summary["kv_ratio"] is None and summary["prefill_s_mean"] is None
+    assert (summary["ttft_s_mean"], summary["tpot_s_mean"], summary["e2e_s_mean"]) == (1.0, 0.1, 2.0)
