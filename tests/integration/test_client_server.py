@@ -157,3 +157,24 @@ def test_the_api_generates_through_the_server_as_in_process(full_server):
         local = engine.generate(prompts, max_new_tokens=8)
     assert [r.text for r in served] == [g.text for g in local]
     assert [r.tokens for r in served] == [len(g.token_ids) for g in local]
+
+
+def test_replay_keeps_its_arrival_process(full_server):
+    """A closed loop of one client sends each request only after the previous reply ended; a burst sends all before
+    any reply ends (the load benchmark's arrival processes, kvbench.serving.arrivals, plug in as `arrival_s`)."""
+    import asyncio
+
+    from kvbench.remote.client import closed_loop, replay
+    from kvbench.remote.wire import completion_body
+
+    bodies = [completion_body("tiny-llama", [1, 2, 3, 4 + i], 6) for i in range(3)]
+
+    async def send(arrival_s):
+        return dict([item async for item in replay(full_server, bodies, arrival_s)])
+
+    one_client = asyncio.run(send(closed_loop(3, 1)))
+    ends = sorted((r.sent_s, r.sent_s + r.e2e_s) for r in one_client.values())
+    assert all(later_sent >= earlier_end for (_, earlier_end), (later_sent, _) in zip(ends, ends[1:]))
+    burst = asyncio.run(send([0.0, 0.0, 0.0]))
+    assert max(r.sent_s for r in burst.values()) < min(r.sent_s + r.e2e_s for r in burst.values())
+    assert all(r.tokens == 6 and r.finish_reason == "length" for r in [*one_client.values(), *burst.values()])
