@@ -33,6 +33,8 @@ FIELDS: dict[str, tuple[tuple, bool]] = {
     "transfers": (DICT, False), "num_beams": (INT, False), "nll_sum": (NUMBER, False), "n_tokens": (INT, False),
     "evicts_in_stream": ((bool,), False), "error_type": (TEXT, False), "error": (TEXT, False), "where": (TEXT, True),
     "response_cot": (TEXT, False), "follow_up": (DICT, False),  # a dataset's second question (kvbench.runs.follow_up)
+    "ttft_s": (NUMBER, True), "tpot_s": (NUMBER, True), "sent_s": (NUMBER, False),  # a server's reply (runs/remote)
+    "usage": (DICT, True), "server": (DICT, False), "sent": (TEXT, False),
 }
 FOLLOW_UP = "follow_up"  # the second request's own fields: typed by FIELDS too
 PREDICTION_REQUIRES = ("score", "scores")  # what every reader of a prediction record takes (means, tables)

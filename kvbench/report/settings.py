@@ -26,7 +26,7 @@ ROW_KEYS = ("model", "dataset", "method", "budget", "ratio", "query")  # manifes
 # how a run executes, which part of its samples, where it writes; and per node, where the model sits
 NOT_IDENTITY = ("compress_after", "limit", "shard", "batch_size", "step", "retry_failed", "report", "results_dir",
                 "paper_settings", "hydra")
-PLACEMENT = ("gpus", "mem_gb", "device_map")  # kvbench.runs.config.PLACEMENT_KEYS
+PLACEMENT = ("gpus", "mem_gb", "device_map", "concurrency", "timeout_s", "api_key_env")  # runs.config.PLACEMENT_KEYS
 
 
 def flatten(node, prefix: str = "") -> dict[str, object]:

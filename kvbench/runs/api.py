@@ -102,6 +102,12 @@ class Run:
         return self.method, self.dataset, self.model
 
     @property
+    def remote(self) -> bool:
+        """A run against an OpenAI-compatible server (`model=openai`, kvbench.remote): no weights load here;
+        `open_engine` gives its `RemoteEngine`."""
+        return hasattr(self.model, "base_url")
+
+    @property
     def batch_size(self) -> int:
         return int(self.cfg.batch_size)
 
@@ -133,6 +139,9 @@ class Engine:
         from kvbench.models import AttentionCapture, load
 
         self.run = run.validate() if isinstance(run, RunSpec) else run
+        if self.run.remote:
+            raise ValueError("Engine: model=openai generates on a server; use kvbench.runs.api.open_engine(run) "
+                             "(a RemoteEngine)")
         self.model, self.tokenizer = loaded or load(self.run.model)
         self.prepared = self.run.method.prepare(self.model, self.tokenizer, prefill=prefill)
         self._capture = AttentionCapture(self.model, window=self.run.method.query_window)
@@ -210,3 +219,14 @@ class Engine:
             if isinstance(outcomes[i], Exception):
                 raise outcomes[i]
         return [outcomes[i] for i in range(len(requests))]
+
+
+def open_engine(run: Run | RunSpec):
+    """The engine of `run`: an `Engine` (the model loaded here), or for `model=openai` a
+    `kvbench.runs.remote.RemoteEngine` (requests to the server; the same samples, prompts and records)."""
+    run = run.validate() if isinstance(run, RunSpec) else run
+    if run.remote:
+        from kvbench.runs.remote import RemoteEngine
+
+        return RemoteEngine(run)
+    return Engine(run)

@@ -23,7 +23,8 @@ GROUPS = ("method", "dataset", "model")
 
 # --- config helpers (also used by the Hydra run-dir interpolations) -------------------------------------------
 # where a run executes, not what it computes: kept out of the run dir's identity (like `limit` and `shard`)
-PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map")
+PLACEMENT_KEYS = ("gpus", "mem_gb", "device_map",
+                  "concurrency", "timeout_s", "api_key_env")  # (the last three: model=openai's, kvbench.remote)
 
 
 QUERY_MODES = ("aware", "agnostic")
@@ -108,11 +109,14 @@ def setup(cfg: DictConfig):
     from kvbench.models.checks import check_source
     from kvbench.methods.latent import check_latent
     from kvbench.models.loader import ModelSpec, check_architecture, is_latent_model
+    from kvbench.remote.spec import is_remote
     from kvbench.runs.schema import check
 
     check(cfg)  # every value's type, range or choices (kvbench/runs/schema.py), before anything is built
     method = build_method(cfg.method, build, cfg.model)
     dataset = build(cfg.dataset, "dataset")
+    if is_remote(cfg.model):  # model=openai: generation is an external server's (kvbench.remote)
+        return setup_remote(cfg, method, dataset)
     if hasattr(dataset, "check"):  # e.g. LongBench's data folder: fail before weights load
         dataset.check()
     spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
@@ -163,6 +167,23 @@ def setup(cfg: DictConfig):
     from kvbench.runs.shard import Shard
 
     Shard.parse(cfg.get("shard"))  # a bad `shard=` fails here, in one line
+    return method, dataset, spec
+
+
+def setup_remote(cfg: DictConfig, method, dataset):
+    """`setup` for a run against an OpenAI-compatible server: its model node, and what it refuses (any method but
+    `full`, beams, ...: kvbench.remote.spec), in one line before anything is sent."""
+    from kvbench.remote.spec import RemoteSpec, check_remote, check_remote_dataset
+
+    spec = RemoteSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    check_remote(method, cfg)
+    check_remote_dataset(dataset)
+    if hasattr(dataset, "check"):  # its data folder
+        dataset.check()
+    cfg.budget = cfg.ratio = None  # `full`: the compression, if any, is the server's
+    from kvbench.runs.shard import Shard
+
+    Shard.parse(cfg.get("shard"))
     return method, dataset, spec
 
 

@@ -92,6 +92,8 @@ def prefill_key(cfg: DictConfig) -> str:
 
 def runs_alone(cfg: DictConfig, dataset) -> str | None:
     """Why a job cannot run sample-major (it then runs as the basic launcher runs it), or None."""
+    if "base_url" in cfg.model:
+        return "a run against a server (model=openai: kvbench.runs.remote)"
     if getattr(dataset, "kind", None) == "perplexity":
         return "teacher-forced perplexity"
     if cfg.generation.get("num_beams", 1) > 1:

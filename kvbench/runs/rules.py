@@ -25,6 +25,7 @@ KINDS = {"int": int, "float": float, "bool": bool, "str": str}
 NODE_CLASSES = {"generation": "kvbench.engine.generation.Sampling", "model": "kvbench.models.loader.ModelSpec",
                 "decode_compression": "kvbench.engine.recompress.DecodeCompression"}  # schema.NODES, by name
 RUN_CLASS = "kvbench.runs.schema.Run"
+REMOTE_CLASS = "kvbench.remote.spec.RemoteSpec"  # a model node with `base_url` (model=openai)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ def check_early(cfg: DictConfig) -> None:
             if line is not None:
                 raise ValueError(line)
             continue
-        entry = current(NODE_CLASSES.get(key) or str(node.get("_target_", "")))
+        target = REMOTE_CLASS if key == "model" and "base_url" in node else NODE_CLASSES.get(key)
+        entry = current(target or str(node.get("_target_", "")))
         if entry is None:
             continue
         for name, value in plain(node).items():

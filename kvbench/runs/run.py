@@ -194,6 +194,11 @@ def run(cfg: DictConfig, run_dir: Path, job=None, choices: dict[str, str] | None
     shard = Shard.parse(cfg.get("shard"))
     store = RunStore(run_dir, shard)  # the lock, taken before weights load
     try:
+        validated = Run(cfg, method, dataset, spec, choices)
+        if validated.remote:  # model=openai: an external server generates (kvbench.runs.remote)
+            from kvbench.runs.remote import run_remote_locked
+
+            return run_remote_locked(cfg, run_dir, store, validated, choices, shard)
         return run_locked(cfg, run_dir, store, method, dataset, spec, choices, shard)
     finally:
         store.close()
@@ -340,11 +345,12 @@ def main(cfg: DictConfig) -> None:
     from kvbench.runs.store import RunDirError
 
     from kvbench.methods.base import RefusedForModel
+    from kvbench.remote.spec import ServerProblem
 
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir), job)
-    except (RunDirError, RefusedForModel) as e:  # busy, a damaged manifest, a full disk; a setting the model refuses
-        sys.exit(f"kvbench: {e}")
+    except (RunDirError, RefusedForModel, ServerProblem) as e:  # busy, a damaged manifest, a full disk; a setting
+        sys.exit(f"kvbench: {e}")  # the model refuses; a server gone since the command line was checked
     except KeyboardInterrupt as e:  # 130 / 143: the shell's codes for SIGINT / SIGTERM
         print(INTERRUPTED.replace("interrupted", str(e) or "interrupted"), file=sys.stderr)
         sys.exit(128 + (e.signum if isinstance(e, Stopped) else 2))

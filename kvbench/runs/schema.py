@@ -28,6 +28,7 @@ from kvbench.engine.generation import Sampling
 from kvbench.engine.recompress import DecodeCompression
 from kvbench.methods.wrappers import Switches
 from kvbench.models.loader import ModelSpec
+from kvbench.remote.spec import RemoteSpec, is_remote
 from kvbench.runs.rules import (PACKAGE, SNAPSHOT, Range, Rule, fits, problem_line,  # noqa: F401  (Rule, fits:
                                  rule_json, source_hash)  # this module's API too)
 
@@ -108,6 +109,13 @@ RANGES: dict[str, Range] = {
     "quant_friendly_layers": at_least(0, "layer indices"),
     "gpus": at_least(0, "GPUs a cluster job asks for"),
     "mem_gb": at_least(1, "GiB a cluster job asks for"),
+    # --- model=openai (RemoteSpec): a server's address and how requests are sent
+    "base_url": OWN,
+    "tokenizer": TEXT,
+    "served": TEXT,
+    "concurrency": at_least(1, "requests in flight at once"),
+    "timeout_s": above(0, "seconds one request may take"),
+    "api_key_env": TEXT,
     # --- methods: entry counts, window sizes, shares of the budget
     "window": at_least(1),
     "kernel": at_least(1),
@@ -345,6 +353,7 @@ def leaves(cfg: DictConfig) -> Iterator[tuple[str, Any, Rule | None, str]]:
         cls = None
         if isinstance(node, DictConfig):
             cls = NODES.get(key) or (node_class(node) if key in ("method", "dataset") else None)
+            cls = RemoteSpec if key == "model" and is_remote(node) else cls  # model=openai: a server
         if cls is None:
             value = OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
             yield key, value, rules_of(Run).get(key), ""
@@ -379,7 +388,7 @@ def snapshot() -> dict:
 
     classes = {}
     method_classes = [METHODS[n] for n in METHODS.names()]
-    for cls in [Run, *NODES.values(), *method_classes, *(DATASETS[n] for n in DATASETS.names())]:
+    for cls in [Run, *NODES.values(), RemoteSpec, *method_classes, *(DATASETS[n] for n in DATASETS.names())]:
         is_method = cls in method_classes
         rules = (method_rules if is_method else rules_of)(cls)
         owners = [k for k in cls.__mro__ if k.__module__.startswith("kvbench.")] + ([Switches] if is_method else [])

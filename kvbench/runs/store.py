@@ -305,8 +305,9 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
         return {"n": 0, "n_failed": 0, "failures_counted_as": FAILURES_COUNTED_AS, "metrics": {}}
     records = [with_follow_up_work(r) for r in records]  # a sample asked twice: both requests' work
 
-    def mean(key: str) -> float:
-        return sum(r[key] for r in records) / len(records)
+    def mean(key: str) -> float | None:  # None where a record lacks it (a server's replies hold no KV bytes)
+        values = [r.get(key) for r in records]
+        return None if any(v is None for v in values) else sum(values) / len(values)
 
     def metric_mean(m: str) -> float:  # over the records that have it (LooGLE: cloze and QA metrics differ)
         values = [r["scores"][m] for r in records if m in r.get("scores", {})]
@@ -322,8 +323,20 @@ def aggregate(records: Iterable[dict], corpus_metrics: dict | None = None) -> di
         "stats": stats,
         "kv_bytes_mean": mean("kv_bytes"),
         "full_kv_bytes_mean": full,
-        "kv_ratio": mean("kv_bytes") / full if full else None,
+        "kv_ratio": mean("kv_bytes") / full if full and mean("kv_bytes") is not None else None,
         "effective_budget_mean": mean("effective_budget"),
         "prefill_s_mean": mean("prefill_s"),
         "decode_tok_s_mean": mean("decode_tok_s"),
+        **served_means(records),
     }
+
+
+def served_means(records: list[dict]) -> dict:
+    """A run against a server (kvbench.runs.remote): the means of its requests' streaming timings, over the
+    replies that have each (a one-token reply has no time per output token). Empty for an in-process run."""
+    out = {}
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values and any("ttft_s" in r for r in records):
+            out[f"{key}_mean"] = sum(values) / len(values)
+    return out

@@ -159,6 +159,7 @@ class Checker:
 
         self.setup, self.multirun = setup, multirun
         self.fits_checked: set[str] = set()
+        self.servers_probed: set[tuple[str, str]] = set()
 
     def check(self, cfg: DictConfig, overrides: list[str]) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -166,6 +167,8 @@ class Checker:
         HydraConfig.instance().set_config(cfg)  # the run-dir pattern reads hydra:runtime.choices
         try:
             _, dataset, spec = self.setup(cfg)
+            if hasattr(spec, "base_url"):  # model=openai: its tokenizer is local, its server must answer now
+                spec = self.check_server(spec)
             if hasattr(dataset, "check_fits"):
                 self.check_fits(dataset, spec, cfg.dataset)
             check_run_dir(cfg, overrides, self.multirun)
@@ -173,6 +176,18 @@ class Checker:
             raise
         except (ValueError, KeyError, FileNotFoundError, TypeError, OmegaConfBaseException) as e:
             raise BadInput(message(e)) from e
+
+    def check_server(self, spec):
+        """An unreachable server, or one that does not serve the model, is one line before Hydra writes anything
+        (each server asked once); returns the tokenizer's source as a model spec, for `check_fits`."""
+        from kvbench.remote.client import probe
+        from kvbench.remote.spec import tokenizer_model
+
+        key = (spec.base_url, spec.model_name)
+        if key not in self.servers_probed:
+            probe(spec.base_url, spec.model_name, spec.api_key_env)
+            self.servers_probed.add(key)
+        return tokenizer_model(spec)
 
     def check_fits(self, dataset, spec, node: DictConfig) -> None:
         """Datasets whose samples can be too long for their length setting (RULER) try them with the tokenizer."""

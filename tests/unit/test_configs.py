@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from kvbench.models.loader import ModelSpec
+from kvbench.remote.spec import RemoteSpec, is_remote
 from kvbench.registry import METHODS
 from kvbench.runs.config import CONFIG_DIR, group_choices
 from kvbench.runs.schema import check, unruled
@@ -25,8 +26,8 @@ def test_every_group_option_composes_and_instantiates(group):
         assert not unruled(cfg), f"{group}={option}: no rule for {unruled(cfg)} (kvbench/runs/schema.py RANGES)"
         check(cfg)  # the shipped values pass their own rules
         node = cfg[group]
-        if group == "model":
-            ModelSpec(**OmegaConf.to_container(node, resolve=True))
+        if group == "model":  # (model=openai: a server's node, kvbench.remote)
+            (RemoteSpec if is_remote(node) else ModelSpec)(**OmegaConf.to_container(node, resolve=True))
         else:
             obj = instantiate(node)
             if group == "method":

@@ -21,7 +21,7 @@ MAX_TOP_LEVEL_MODULES = 6  # run, merge, harness (`python -m` shims), registry, 
 FLOORS = [
     {"runs", "serving", "run", "merge", "harness", "__main__"},  # commands: a run, the load benchmark, a merge,
     #                                                      lm-eval's model, the report's CLI
-    {"engine", "report"},                             # running the model; reading run directories
+    {"engine", "report", "remote"},                   # running the model (here, or a server's); reading run dirs
     {"methods", "data"},                              # what to keep; benchmark builders
     {"models", "metrics"},                            # loading and capture; scorers and their standard errors
     {"attention"},                                    # decode attention and column sums over what a cache holds
