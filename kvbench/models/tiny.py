@@ -148,6 +148,14 @@ TYPE_FIELDS = {
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,  # (North:
                                 rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),  # rotary
                                                      full_attention=None)),  # window layers, NoPE global ones)
+    # Widths under names of their own (GPT-2-style n_embd/n_head, CTRL's dff, LongCat's FFN sizes), which SMALL does
+    # not reach: at their defaults CodeGen's "tiny" model had 405M parameters (1.6 GB, ~20 s of a test run)
+    "codegen": dict(n_embd=64, n_head=4, rotary_dim=8),  # (interleaved rotary on half of each head, as tiny GPT-J)
+    "ctrl": dict(n_embd=64, n_head=4, dff=128),
+    "gpt-sw3": dict(n_embd=64, n_head=4),
+    "gpt_bigcode": dict(n_embd=64, n_head=4),
+    "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2),
+    "gemma4_text": dict(hidden_size_per_layer_input=16),  # (its per-layer input table: vocabulary x layers x this)
 }
 
 
@@ -184,6 +192,8 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
         if key in known and mixed:
             fields[key] = WINDOW
     fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions)
+    if "vocab_size_per_layer_input" in known:  # Gemma 4's per-layer input table follows the vocabulary (default 262144)
+        fields["vocab_size_per_layer_input"] = vocab_size
     for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", None)):
         if value is None:  # keep a default id the tiny vocabulary holds (some configs require an int)
             value = vars(default).get(key)
