@@ -11,8 +11,8 @@ Any other model type of the installed transformers (`random:<model_type>`) is bu
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
 of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is
 cut to those layers. A config those rules cannot size (nested sub-configs, per-layer head counts, rope keyed by
-layer type, a multimodal model's towers) gets its fields by hand in `TYPE_FIELDS`; hybrids are sized in
-`HYBRID_TINY`.
+layer type, a multimodal model's towers, widths under names of their own) gets its fields by hand in `TYPE_FIELDS`;
+hybrids are sized in `HYBRID_TINY`.
 A DSA indexer keeps its top 8 keys (so over a 24-token prompt it really chooses) with 8 heads: its score is a weighted
 sum of ReLU'd head scores, exactly 0 for a key every head scores below 0, and with 2 heads such ties fell at the top-k
 cut, where the model's own choice among tied keys is arbitrary.
