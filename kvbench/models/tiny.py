@@ -11,8 +11,8 @@ Any other model type of the installed transformers (`random:<model_type>`) is bu
 (`tiny_type_config`): its defaults at tiny sizes, one layer of each kind its `layer_types` lists (a window or chunk
 of 8 where layers mix them), 4 experts, small MLA ranks (a 32-wide latent); every per-layer list of the config is
 cut to those layers. A config those rules cannot size (nested sub-configs, per-layer head counts, rope keyed by
-layer type, a multimodal model's towers) gets its fields by hand in `TYPE_FIELDS`; hybrids are sized in
-`HYBRID_TINY`.
+layer type, a multimodal model's towers, widths under names of their own) gets its fields by hand in `TYPE_FIELDS`;
+hybrids are sized in `HYBRID_TINY`.
 A DSA indexer keeps its top 8 keys (so over a 24-token prompt it really chooses) with 8 heads: its score is a weighted
 sum of ReLU'd head scores, exactly 0 for a key every head scores below 0, and with 2 heads such ties fell at the top-k
 cut, where the model's own choice among tied keys is arbitrary.
@@ -161,6 +161,14 @@ TYPE_FIELDS = {
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,  # (North:
                                 rope_parameters=dict(sliding_attention=dict(_ROPE, mrope_section=[4, 2, 2]),  # rotary
                                                      full_attention=None)),  # window layers, NoPE global ones)
+    # Widths under names of their own (GPT-2-style n_embd/n_head, CTRL's dff, LongCat's FFN sizes), which SMALL does
+    # not reach: at their defaults CodeGen's "tiny" model had 405M parameters (1.6 GB, ~20 s of a test run)
+    "codegen": dict(n_embd=64, n_head=4, rotary_dim=8),  # (interleaved rotary on half of each head, as tiny GPT-J)
+    "ctrl": dict(n_embd=64, n_head=4, dff=128),
+    "gpt-sw3": dict(n_embd=64, n_head=4),
+    "gpt_bigcode": dict(n_embd=64, n_head=4),
+    "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2),
+    "gemma4_text": dict(hidden_size_per_layer_input=16),  # (its per-layer input table: vocabulary x layers x this)
 }
 
 
@@ -197,6 +205,8 @@ def tiny_type_config(model_type: str, vocab_size: int = 256, max_positions: int 
         if key in known and mixed:
             fields[key] = WINDOW
     fields.update(vocab_size=vocab_size, num_hidden_layers=len(picked), max_position_embeddings=max_positions)
+    if "vocab_size_per_layer_input" in known:  # Gemma 4's per-layer input table follows the vocabulary (default 262144)
+        fields["vocab_size_per_layer_input"] = vocab_size
     for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", None)):
         if value is None:  # keep a default id the tiny vocabulary holds (some configs require an int)
             value = vars(default).get(key)

@@ -13,7 +13,8 @@ from kvbench.models.tiny import tiny_random_model
 from kvbench.runs.validate import validate
 from tests.unit.test_cli import records, refusal, run_dirs, run_here
 
-NIAH = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", "dataset.max_new_tokens=4"]
+NIAH = ["dataset=niah", "dataset.context_lengths=[300]", "dataset.depth_percents=[50]", "dataset.max_new_tokens=4",
+        "report=false"]  # (the heatmap and summary: test_cli.py; here the records and the manifest)
 
 
 @pytest.fixture(scope="module")

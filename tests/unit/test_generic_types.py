@@ -16,6 +16,8 @@ test_query_form.py each query-norm placement and rotary layout.
 The count of types that run is printed (`-s`)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -71,6 +73,15 @@ def model_of(model_type: str) -> torch.nn.Module:
     if model_type not in _models:
         _models[model_type] = tiny_random_model(model_type)
     return _models[model_type]
+
+
+@functools.cache
+def adapter_of(model: torch.nn.Module):
+    """The model's adapter, found once per model for the references below (the generic path reads the type's
+    modeling source to find it: ~10 ms a call)."""
+    from kvbench.models.adapters import adapter_for
+
+    return adapter_for(model)
 
 
 def generic_types() -> list[str]:
@@ -139,9 +150,7 @@ def masked_by_own_attention(model, ids, token, kept) -> torch.Tensor:
     """One decode step at position N over a plain full-prompt cache through the model's own attention function, with
     -inf on the positions a layer's stored head did not keep and, in a sliding or chunked layer, outside the window
     or chunk its config gives (a plain cache's layers are not sliding, so the model's own mask does not say)."""
-    from kvbench.models.adapters import adapter_for
-
-    if adapter_for(model).replaces is not None:  # (CodeGen, BLOOM: outside the interface, hand-written rows)
+    if adapter_of(model).replaces is not None:  # (CodeGen, BLOOM: outside the interface, hand-written rows)
         return masked_by_own_mask(model, ids, token, kept)
     own = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, None)
     if own is None:  # eager: the type's own eager kernel
@@ -238,9 +247,7 @@ def masked_by_own_mask(model, ids, token, kept) -> torch.Tensor:
 
 
 def window_layers(model) -> frozenset[int]:
-    from kvbench.models.adapters import adapter_for
-
-    return adapter_for(model).window_layers(model.config)
+    return adapter_of(model).window_layers(model.config)
 
 
 def indexer_width(layer) -> int:

@@ -264,7 +264,8 @@ def test_cli_runs_a_hybrid_and_batch_four_gives_batch_one_records(tmp_path):
     batch_size=4 writes batch 1's records, timings aside."""
     from tests.unit.test_cli import records, run_here
 
-    grid = ["dataset.context_lengths=[400]", "dataset.depth_percents=[0,50,100]"]
+    grid = ["dataset.context_lengths=[400]", "dataset.depth_percents=[0,50,100]",
+            "dataset.max_new_tokens=8"]  # (not 30: eight steps show the batched decode; the records are the point)
     timing = ("prefill_s", "compress_s", "decode_s", "decode_tok_s", "e2e_s", "peak_mem_bytes")
     for name in ("full", "snapkv", "adakv", "h2o", "tailorkv"):
         run_dir = run_here("model.path=random:qwen3_5_text", f"method={name}", "budget=128", *grid, "report=false",
