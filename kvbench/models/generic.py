@@ -88,6 +88,7 @@ def decoder_attention_classes(modeling: str, config) -> tuple[type, ...]:
     return own or classes
 
 
+@lru_cache(maxsize=None)  # (per class: inspect reads the source file each call, ~10 ms an adapter lookup)
 def _config_annotation(cls: type) -> str | None:
     parameter = inspect.signature(cls.__init__).parameters.get("config")
     annotation = None if parameter is None else parameter.annotation
@@ -96,7 +97,12 @@ def _config_annotation(cls: type) -> str | None:
 
 def passes_sinks(classes: tuple[type, ...]) -> bool:
     """Whether an attention class hands learned sink logits to the kernel (`s_aux=`)."""
-    return any("s_aux" in inspect.getsource(cls.forward) for cls in classes)
+    return any(_hands_s_aux(cls) for cls in classes)
+
+
+@lru_cache(maxsize=None)
+def _hands_s_aux(cls: type) -> bool:
+    return "s_aux" in inspect.getsource(cls.forward)
 
 
 def text_config(config):
