@@ -20,6 +20,7 @@ Presets (`--preset`):
 
     python scripts/bench_serving.py --preset niah [--n 10] [--length 1000] [--new-tokens 96] [--pool-requests 1]
     python scripts/bench_serving.py --preset gsm8k [--n 12] [--budget 128] [--json out.json]
+    python scripts/bench_serving.py --plot docs/figures/serving_ceiling.png niah.json gsm8k.json
 """
 from __future__ import annotations
 
@@ -88,7 +89,14 @@ def main() -> None:
     ap.add_argument("--pool-requests", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--plot", type=Path, nargs="+", default=None, metavar=("PNG", "JSON"),
+                    help="only draw PNG from the --json files of earlier runs (docs/figures/serving_ceiling.png)")
     args = ap.parse_args()
+    if args.plot:
+        from kvbench.serving.plots import write_ceiling_figure
+
+        print(f"wrote {write_ceiling_figure([json.loads(p.read_text()) for p in args.plot[1:]], args.plot[0])}")
+        return
     args.n = args.n or (10 if args.preset == "niah" else 12)
     args.new_tokens = args.new_tokens or (96 if args.preset == "niah" else 256)
     torch.set_num_threads(1)
@@ -138,6 +146,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "preset": args.preset, "dataset": dataset, "method": method, "budget": args.budget, "n": args.n,
             "load_average": os.getloadavg(), "summaries": summaries, "predicted_admission": predicted, "gain": gain,
+            "admitted": m / n,
             "ceiling": ceil.ratio, "decode_ceiling": ceil.decode_ratio, "gain_over_ceiling": gain / ceil.ratio,
             "hf": {str(b.batch): {"tok_s": b.tok_s, "decode_tok_s": b.decode_tok_s, "seconds": b.seconds,
                                    "prefill_s": b.prefill_s, "prompt_len": b.prompt_len, "new_tokens": b.new_tokens}
