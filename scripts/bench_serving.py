@@ -10,16 +10,16 @@ prompts at batch M over batch N, each side with its method's mean output length 
 alternated over `--reps`, each size's best kept), and the method's gain as a share of it.
 
 Presets (`--preset`):
-  niah   SnapKV at budget 128 on NIAH at `--length` tokens (10 depths), the newline stop off and EOS held off
+  niah   SnapKV at budget 128 on NIAH at `--length` tokens (12 depths), the newline stop off and EOS held off
          (`serving.ignore_eos`) so that each request decodes `--new-tokens` tokens (decode-dominated, as the ceiling
          is);
-  gsm8k  H2O at budget 128 on GSM8K (lm-eval's prompt, 5-shot, 256 new tokens, its stop strings): long outputs,
-         where a decode-time evictor's output inflation shows. `--gsm8k-root` reads test.jsonl/train.jsonl there;
+  gsm8k  H2O at budget 128 on GSM8K (lm-eval's gsm8k_cot prompt: the 8 chain-of-thought exemplars, 256 new tokens,
+         its stop strings): reasoning outputs, where a decode-time evictor's output inflation shows. `--gsm8k-root` reads test.jsonl/train.jsonl there;
          without it, `--n` self-written grade-school problems (look-alikes, not GSM8K's) with the few-shot pool of
          tests/fixtures/gsm8k.
 
-    python scripts/bench_serving.py --preset niah [--n 10] [--length 1000] [--new-tokens 96] [--pool-requests 1]
-    python scripts/bench_serving.py --preset gsm8k [--n 12] [--budget 128] [--json out.json]
+    python scripts/bench_serving.py --preset niah [--n 12] [--length 1000] [--new-tokens 96] [--pool-requests 1]
+    python scripts/bench_serving.py --preset gsm8k [--n 18] [--budget 128] [--json out.json]
     python scripts/bench_serving.py --plot docs/figures/serving_ceiling.png niah.json gsm8k.json
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def preset(args, tmp: Path) -> tuple[str, str, tuple[str, ...]]:
         root = tmp / "gsm8k"
         root.mkdir()
         grade_school_problems(root, args.n)
-    return "gsm8k", args.method or "h2o", (f"dataset.root={root}", f"dataset.max_new_tokens={args.new_tokens}")
+    return "gsm8k", args.method or "h2o", (f"dataset.root={root}", f"dataset.max_new_tokens={args.new_tokens}",
+                                           "dataset.protocol=gsm8k_cot")
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--preset", choices=("niah", "gsm8k"), default="niah")
     ap.add_argument("--method", default=None, help="the compressed method (niah: snapkv, gsm8k: h2o)")
     ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--n", type=int, default=None, help="requests (niah: 10, gsm8k: 12)")
+    ap.add_argument("--n", type=int, default=None, help="requests (niah: 12, gsm8k: 18)")
     ap.add_argument("--length", type=int, default=1000, help="niah: context length in tokens")
     ap.add_argument("--new-tokens", type=int, default=None, help="max new tokens (niah: 96, gsm8k: 256)")
     ap.add_argument("--gsm8k-root", type=Path, default=None)
@@ -97,7 +98,7 @@ def main() -> None:
 
         print(f"wrote {write_ceiling_figure([json.loads(p.read_text()) for p in args.plot[1:]], args.plot[0])}")
         return
-    args.n = args.n or (10 if args.preset == "niah" else 12)
+    args.n = args.n or (12 if args.preset == "niah" else 18)  # (whole waves of the admitted concurrency)
     args.new_tokens = args.new_tokens or (96 if args.preset == "niah" else 256)
     torch.set_num_threads(1)
     summaries, loaded, prompts = [], None, None

@@ -23,7 +23,7 @@ class HFBatch:
     prompt_len: int
     new_tokens: int
     seconds: float  # the whole call: the batched prefill and every decode step
-    prefill_s: float  # a call for one token at the same batch and length (its prefill and first token)
+    prefill_s: float  # until the first new tokens existed (the batched prefill), in the same call
     tokens: list[list[int]]  # each prompt's generated ids
     margins: list[list[float]]  # each step's gap between the two highest logits, per prompt (ties: near 0)
 
@@ -38,11 +38,27 @@ class HFBatch:
         return self.batch * (self.new_tokens - 1) / max(self.seconds - self.prefill_s, 1e-9)
 
 
-def _generate(model, ids: torch.Tensor, new_tokens: int, scores: bool = False):
+class FirstToken:
+    """A `generate` streamer that notes when the first new tokens exist (its second `put`; the first is the
+    prompt): the prefill's end, timed inside the same call as the decode steps."""
+
+    def __init__(self):
+        self.puts, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model, ids: torch.Tensor, new_tokens: int, streamer=None):
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, num_beams=1, use_cache=True,
                           pad_token_id=model.generation_config.eos_token_id or 0, return_dict_in_generate=True,
-                          output_scores=scores, temperature=None, top_p=None, top_k=None)
+                          output_scores=True, temperature=None, top_p=None, top_k=None, streamer=streamer)
 
 
 @torch.no_grad()
@@ -53,12 +69,11 @@ def hf_batch(model, prompts: Sequence[Sequence[int]], batch: int, new_tokens: in
         raise ValueError(f"ceiling: batch {batch} needs 1..{len(prompts)} prompts")
     length = min(len(p) for p in prompts[:batch])
     ids = torch.tensor([list(p[:length]) for p in prompts[:batch]], device=model.device)
+    first = FirstToken()
     t0 = time.perf_counter()
-    _generate(model, ids, 1)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = _generate(model, ids, new_tokens, scores=True)
+    out = _generate(model, ids, new_tokens, streamer=first)
     seconds = time.perf_counter() - t0
+    prefill_s = first.at - t0
     tokens = out.sequences[:, length:].tolist()
     top2 = torch.stack([s.float().topk(2, dim=-1).values for s in out.scores], dim=1)  # [batch, steps, 2]
     margins = (top2[..., 0] - top2[..., 1]).tolist()
