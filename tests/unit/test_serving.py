@@ -179,7 +179,8 @@ def test_ignore_eos_decodes_every_requests_max_new_tokens_into_its_own_run_dir(l
     before = config.eos_token_id
     with Engine(run, loaded=loaded) as engine:
         requests = [engine.sample_request(s) for s in engine.samples()]
-        third = {g.token_ids[2] for g in engine.generate([r.input_ids[0].tolist() for r in requests], 6, batch_size=64)}
+        prompts = [r.input_ids[0].tolist() for r in requests]
+        third = {g.token_ids[2] for g in engine.generate(prompts, 6, batch_size=64)}  # (batched, as run_load is)
         config.eos_token_id = sorted(third)
         try:
             natural, fixed = (ServingSpec(pool_bytes=10**6, ignore_eos=flag) for flag in (False, True))
