@@ -1,4 +1,4 @@
-"""Benchmark (not a test): what compression buys under load at a fixed KV pool, against what batching allows, in one run.
+"""Benchmark (not a test): what compression buys under load at a fixed KV pool, against what batching allows.
 
 On the embedded SmolLM2, a dataset's requests arrive at once into kvbench's engine under a KV pool sized for
 `--pool-requests` full-cache requests (kvbench.serving). The full cache and the compressed method run under the same
@@ -14,9 +14,9 @@ Presets (`--preset`):
          (`serving.ignore_eos`) so that each request decodes `--new-tokens` tokens (decode-dominated, as the ceiling
          is);
   gsm8k  H2O at budget 128 on GSM8K (lm-eval's gsm8k_cot prompt: the 8 chain-of-thought exemplars, 256 new tokens,
-         its stop strings): reasoning outputs, where a decode-time evictor's output inflation shows. `--gsm8k-root` reads test.jsonl/train.jsonl there;
-         without it, `--n` self-written grade-school problems (look-alikes, not GSM8K's) with the few-shot pool of
-         tests/fixtures/gsm8k.
+         its stop strings): reasoning outputs, where a decode-time evictor's output inflation shows. `--gsm8k-root`
+         reads test.jsonl/train.jsonl there; without it, `--n` self-written grade-school problems (look-alikes, not
+         GSM8K's) with the few-shot pool of tests/fixtures/gsm8k.
 
     python scripts/bench_serving.py --preset niah [--n 12] [--length 1000] [--new-tokens 96] [--pool-requests 1]
     python scripts/bench_serving.py --preset gsm8k [--n 18] [--budget 128] [--json out.json]

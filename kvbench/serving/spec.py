@@ -48,8 +48,7 @@ class ServingSpec:
     @property
     def slo_s(self) -> tuple[float, float]:
         """(TTFT target, TPOT target) in seconds; infinity where none is set."""
-        inf = float("inf")
-        return (inf if self.ttft_slo_s is None else self.ttft_slo_s, inf if self.tpot_slo_s is None else self.tpot_slo_s)
+        return tuple(float("inf") if s is None else s for s in (self.ttft_slo_s, self.tpot_slo_s))
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> ServingSpec:
