@@ -98,8 +98,8 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
         decoder.on_step = step
         session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # (unique: two sessions of one process can start within the same second on a fast machine)
-        store.write_json("serving.json", {"pool_bytes": pool_bytes, "entry_bytes": shape.entry_bytes,
-                                          **asdict(serving), "config": run.choices})
+        store.write_json("serving.json", {**asdict(serving), "pool_bytes": pool_bytes,  # (the bytes it ran with)
+                                          "entry_bytes": shape.entry_bytes, "config": run.choices})
         for request, outcome in decoder.run(source):
             timeline = source.finished(request)
             record = engine.record(request, outcome)

@@ -183,11 +183,13 @@ def test_ignore_eos_decodes_every_requests_max_new_tokens_into_its_own_run_dir(l
         third = {g.token_ids[2] for g in engine.generate(prompts, 6, batch_size=64)}  # (batched, as run_load is)
         config.eos_token_id = sorted(third)
         try:
-            natural, fixed = (ServingSpec(pool_bytes=10**6, ignore_eos=flag) for flag in (False, True))
+            natural, fixed = (ServingSpec(pool_requests=20, ignore_eos=flag) for flag in (False, True))
             summaries = [run_load(engine, s, tmp_path / str(s.ignore_eos)) for s in (natural, fixed)]
         finally:
             config.eos_token_id = before
         assert run_dir_of(engine.run, fixed, 10**6) != run_dir_of(engine.run, natural, 10**6)
+    settings = json.loads((tmp_path / "True" / "serving.json").read_text())
+    assert settings["pool_bytes"] == summaries[1]["pool_bytes"] > 0 and settings["ignore_eos"] is True  # as run
     lengths = [[json.loads(line)["serving"]["output_tokens"] for line in
                 (tmp_path / name / "predictions.jsonl").read_text().splitlines()] for name in ("False", "True")]
     assert [s["n"] for s in summaries] == [5, 5]
