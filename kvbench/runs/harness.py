@@ -16,10 +16,11 @@ knobs (e.g. `method.recent_ratio=0.3`) and for the kvpress-wrapper switches the 
 `method.then=knorm` with `method.first_ratio=0.5`, `method.merge=true`: kvbench/methods/wrappers.py). lm-eval's
 batch_size/device are accepted and ignored (batch 1, the model config's device).
 
-The method is built as `python -m kvbench.run` builds it: configs/method/<name>.yaml with its `${model.*}` fields read
-from the model config (TailorKV's published layer split, KVzip's chat template), its values checked by the rules of
-kvbench/runs/schema.py and its switches applied by `kvbench.runs.config.build_method` (a bad value fails in one line
-before the weights load), then `method.prepare` once after the weights load (TailorKV identifies its split on the
+The run is built through kvbench's API as `python -m kvbench.run` builds it (`RunSpec(...).validate()`, then
+`Engine(run)`, kvbench/runs/api.py): configs/method/<name>.yaml with its `${model.*}` fields read from the model config
+(TailorKV's published layer split, KVzip's chat template), its values checked by the rules of kvbench/runs/schema.py
+and its switches applied by `kvbench.runs.config.build_method` (a bad value fails in one line before the weights
+load), then `method.prepare` once after the weights load (TailorKV identifies its split on the
 calibration prompt where the model config lists none; learned artefacts load); what it returns is in lm-eval's
 results as `config.method_prepared` (manifest.json's field in a run).
 
@@ -100,6 +101,34 @@ def build_method(name: str, overrides: dict, model: dict | None = None):
         raise ValueError(f"kvbench: {e}") from None
 
 
+def override_value(value) -> str:
+    """A model argument's value as a Hydra override spells it (`[0,1]`, `true`, `null`)."""
+    import json
+
+    if value is None or isinstance(value, (bool, list, tuple)):
+        return json.dumps(list(value) if isinstance(value, tuple) else value, separators=(",", ":"))
+    return str(value)
+
+
+def run_spec(model: str, path: str | None, method: str, budget, ratio, positions: str, seed: int,
+             method_overrides: dict):
+    """The run these model arguments stand for, built and checked as `python -m kvbench.run` builds its run
+    (kvbench.runs.api): configs/ composed (the method's `${model.*}` fields read from the model config), every value
+    checked by kvbench/runs/schema.py's rules, the kvpress-wrapper switches applied. One line on bad input, before the
+    weights load."""
+    from kvbench.runs.api import RunSpec
+
+    overrides = [f"positions={positions}", f"seed={int(seed)}", *([f"model.path={path}"] if path is not None else []),
+                 *(f"++method.{k}={override_value(v)}" for k, v in method_overrides.items())]
+    spec = RunSpec(method=method, model=model, budget=None if budget is None else int(budget),
+                   ratio=None if ratio is None else float(ratio), overrides=tuple(overrides))
+    try:
+        return spec.validate()
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise ValueError(f"kvbench: {message}") from None
+
+
 @register_model("kvbench")
 class KVBenchLM(TemplateLM):
     """See the module docstring. Batch 1; one `AttentionCapture` held for the model's lifetime."""
@@ -108,8 +137,7 @@ class KVBenchLM(TemplateLM):
                  budget: int | None = None, ratio: float | None = None, positions: str = "original", seed: int = 0,
                  add_bos_token: bool = False, max_gen_toks: int = 256, **kwargs):
         super().__init__()
-        from kvbench.engine.generation import prefill
-        from kvbench.models import AttentionCapture, ModelSpec, load
+        from kvbench.runs.api import Engine
 
         method_overrides = {k.split(".", 1)[1]: flow_list(v) for k, v in kwargs.items() if k.startswith("method.")}
         ignored = sorted(k for k in kwargs if not k.startswith("method.") and kwargs[k] is not None)
@@ -121,21 +149,20 @@ class KVBenchLM(TemplateLM):
             raise ValueError(f"kvbench: ratio={ratio} must be in [0, 1)")
         if positions not in ("original", "shift"):
             raise ValueError(f"kvbench: positions={positions!r} is not one of original, shift")
-        fields = model_fields(model, path)
-        self.method = build_method(method, method_overrides, fields)
-        self.budget = None if budget is None else int(budget)
-        self.ratio = None if ratio is None else float(ratio)
-        if self.budget is not None:
-            self.method.check_budget(self.budget)
+        run = run_spec(model, path, method, budget, ratio, positions, seed, method_overrides)
+        self.run = run
+        self.method = run.method
+        self.budget, self.ratio = run.cfg.budget, run.cfg.ratio
         self.positions, self.seed, self.add_bos_token = positions, int(seed), bool(add_bos_token)
         self.max_gen_toks = int(max_gen_toks)
-        self.model, self.tokenizer = load(ModelSpec(**fields))
-        # as `python -m kvbench.run` does once the weights are in: before the capture, whose window may depend on
-        # it (Q-Filters' loaded filters need none); TailorKV's identification runs its own prefill and capture
-        self.prepared = self.method.prepare(self.model, self.tokenizer, prefill=prefill)
+        # Engine loads the weights, then runs `method.prepare` as `python -m kvbench.run` does (before the capture,
+        # whose window may depend on it; TailorKV identifies its split on its own prefill) and attaches the capture,
+        # held for the model's lifetime
+        self.engine = Engine(run)
+        self.model, self.tokenizer, self.capture = self.engine.model, self.engine.tokenizer, self.engine.capture
+        self.prepared = self.engine.prepared
         if self.prepared is not None:
             logger.info("kvbench: %s prepared: %s", self.method.registry_name, self.prepared)
-        self.capture = AttentionCapture(self.model, window=self.method.query_window).__enter__()
 
     def get_model_info(self) -> dict:
         """Added by lm-eval to its results' `config`: what `prepare` found (manifest.json's `method_prepared` in a
@@ -166,9 +193,7 @@ class KVBenchLM(TemplateLM):
 
     # --- scoring ----------------------------------------------------------------------------------------------
     def budget_for(self, n_context: int) -> int | None:
-        if self.ratio is not None:
-            return max(1, int(n_context * (1 - self.ratio)))
-        return self.budget
+        return self.run.budget_for(n_context)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         from kvbench.engine.perplexity import continuation_logprob

@@ -88,6 +88,14 @@ RANGES: dict[str, Range] = {
     "batch_size": at_least(1, "samples decoded together"),
     "results_dir": TEXT,
     "paper_settings": TEXT,  # the manifest's `paper` block: a description, read by no code
+    # --- the load benchmark's `serving` node (kvbench.serving.spec.ServingSpec; configs/serving/)
+    "ServingSpec.pool_bytes": at_least(1, "bytes of KV the pool holds"),
+    "ServingSpec.pool_requests": above(0, "full-cache requests of the longest prompt the pool holds"),
+    "ServingSpec.rate": above(0, "poisson arrivals, requests/s"),
+    "ServingSpec.concurrency": at_least(1, "clients of a closed loop"),
+    "ServingSpec.max_batch": at_least(1, "requests decoding at once"),
+    "ServingSpec.ttft_slo_s": above(0, "goodput's time-to-first-token target, seconds (null: none)"),
+    "ServingSpec.tpot_slo_s": above(0, "goodput's time-per-output-token target, seconds (null: none)"),
     "temperature": above(0, "the sampling temperature"),
     "top_k": at_least(0, "0: no top-k cut"),
     "top_p": within(0, 1, "the nucleus' probability mass; 1: no cut", open_low=True),

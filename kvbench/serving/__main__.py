@@ -1,12 +1,12 @@
 """`python -m kvbench.serving method=full,snapkv budget=128 dataset=niah serving.pool_requests=2 serving.limit=8`
 
-Every configuration (comma lists of method, budget and serving.rate give their product) is validated before any
-weights load; then each runs the load benchmark (kvbench.serving.bench) and one table compares them: admitted
+Every configuration (comma lists of method, budget and any serving.<field> give their product) is validated before
+any weights load; the serving settings start from configs/serving/default.yaml (`serving=<preset>`: another file
+there); then each runs the load benchmark (kvbench.serving.bench) and one table compares them: admitted
 concurrency, throughput, goodput, latency percentiles and accuracy. Any other `key=value` is a run override as for
 `python -m kvbench.run` (`dataset.context_lengths=[1000]`, `model=hf model.path=...`). docs/serving.md."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import sys
@@ -14,14 +14,17 @@ import sys
 import yaml
 
 from kvbench.runs.api import Engine, RunSpec
-from kvbench.serving.bench import ServingSpec, check, run_load
+from kvbench.serving.bench import check, run_load
+from kvbench.serving.spec import FIELDS, ServingSpec, serving_node
 
 SWEPT = ("method", "budget", "ratio", "model", "dataset", "batch_size")
 
 
 def parse(argv: list[str]) -> tuple[list[RunSpec], list[ServingSpec]]:
-    """The run specs and serving specs of a command line (comma lists: their product), each checked."""
-    fields = {f.name for f in dataclasses.fields(ServingSpec)}
+    """The run specs and serving specs of a command line (comma lists: their product), each checked. The serving
+    settings start from configs/serving/default.yaml (`serving=<preset>`: another file there), `serving.<field>=`
+    on top."""
+    preset = "default"
     spec_values: dict[str, list] = {}
     serving_values: dict[str, list] = {}
     overrides = []
@@ -29,10 +32,12 @@ def parse(argv: list[str]) -> tuple[list[RunSpec], list[ServingSpec]]:
         key, eq, text = arg.partition("=")
         if not eq:
             raise ValueError(f"serving: {arg!r} is not key=value")
-        if key.startswith("serving."):
+        if key == "serving":
+            preset = text
+        elif key.startswith("serving."):
             name = key.removeprefix("serving.")
-            if name not in fields:
-                raise ValueError(f"serving: no setting {name!r}; valid: {', '.join(sorted(fields))}")
+            if name not in FIELDS:
+                raise ValueError(f"serving: no setting {name!r}; valid: {', '.join(sorted(FIELDS))}")
             serving_values[name] = [yaml.safe_load(v) for v in text.split(",")]
         elif key in SWEPT:
             spec_values[key] = [yaml.safe_load(v) for v in text.split(",")]
@@ -40,7 +45,8 @@ def parse(argv: list[str]) -> tuple[list[RunSpec], list[ServingSpec]]:
             overrides.append(arg)
     specs = [RunSpec(**dict(zip(spec_values, combo)), overrides=tuple(overrides))
              for combo in itertools.product(*spec_values.values())]
-    servings = [ServingSpec(**dict(zip(serving_values, combo))) for combo in itertools.product(*serving_values.values())]
+    servings = [ServingSpec.from_config(serving_node(preset, dict(zip(serving_values, combo))))
+                for combo in itertools.product(*serving_values.values())]
     return specs, servings
 
 

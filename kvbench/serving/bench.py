@@ -9,51 +9,22 @@ the figures (kvbench.serving.figures) over every record on disk. The bytes the r
 against the pool after every step (`held_peak_bytes`); `on_step` lets a caller look too."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kvbench.runs.config import budget_tag, config_hash
-from kvbench.serving.arrivals import Arrival, PoolSource
+from kvbench.serving.arrivals import PoolSource
 from kvbench.serving.figures import summarize
 from kvbench.serving.pool import KVPool, KVShape, check_bounded, reserved_entries
+from kvbench.serving.spec import ServingSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServingSpec:
-    """A load benchmark's own settings (`serving.<field>=` on the command line)."""
-
-    pool_bytes: int | None = None  # the KV pool; or instead:
-    pool_requests: float | None = None  # a pool holding this many full-cache requests of the longest prompt
-    arrival: str = "burst"  # burst | poisson | concurrency (kvbench.serving.arrivals)
-    rate: float | None = None  # poisson: requests/s
-    concurrency: int | None = None  # concurrency: clients in a closed loop
-    seed: int = 0  # poisson's gaps
-    max_batch: int = 64  # the most requests decoding at once, whatever the pool allows
-    ttft_slo_s: float = float("inf")  # goodput's latency targets
-    tpot_slo_s: float = float("inf")
-    limit: int | None = None  # the dataset's first N samples
-    results_dir: str = "results"
-
-    def __post_init__(self):
-        if (self.pool_bytes is None) == (self.pool_requests is None):
-            raise ValueError("serving: set one of serving.pool_bytes (bytes) or serving.pool_requests (full-cache "
-                             "requests of the longest prompt the pool holds)")
-        if self.pool_requests is not None and self.pool_requests <= 0:
-            raise ValueError(f"serving: pool_requests={self.pool_requests} must be > 0")
-        if self.max_batch < 1:
-            raise ValueError(f"serving: max_batch={self.max_batch} must be >= 1")
-        self.process  # noqa: B018 - the arrival's own checks
-
-    @property
-    def process(self) -> Arrival:
-        return Arrival(self.arrival, self.rate, self.concurrency, self.seed)
 
 
 def check(run, serving: ServingSpec) -> None:
@@ -84,7 +55,7 @@ def run_dir_of(run, serving: ServingSpec, pool_bytes: int) -> Path:
     cfg = run.cfg
     tag = budget_tag(cfg.budget, cfg.ratio, cfg.method._target_)
     digest = config_hash(cfg.method, cfg.dataset, cfg.model, cfg.generation, cfg.seed, cfg.positions,
-                         cfg.decode_compression, serving.max_batch)
+                         cfg.decode_compression, serving.max_batch, *(["ignore_eos"] if serving.ignore_eos else []))
     return (Path(serving.results_dir) / "serving" / run.choices.get("dataset", cfg.dataset.name) / cfg.model.name
             / run.choices.get("method", run.method.registry_name)
             / f"{tag}-pool{pool_bytes}-{serving.process.tag}-{digest}")
@@ -99,6 +70,8 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
     check(run, serving)
     samples = engine.samples(serving.limit)
     requests = [engine.sample_request(s) for s in samples]
+    if serving.ignore_eos:  # fixed output lengths: EOS and stop tokens held off until max_new_tokens
+        requests = [dataclasses.replace(r, min_new_tokens=r.max_new_tokens) for r in requests]
     shape = KVShape.of(engine.model)
     pool_bytes = serving.pool_bytes or full_pool_bytes(requests, shape, serving.pool_requests)
     store = RunStore(out_dir or run_dir_of(run, serving, pool_bytes))
@@ -125,8 +98,8 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
         decoder.on_step = step
         session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # (unique: two sessions of one process can start within the same second on a fast machine)
-        store.write_json("serving.json", {"pool_bytes": pool_bytes, "entry_bytes": shape.entry_bytes,
-                                          **asdict(serving), "config": run.choices})
+        store.write_json("serving.json", {**asdict(serving), "pool_bytes": pool_bytes,  # (the bytes it ran with)
+                                          "entry_bytes": shape.entry_bytes, "config": run.choices})
         for request, outcome in decoder.run(source):
             timeline = source.finished(request)
             record = engine.record(request, outcome)
@@ -138,7 +111,7 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
             store.append(failure_record(sample, ValueError(
                 f"serving: its reservation ({source.of(request).reserved_bytes} bytes) exceeds the pool "
                 f"({pool_bytes} bytes)")))
-        summary = {**summarize(store.records_on_disk(), serving.ttft_slo_s, serving.tpot_slo_s),
+        summary = {**summarize(store.records_on_disk(), *serving.slo_s),
                    "pool_bytes": pool_bytes, "held_peak_bytes": held["peak"], "steps": held["steps"],
                    "pool_peak_reserved_bytes": pool.peak_bytes, "method": run.choices.get("method"),
                    "budget": run.cfg.budget, "arrival": serving.process.tag, "run_dir": str(store.dir)}

@@ -46,3 +46,37 @@ def write_figures(summaries: list[dict], out: Path) -> list[Path]:
     fig.savefig(paths[1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
+
+
+def write_ceiling_figure(results: list[dict], path: Path) -> Path:
+    """scripts/bench_serving.py's figures, one group of bars per run (`--json` files): the admission the pool
+    predicts (full bytes / compressed bytes), the concurrency admitted (M / N), the method's throughput gain over
+    the full cache, and the ceiling (transformers' batch-M over batch-N speed-up), with gain / ceiling written above."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = (("predicted_admission", "admission predicted (bytes)"), ("admitted", "admitted M / N"),
+            ("gain", "throughput gain"), ("ceiling", "ceiling (transformers)"))
+    for r in results:  # (M / N from the two summaries where the file predates the field)
+        r.setdefault("admitted", r["summaries"][1]["peak_running"] / r["summaries"][0]["peak_running"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(bars)
+    for j, (key, name) in enumerate(bars):
+        values = [r[key] for r in results]
+        ax.bar([i + j * width for i in range(len(results))], values, width, label=name)
+    for i, r in enumerate(results):
+        top = max(r[key] for key, _ in bars)
+        ax.text(i + 1.5 * width, top * 1.03, f"gain / ceiling {100 * r['gain_over_ceiling']:.0f}%", ha="center",
+                fontsize=8)
+    ax.set_xticks([i + 1.5 * width for i in range(len(results))],
+                  [f"{r['method']} b{r['budget']} vs full\n{r['dataset']}" for r in results])
+    ax.set(ylabel="x over the full cache", title="at a KV pool of one full-cache request (SmolLM2-135M, CPU)")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_ylim(0, 1.15 * max(r[key] for r in results for key, _ in bars))
+    ax.legend(fontsize=7, loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

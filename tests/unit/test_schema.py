@@ -21,6 +21,8 @@ from kvbench.methods import Method
 from kvbench.runs import rules
 from kvbench.runs.rules import SNAPSHOT, check_early
 from kvbench.runs.schema import NODES, Rule, Run, method_rules, node_class, rules_of, snapshot
+from kvbench.serving.spec import ServingSpec
+from kvbench.serving.spec import presets as serving_presets
 
 ABSENT = object()
 CLASSES = [Run, *NODES.values(), *(METHODS[n] for n in METHODS.names()), *(DATASETS[n] for n in DATASETS.names())]
@@ -69,7 +71,11 @@ def test_every_config_file_is_ruled_and_passes_its_rules():
     each key against the class it fills. Composing the 50 presets would cost ~8 s."""
     checked = {"config.yaml", "method", "dataset", "model", "hydra"}  # composed in test_configs.py; hydra: Hydra's
     assert {p.name for p in CONFIG_DIR.iterdir()} - checked == {"paper", "paper_method", "paper_settings",
-                                                                 "model_dataset"}, "a new config folder: check it here"
+                                                                 "model_dataset", "serving"}, \
+        "a new config folder: check it here"
+    for name in serving_presets():  # the load benchmark's settings (python -m kvbench.serving)
+        assert_ruled(f"serving/{name}", ServingSpec, OmegaConf.to_container(OmegaConf.load(
+            CONFIG_DIR / "serving" / f"{name}.yaml")))
     methods = sorted(group_choices("method"), key=len, reverse=True)  # pyramidkv_niah_h2o: h2o, not a prefix
     datasets = sorted(group_choices("dataset"), key=len, reverse=True)
     for name in group_choices("paper_method"):  # `# @package method`: that method's fields

@@ -12,7 +12,7 @@ from kvbench.engine.batching import generate
 from kvbench.runs.api import Engine, RunSpec
 from kvbench.serving.__main__ import parse
 from kvbench.serving.arrivals import Arrival, PoolSource
-from kvbench.serving.bench import ServingSpec, check, run_load
+from kvbench.serving.bench import ServingSpec, check, run_dir_of, run_load
 from kvbench.serving.figures import pareto_front
 from kvbench.serving.pool import KVPool, KVShape, check_bounded, reserved_entries
 
@@ -168,3 +168,29 @@ def test_the_pareto_front_keeps_what_nothing_beats_on_both_axes():
     points = [(0.6, 1.0), (0.9, 0.6), (0.5, 0.5), (0.9, 0.6), (1.2, 0.2)]
     assert pareto_front(points) == [0, 1, 3, 4]  # (0.5, 0.5) is beaten by (0.6, 1.0); equal points both stay
     assert pareto_front([(1.0, 1.0), (1.0, 0.5)]) == [0]  # the same throughput, less accurate: beaten
+
+
+def test_ignore_eos_decodes_every_requests_max_new_tokens_into_its_own_run_dir(loaded, tmp_path):
+    """`serving.ignore_eos`: EOS held off, so each request's output is its max_new_tokens (6) long, as the ceiling's
+    transformers calls are; its records go to another run directory than the natural-stop run's. The tiny model's
+    EOS is made the third token each request picks, so a natural run ends there."""
+    run = RunSpec(method="snapkv", budget=64, model="tiny_llama", overrides=(*NIAH, "dataset.stop=[]"))
+    config = loaded[0].generation_config
+    before = config.eos_token_id
+    with Engine(run, loaded=loaded) as engine:
+        requests = [engine.sample_request(s) for s in engine.samples()]
+        prompts = [r.input_ids[0].tolist() for r in requests]
+        third = {g.token_ids[2] for g in engine.generate(prompts, 6, batch_size=64)}  # (batched, as run_load is)
+        config.eos_token_id = sorted(third)
+        try:
+            natural, fixed = (ServingSpec(pool_requests=20, ignore_eos=flag) for flag in (False, True))
+            summaries = [run_load(engine, s, tmp_path / str(s.ignore_eos)) for s in (natural, fixed)]
+        finally:
+            config.eos_token_id = before
+        assert run_dir_of(engine.run, fixed, 10**6) != run_dir_of(engine.run, natural, 10**6)
+    settings = json.loads((tmp_path / "True" / "serving.json").read_text())
+    assert settings["pool_bytes"] == summaries[1]["pool_bytes"] > 0 and settings["ignore_eos"] is True  # as run
+    lengths = [[json.loads(line)["serving"]["output_tokens"] for line in
+                (tmp_path / name / "predictions.jsonl").read_text().splitlines()] for name in ("False", "True")]
+    assert [s["n"] for s in summaries] == [5, 5]
+    assert max(lengths[0]) <= 2 and lengths[1] == [6] * 5  # natural: ends at its third token (EOS, not kept)
