@@ -19,7 +19,7 @@ from kvbench.remote.spec import is_remote
 from kvbench.runs.api import Engine, RunSpec
 from kvbench.runs.config import CONFIG_DIR
 from kvbench.serving.bench import check, run_load
-from kvbench.serving.remote_load import check as check_remote
+from kvbench.serving.remote_load import check as check_server_load
 from kvbench.serving.remote_load import run_remote_load
 from kvbench.serving.spec import FIELDS, RemoteServingSpec, ServingSpec, serving_node
 
@@ -84,7 +84,8 @@ def table(summaries: list[dict]) -> str:
     for s in summaries:
         acc = s.get("accuracy") or {}
         rows.append("| " + " | ".join(str(x) for x in (
-            s["method"], s["budget"], "server's" if s["pool_bytes"] is None else s["pool_bytes"], s["arrival"], s.get("peak_running"),
+            s["method"], s["budget"], "server's" if s["pool_bytes"] is None else s["pool_bytes"], s["arrival"],
+            s.get("peak_running"),
             f"{s.get('output_tok_s') or 0:.2f}", f"{s.get('requests_s') or 0:.3f}",
             f"{s.get('goodput_requests_s') or 0:.3f}",
             f"{s['ttft_s']['p50']:.2f}/{s['ttft_s']['p99']:.2f}" if "ttft_s" in s else "-",
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> None:
         specs, servings = parse(argv)
         runs = [spec.validate() for spec in specs]  # every configuration checked before any weights load
         for run, serving in itertools.product(runs, servings):
-            (check_remote if run.remote else check)(run, serving)
+            (check_server_load if run.remote else check)(run, serving)
     except (ValueError, KeyError, FileNotFoundError) as e:
         sys.exit(f"kvbench: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
     summaries, loaded = [], None
