@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -90,11 +90,12 @@ def error_text(raw: bytes, limit: int = 300) -> str:
 
 
 async def replay(base_url: str, bodies: Sequence[dict], arrival_s: Sequence[float | None], timeout_s: float = 600.0,
-                 api_key_env: str | None = None, endpoint: str = "completions"
-                 ) -> AsyncIterator[tuple[int, Timed | Exception]]:
+                 api_key_env: str | None = None, endpoint: str = "completions",
+                 on_send: Callable[[int], None] | None = None) -> AsyncIterator[tuple[int, Timed | Exception]]:
     """Send `bodies[i]` at `arrival_s[i]` (module docstring) and yield `(i, Timed)` as each finishes, or
     `(i, exception)` where it failed (HTTP error, a broken stream, no reply within `timeout_s`): the others go on.
-    Closing the generator early cancels what is still in flight."""
+    `on_send(i)` is called as request i goes out (the load benchmark counts what is in flight: sent, not yet
+    yielded). Closing the generator early cancels what is still in flight."""
     url = f"{base_url.rstrip('/')}/{endpoint}"
     waiting = deque(i for i, t in enumerate(arrival_s) if t is None)
     started = time.perf_counter()
@@ -105,6 +106,8 @@ async def replay(base_url: str, bodies: Sequence[dict], arrival_s: Sequence[floa
         async def one(i: int) -> tuple[int, Timed | Exception]:
             if arrival_s[i] is not None:
                 await asyncio.sleep(max(0.0, arrival_s[i] - (time.perf_counter() - started)))
+            if on_send is not None:
+                on_send(i)
             try:
                 return i, await asyncio.wait_for(stream_completion(client, url, bodies[i], started), timeout_s)
             except asyncio.TimeoutError:

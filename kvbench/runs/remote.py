@@ -60,12 +60,13 @@ class RemoteEngine:
                                sample.stop_token_ids, sample.min_new_tokens, self.decoding,
                                seed=sample_seed(self.run.cfg, sample))
 
-    async def replies(self, bodies: Sequence[dict], arrival_s: Sequence[float | None] | None = None):
+    async def replies(self, bodies: Sequence[dict], arrival_s: Sequence[float | None] | None = None,
+                      on_send=None):
         """`replay` against this run's server: `(i, Timed | Exception)` as each finishes; by default
-        `model.concurrency` requests in flight."""
+        `model.concurrency` requests in flight (`on_send(i)`: request i goes out)."""
         spec = self.spec
         async for item in replay(spec.base_url, bodies, arrival_s or closed_loop(len(bodies), spec.concurrency),
-                                 spec.timeout_s, spec.api_key_env):
+                                 spec.timeout_s, spec.api_key_env, on_send=on_send):
             yield item
 
     def record(self, sample, ids: list[int], reply: Timed | Exception) -> dict:

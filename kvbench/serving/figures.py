@@ -1,7 +1,8 @@
 """A configuration's serving figures, from its records only (so a resumed run's are rebuilt the same way).
 
-Per request (bench.py writes them under `serving` in each record): queue_s (arrival -> admitted), ttft_s (arrival ->
-first token), tpot_s ((e2e - ttft) / (output tokens - 1)), e2e_s (arrival -> last token). Per configuration:
+Per request (bench.py writes them under `serving` in each record; remote_load.py too, with the client's timings,
+and queue_s, reserved and KV bytes only where the server reports them): queue_s (arrival -> admitted), ttft_s
+(arrival -> first token), tpot_s ((e2e - ttft) / (output tokens - 1)), e2e_s (arrival -> last token). Per configuration:
 throughput over the wall time the requests spanned (each session's first arrival to its last finish, summed over
 sessions), goodput (requests/s meeting both latency targets), p50/p90/p99 of each latency, the most requests running
 at once, and accuracy with its standard error (kvbench.metrics.stats)."""
@@ -37,13 +38,20 @@ def summarize(records: list[dict], ttft_slo_s: float = float("inf"), tpot_slo_s:
     out.update(output_tok_s=tokens / wall if wall > 0 else None, requests_s=len(ok) / wall if wall > 0 else None,
                goodput_requests_s=good / wall if wall > 0 else None, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                peak_running=max(r["serving"]["running"] for r in ok),
-               kv_reserved_bytes_mean=float(np.mean([r["serving"]["reserved_bytes"] for r in ok])),
-               kv_bytes_mean=float(np.mean([r["kv_bytes"] for r in ok])),
+               kv_reserved_bytes_mean=mean_of(r["serving"].get("reserved_bytes") for r in ok),
+               kv_bytes_mean=mean_of(r.get("kv_bytes") for r in ok),
                accuracy=mean_se(r["score"] for r in ok).to_dict())
     for name in LATENCIES:
-        values = np.array([r["serving"][name] for r in ok], dtype=float)
-        out[name] = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+        values = np.array([r["serving"][name] for r in ok if r["serving"].get(name) is not None], dtype=float)
+        if len(values):  # (a server that reports no queue time: no queue_s)
+            out[name] = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
     return out
+
+
+def mean_of(values) -> float | None:
+    """The mean of the values present (a server need not report KV bytes or reservations); None if none is."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

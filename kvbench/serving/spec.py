@@ -70,6 +70,25 @@ class ServingSpec:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class RemoteServingSpec(ServingSpec):
+    """The same settings for a load run against a server (`model=openai`, kvbench.serving.remote_load): the KV pool
+    and the batch are the server's, set where it starts, so `pool_bytes`, `pool_requests` and `max_batch` are
+    refused here rather than silently ignored."""
+
+    def __post_init__(self):
+        for name in SERVERS_SETTINGS:
+            value, default = getattr(self, name), ServingSpec.__dataclass_fields__[name].default
+            if value != default:
+                raise ValueError(f"serving: serving.{name}={value} with model=openai: the KV pool and the batch are "
+                                 f"the server's (set them where it starts, e.g. python -m kvbench.serve "
+                                 f"serve.{name}=...); drop serving.{name}")
+        self.process  # noqa: B018 - the arrival's own checks
+
+
+SERVERS_SETTINGS = ("pool_bytes", "pool_requests", "max_batch")  # a server's own, never the client's
+
+
 def presets() -> list[str]:
     """The files of configs/serving/ (`serving=<name>` on the command line)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))

@@ -2,7 +2,9 @@
 the tiny random Llama: the same greedy predictions, scores and KV bytes as the in-process run of the same
 configuration (full, and SnapKV served vs SnapKV in-process); a request the server refuses (a prompt over its
 limit) is a failure record and the run goes on; a rerun skips finished ids; an unreachable server is one line and
-writes nothing. The server's /health is waited for, against no clock; nothing is timed."""
+writes nothing. No wait is against a clock (tests/unit/test_no_deadlines.py): the server's /health is waited for
+while its process lives; nothing is timed. tests/integration/test_serving_remote.py reuses `serving` and
+`full_server`."""
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +30,8 @@ SERVER_MAX_PROMPT = 400  # serve.max_prompt_tokens: a 700-token NIAH prompt is r
 
 @contextlib.contextmanager
 def serving(log: Path, *args: str):
-    """`python -m kvbench.serve <args>` on a free port until /health answers; its base URL. Stopped by SIGTERM."""
+    """`python -m kvbench.serve <args>` on a free port until /health answers (or the process exits: its log is the
+    failure); its base URL. Stopped by SIGTERM, waited for."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(log, "wb") as out:
