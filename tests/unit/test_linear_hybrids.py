@@ -44,7 +44,8 @@ def test_full_cache_generates_what_transformers_generates(model_type):
 
 @pytest.mark.parametrize("model_type,name", [
     (model_type, name) for model_type in ("minimax", "kimi_linear", "bailing_hybrid")
-    for name in sorted(METHODS.names()) if not (model_type == "minimax" and name in CORE)])  # (MiniMax's core methods: with the other hybrids, test_hybrid)
+    for name in sorted(METHODS.names())
+    if not (model_type == "minimax" and name in CORE)])  # (MiniMax's core methods run in test_hybrid.py)
 def test_every_method_keeps_the_contract_or_is_refused(model_type, name):
     if model_type != "minimax" and latent_refusal(METHODS[name]) is not None:
         model = model_of(model_type)
