@@ -273,6 +273,9 @@ class BatchedDecoder:
         self.active: deque[Slot] = deque()  # the samples decoding now (`run`)
         self.on_join: Callable[[Slot], None] | None = None  # sees each slot once it has joined (its prompt's logits)
         self.on_step: Callable[[deque[Slot]], None] | None = None  # sees the active slots after each batched forward
+        # at most this many requests join (each prefilled) between two batched steps; None: as many as fit. A server
+        # takes 1, so a burst's first request gets its first token before the others' prefills, not after them
+        self.joins_per_step: int | None = None
 
     @property
     def method(self) -> Method:
@@ -291,8 +294,11 @@ class BatchedDecoder:
         AttentionInterface.register(self.name, self._attention)
         try:
             while True:
-                while len(active) < self.batch_size and (request := follow.popleft() if follow else source.poll(
-                        active) if source else next(pending, None)) is not None:
+                joins = 0
+                while len(active) < self.batch_size and (self.joins_per_step is None or joins < self.joins_per_step) \
+                        and (request := follow.popleft() if follow else source.poll(active) if source
+                             else next(pending, None)) is not None:
+                    joins += 1
                     try:
                         active.append(self._into_rows(self._join(request)))
                         if self.on_join is not None:
@@ -303,6 +309,8 @@ class BatchedDecoder:
                     finally:
                         request.prefilled = None  # its copy is made (or failed): the shared prefill may go
                 if not active:
+                    if self.joins_per_step is not None and joins >= self.joins_per_step:
+                        continue  # (the joins this step all failed: admit the next ones)
                     if source is not None and source.wait():
                         continue
                     return

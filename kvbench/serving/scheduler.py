@@ -114,6 +114,7 @@ class Scheduler:
         self.entry_bytes = KVShape.of(engine.model).entry_bytes
         self.source = LiveSource(pool)
         self.decoder = engine.decoder(max_batch)
+        self.decoder.joins_per_step = 1  # a prefill, then a step: first tokens stream before the next prefill
         self.decoder.on_join = lambda slot: self.source.joined(slot, len(self.decoder.active))
         self.decoder.on_step = self._stream
         self.jobs: set[Job] = set()  # submitted and not done
