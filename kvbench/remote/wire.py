@@ -11,30 +11,22 @@ CHOICE_FIELDS = ("index", "text", "delta", "message", "logprobs", "finish_reason
 FINISH_TO_STOP = {"stop": "stop", "length": "max_new_tokens", "eos": "eos"}  # the record's `stop_reason` names
 
 
-@dataclass
-class Decoding:
-    """How every request decodes: greedy (temperature 0) unless `do_sample`; the sample's own limits go per request."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
 def completion_body(model: str, prompt: str | Sequence[int], max_tokens: int, stop: Sequence[str] = (),
-                    stop_token_ids: Sequence[int] = (), min_tokens: int = 0, decoding: Decoding = Decoding(),
+                    stop_token_ids: Sequence[int] = (), min_tokens: int = 0, sampling=None,
                     seed: int | None = None) -> dict:
     """A streamed /v1/completions request. `prompt`: text, or token ids (sent as one list of ints, which vLLM,
     SGLang, TensorRT-LLM's and llama.cpp's servers accept). Fields outside OpenAI's own (`stop_token_ids`,
-    `min_tokens`, `top_k`) are sent only when they change something, so a strict server never sees them otherwise."""
+    `min_tokens`, `top_k`) are sent only when they change something, so a strict server never sees them otherwise.
+    `sampling`: the run's `kvbench.engine.generation.Sampling` (None: greedy)."""
+    sampled = sampling is not None and sampling.do_sample
     body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt), "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True},
-            "temperature": decoding.temperature if decoding.do_sample else 0.0}
-    if decoding.do_sample and decoding.top_p < 1.0:
-        body["top_p"] = decoding.top_p
-    if decoding.do_sample and decoding.top_k > 0:
-        body["top_k"] = decoding.top_k
-    if decoding.do_sample and seed is not None:
+            "temperature": sampling.temperature if sampled else 0.0}
+    if sampled and sampling.top_p < 1.0:
+        body["top_p"] = sampling.top_p
+    if sampled and sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampled and seed is not None:
         body["seed"] = seed
     if stop:
         body["stop"] = list(stop)

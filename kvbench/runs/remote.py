@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.remote.client import Timed, closed_loop, probe, replay
 from kvbench.remote.spec import RemoteSpec, load_tokenizer
-from kvbench.remote.wire import FINISH_TO_STOP, Decoding, completion_body
+from kvbench.remote.wire import FINISH_TO_STOP, completion_body
 from kvbench.runs.config import sample_seed
 from kvbench.runs.failures import attempt, failure_record
 from kvbench.runs.prompts import prompt_ids, render
@@ -35,8 +35,7 @@ class RemoteEngine:
         self.run = run
         self.spec: RemoteSpec = run.model
         self.tokenizer = load_tokenizer(self.spec)
-        g = run.cfg.generation
-        self.decoding = Decoding(bool(g.do_sample), float(g.temperature), float(g.top_p), int(g.top_k))
+        self.sampling = run.sampling()
 
     def samples(self, limit: int | None = None) -> list:
         spec = self.spec
@@ -57,8 +56,20 @@ class RemoteEngine:
 
     def body(self, sample, prompt) -> dict:
         return completion_body(self.spec.model_name, prompt, sample.max_new_tokens, sample.stop,
-                               sample.stop_token_ids, sample.min_new_tokens, self.decoding,
+                               sample.stop_token_ids, sample.min_new_tokens, self.sampling,
                                seed=sample_seed(self.run.cfg, sample))
+
+    def bodies(self, samples, failed: Callable) -> list[tuple]:
+        """(sample, ids, body) for each sample whose prompt can be made; `failed(sample, exception)` for one that
+        cannot (too long for its rule): that sample's failure, the others go on."""
+        jobs = []
+        for sample in samples:
+            try:
+                ids, prompt = self.prompt(sample)
+                jobs.append((sample, ids, self.body(sample, prompt)))
+            except Exception as e:  # noqa: BLE001 - this sample's failure
+                failed(sample, e)
+        return jobs
 
     async def replies(self, bodies: Sequence[dict], arrival_s: Sequence[float | None] | None = None,
                       on_send=None):
@@ -84,7 +95,7 @@ class RemoteEngine:
         for p in prompts:
             ids = encode(self.tokenizer, p, self.spec) if isinstance(p, str) else list(p)
             bodies.append(completion_body(self.spec.model_name, ids if self.spec.send == "ids" or not isinstance(
-                p, str) else render(self.tokenizer, p, self.spec)[0], max_new_tokens, stop, decoding=self.decoding))
+                p, str) else render(self.tokenizer, p, self.spec)[0], max_new_tokens, stop, sampling=self.sampling))
 
         async def collect() -> dict:
             return {i: r async for i, r in self.replies(bodies)}
@@ -154,13 +165,7 @@ def run_remote_locked(cfg: DictConfig, run_dir: Path, store, run, choices: dict,
     todo = [s for s in samples if s.id not in done]
     logger.info("run dir: %s | git %s | server %s (%s) | %d samples, %d already in predictions.jsonl", run_dir,
                 git_sha(), spec.base_url, spec.model_name, len(samples), len(samples) - len(todo))
-    jobs = []
-    for sample in todo:  # a prompt that cannot be made (too long for its rule) fails here; the others go on
-        try:
-            ids, prompt = engine.prompt(sample)
-            jobs.append((sample, ids, engine.body(sample, prompt)))
-        except Exception as e:  # noqa: BLE001 - this sample's failure; the run goes on
-            store.append(failure_record(sample, e))
+    jobs = engine.bodies(todo, lambda sample, e: store.append(failure_record(sample, e)))
 
     async def send_all() -> None:
         async for i, reply in engine.replies([body for _, _, body in jobs]):

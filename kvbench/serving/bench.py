@@ -96,8 +96,7 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
 
         decoder.on_join = lambda slot: source.joined(slot, len(decoder.active))
         decoder.on_step = step
-        session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # (unique: two sessions of one process can start within the same second on a fast machine)
+        session = new_session()
         store.write_json("serving.json", {**asdict(serving), "pool_bytes": pool_bytes,  # (the bytes it ran with)
                                           "entry_bytes": shape.entry_bytes, "config": run.choices})
         for request, outcome in decoder.run(source):
@@ -119,6 +118,12 @@ def run_load(engine, serving: ServingSpec, out_dir: Path | None = None, on_step=
         return summary
     finally:
         store.close()
+
+
+def new_session() -> str:
+    """A load session's id: when it started, and unique (two sessions of one process can start within the same
+    second on a fast machine)."""
+    return f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def timings(timeline, output_tokens: int, session: str) -> dict:

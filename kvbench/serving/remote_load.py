@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
-import uuid
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 
 from kvbench.runs.config import budget_tag, config_hash
-from kvbench.serving.bench import check as check_load
+from kvbench.serving.bench import check as check_load, new_session
 from kvbench.serving.figures import summarize
 from kvbench.serving.spec import ServingSpec
 
@@ -67,14 +64,8 @@ def run_remote_load(run, serving: ServingSpec, out_dir: Path | None = None) -> d
         todo = [s for s in samples if s.id not in done]
         logger.info("serving: %s | server %s (%s) | %d requests, %d already done", store.dir, run.model.base_url,
                     run.model.model_name, len(todo), len(samples) - len(todo))
-        jobs = []
-        for sample in todo:  # a prompt that cannot be made (too long for its rule) fails here; the others go on
-            try:
-                ids, prompt = engine.prompt(sample)
-                jobs.append((sample, ids, engine.body(sample, prompt)))
-            except Exception as e:  # noqa: BLE001 - this sample's failure; the run goes on
-                store.append(failure_record(sample, e))
-        session = f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        jobs = engine.bodies(todo, lambda sample, e: store.append(failure_record(sample, e)))
+        session = new_session()
         server = {"base_url": run.model.base_url, "model": run.model.model_name, "tokenizer": run.model.tokenizer,
                   "send": run.model.send}
         store.write_json("serving.json", {**asdict(serving), "server": server, "config": run.choices})

@@ -23,7 +23,7 @@ from kvbench.engine.batching import Request, generate, generate_batched
 from kvbench.methods.base import Kind
 from kvbench.models import AttentionCapture
 from kvbench.models.adapters import adapter_for, check_config
-from kvbench.models.loader import RANDOM_HYBRIDS
+from kvbench.models.loader import RANDOM_HYBRIDS, RANDOM_LATENT_HYBRIDS
 from kvbench.models.tiny import tiny_random_model
 from kvbench.registry import METHODS
 from kvbench.cache.quantized import QuantizedLayer
@@ -153,7 +153,7 @@ def retrieved(layer, kept):
     return kept
 
 
-@pytest.mark.parametrize("model_type", RANDOM_HYBRIDS)
+@pytest.mark.parametrize("model_type", RANDOM_HYBRIDS + RANDOM_LATENT_HYBRIDS)
 def test_full_cache_generates_what_transformers_generates(model_type):
     model, ids = model_of(model_type), prompt(48, seed=3)
     with torch.no_grad():

@@ -6,7 +6,8 @@ import pytest
 
 from kvbench.remote.client import Timed, closed_loop
 from kvbench.remote.spec import RemoteSpec
-from kvbench.remote.wire import Decoding, Reply, ServerError, completion_body, sse_data
+from kvbench.engine.generation import Sampling
+from kvbench.remote.wire import Reply, ServerError, completion_body, sse_data
 
 
 def test_a_stream_reads_to_its_text_finish_reason_usage_and_extra_objects():
@@ -46,7 +47,7 @@ def test_a_body_is_greedy_by_default_and_sends_extra_fields_only_when_they_chang
     assert plain == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 30, "stream": True,
                      "stream_options": {"include_usage": True}, "temperature": 0.0}
     sampled = completion_body("m", "text", 8, stop=("\n",), stop_token_ids=(7,), min_tokens=2,
-                              decoding=Decoding(True, 0.7, 0.9, 50), seed=3)
+                              sampling=Sampling(True, 0.7, top_k=50, top_p=0.9), seed=3)
     assert sampled["prompt"] == "text" and sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9
     assert (sampled["top_k"], sampled["seed"], sampled["stop"], sampled["stop_token_ids"], sampled["min_tokens"]) \
         == (50, 3, ["\n"], [7], 2)
